@@ -1,0 +1,89 @@
+"""Kernels loaded with ctypes from a shared library of extern "C" launchers
+(the CUDA and SYCL kernels), and the builder logic they share."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .base import OpBuilder, OpBuilderError
+from .cpu import DTYPE_CODES
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class SharedLibraryBuilder(OpBuilder):
+    """Builds `<prefix>-<hash>/lib<stem>.so` with the subclass's compile flags."""
+
+    FLAGS: Sequence[str] = ()
+    LIB_STEM = "onebit_kernels"
+
+    def library_path(self) -> Path:
+        return self.build_dir() / f"{self.LIB_STEM}-{self.source_hash()}" / f"lib{self.LIB_STEM}.so"
+
+    def build(self) -> Path:
+        out = self.library_path()
+        if not out.exists():
+            self.run_compiler([*self.FLAGS, "-shared", *map(str, self.sources())], out)
+        return out
+
+    def compile_check(self, output: Path) -> Path:
+        """Compile the sources to an object file only: proves they build
+        where the device (or its driver) is absent."""
+        return self.run_compiler([*self.FLAGS, "-c", *map(str, self.sources())], output)
+
+    def open_library(self) -> ctypes.CDLL:
+        try:
+            return ctypes.CDLL(str(self.build()))
+        except OSError as exc:
+            raise OpBuilderError(f"{self.NAME}: cannot load {self.library_path()}: {exc}") from exc
+
+
+class LauncherKernels:
+    """The kernels interface over extern "C" launchers that return 0 on success.
+
+    `queue()` gives the leading stream/queue argument (a pointer) or None for
+    launchers that take it last (CUDA's convention here is last).
+    """
+
+    def __init__(self, name: str, lib: ctypes.CDLL, prefix: str,
+                 stream: Callable[[], int], stream_first: bool) -> None:
+        self.name = name
+        self._stream, self._first = stream, stream_first
+        s = [_P] if stream_first else []
+        e = [] if stream_first else [_P]
+        self._pack = self._fn(lib, f"{prefix}_pack", s + [_I, _P, _I64, _P] + e)
+        self._decode = self._fn(lib, f"{prefix}_decode", s + [_P, _I64, _I, _P, _I64, _P] + e)
+        self._comp = self._fn(lib, f"{prefix}_compensate_pack", s + [_P, _I64, _P, _I64, _P, _P, _P] + e)
+        self._scratch = {}
+
+    @staticmethod
+    def _fn(lib, name, argtypes):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = argtypes, _I
+        return f
+
+    def _call(self, f, *args) -> None:
+        stream = self._stream()
+        rc = f(stream, *args) if self._first else f(*args, stream)
+        if rc != 0:
+            raise RuntimeError(f"{self.name}: kernel launch failed with error {rc}")
+
+    def pack(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self._call(self._pack, DTYPE_CODES[x.dtype], x.data_ptr(), x.numel(), out.data_ptr())
+
+    def decode(self, bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.Tensor) -> None:
+        rows = scales.numel()
+        self._call(self._decode, bits.data_ptr(), bits.numel() // rows, rows, scales.data_ptr(),
+                   cols, out.data_ptr())
+
+    def compensate_pack(self, buf: torch.Tensor, err: torch.Tensor, out: torch.Tensor,
+                        scale: torch.Tensor) -> None:
+        scratch = self._scratch.get(err.device)
+        if scratch is None:  # reduction partials; allocated once per device
+            scratch = self._scratch[err.device] = torch.empty(1024, dtype=torch.float64,
+                                                              device=err.device)
+        self._call(self._comp, buf.data_ptr(), buf.numel(), err.data_ptr(), err.numel(),
+                   out.data_ptr(), scale.data_ptr(), scratch.data_ptr())

@@ -1,0 +1,268 @@
+// Sign-bit packing for onebit on the CPU.
+//
+// Wire format (DESIGN.md): bit = 1 iff x >= 0 (IEEE compare, so -0.0 -> 1 and
+// NaN -> 0); element 8*i + j is bit j of byte i; a short tail is padded with
+// zero bits; unpacking gives +1.0f for a 1 bit and -1.0f for a 0 bit.
+//
+// The module knows nothing about torch: the Python side passes data pointers
+// (as integers) and element counts, so it builds in seconds with plain
+// pybind11 and never needs torch headers. Every entry point releases the GIL
+// and splits large inputs over `threads` std::threads, each on whole bytes.
+//
+// The AVX2 paths are compiled with a function-level target attribute and
+// chosen at run time, so one binary runs on any x86-64 (and elsewhere the
+// portable paths are all there is). ONEBIT_CPU_PORTABLE=1 forces them, which
+// is how the tests check the two against each other.
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ONEBIT_X86 1
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// ---------------------------------------------------------------- helpers --
+
+// Below this many elements a thread costs more than it saves.
+constexpr int64_t kMinPerThread = 1 << 18;
+
+bool has_avx2() {
+#ifdef ONEBIT_X86
+  static const bool ok = [] {
+    const char* force = std::getenv("ONEBIT_CPU_PORTABLE");
+    if (force && force[0] && std::strcmp(force, "0") != 0) return false;
+    return bool(__builtin_cpu_supports("avx2"));
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Runs fn(k, begin, end) over [0, n) in pieces aligned to `align` elements,
+// piece k on thread k (k < threads). Alignment to 8 keeps every piece on whole
+// output bytes; the index lets a reduction keep one partial per piece.
+template <typename Fn>
+void parallel_for(int64_t n, int threads, int64_t align, Fn fn) {
+  int64_t want = std::max<int64_t>(1, n / kMinPerThread);
+  int t = int(std::min<int64_t>(std::max(threads, 1), want));
+  if (t <= 1) {
+    fn(0, int64_t(0), n);
+    return;
+  }
+  int64_t piece = (n + t - 1) / t;
+  piece = (piece + align - 1) / align * align;
+  std::vector<std::thread> pool;
+  for (int k = 1; k < t; ++k) {
+    int64_t b = k * piece, e = std::min(n, b + piece);
+    if (b < e) pool.emplace_back(fn, k, b, e);
+  }
+  fn(0, int64_t(0), std::min(n, piece));
+  for (auto& th : pool) th.join();
+}
+
+// "x >= 0" for each storage type. The 16-bit types are tested on their bits:
+// non-negative unless NaN, or sign set with a non-zero magnitude.
+inline bool nonneg(float x) { return x >= 0.0f; }
+inline bool nonneg(double x) { return x >= 0.0; }
+struct Half { uint16_t bits; };
+struct BFloat { uint16_t bits; };
+inline bool nonneg(Half h) {
+  uint16_t mag = h.bits & 0x7fff;
+  return mag <= 0x7c00 && (!(h.bits & 0x8000) || mag == 0);
+}
+inline bool nonneg(BFloat h) {
+  uint16_t mag = h.bits & 0x7fff;
+  return mag <= 0x7f80 && (!(h.bits & 0x8000) || mag == 0);
+}
+
+// ------------------------------------------------------------------ pack --
+
+template <typename T>
+void pack_portable(const T* x, int64_t b, int64_t e, uint8_t* out) {
+  for (int64_t i = b; i < e; i += 8) {
+    int64_t m = std::min<int64_t>(8, e - i);
+    uint8_t byte = 0;
+    for (int64_t j = 0; j < m; ++j) byte |= uint8_t(nonneg(x[i + j])) << j;
+    out[i / 8] = byte;
+  }
+}
+
+#ifdef ONEBIT_X86
+// One compare + movemask turns 8 floats into one byte, already in little bit
+// order (lane j -> bit j). _CMP_GE_OQ is false for NaN, like the scalar compare.
+__attribute__((target("avx2"))) void pack_avx2(const float* x, int64_t b,
+                                               int64_t e, uint8_t* out) {
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t i = b;
+  for (; i + 32 <= e; i += 32) {
+    uint32_t m0 = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), zero, _CMP_GE_OQ));
+    uint32_t m1 = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i + 8), zero, _CMP_GE_OQ));
+    uint32_t m2 = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i + 16), zero, _CMP_GE_OQ));
+    uint32_t m3 = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i + 24), zero, _CMP_GE_OQ));
+    uint32_t word = m0 | (m1 << 8) | (m2 << 16) | (m3 << 24);
+    std::memcpy(out + i / 8, &word, 4);
+  }
+  for (; i + 8 <= e; i += 8)
+    out[i / 8] = uint8_t(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), zero, _CMP_GE_OQ)));
+  if (i < e) pack_portable(x, i, e, out);
+}
+#endif
+
+template <typename T>
+void pack_any(uintptr_t src, int64_t n, uintptr_t dst, int threads) {
+  const T* x = reinterpret_cast<const T*>(src);
+  uint8_t* out = reinterpret_cast<uint8_t*>(dst);
+  py::gil_scoped_release nogil;
+  parallel_for(n, threads, 32, [&](int, int64_t b, int64_t e) {
+#ifdef ONEBIT_X86
+    if constexpr (std::is_same_v<T, float>) {
+      if (has_avx2()) return pack_avx2(x, b, e, out);
+    }
+#endif
+    pack_portable(x, b, e, out);
+  });
+}
+
+// dtype codes match onebit/ops.py: 0 fp32, 1 fp64, 2 fp16, 3 bf16.
+void pack(int dtype, uintptr_t src, int64_t n, uintptr_t dst, int threads) {
+  switch (dtype) {
+    case 0: return pack_any<float>(src, n, dst, threads);
+    case 1: return pack_any<double>(src, n, dst, threads);
+    case 2: return pack_any<Half>(src, n, dst, threads);
+    case 3: return pack_any<BFloat>(src, n, dst, threads);
+  }
+  throw py::value_error("packbits: unknown dtype code " + std::to_string(dtype));
+}
+
+// ---------------------------------------------------------------- decode --
+//
+// out[j] = scale_of_row_sum, for j in [0, cols): the mean over `rows` rows of
+// scales[r] * sign(row r, bit j). With rows == 1 and scale 1 this is plain
+// unpackbits; with rows == p it is the server's average of the workers' signs.
+
+void decode_portable(const uint8_t* bits, int64_t row_bytes, int rows,
+                     const float* scales, int64_t b, int64_t e, float* out) {
+  const float inv = 1.0f / float(rows);
+  for (int64_t j = b; j < e; ++j) {
+    float acc = 0.0f;
+    for (int r = 0; r < rows; ++r) {
+      bool one = (bits[r * row_bytes + j / 8] >> (j % 8)) & 1;
+      acc += one ? scales[r] : -scales[r];
+    }
+    out[j] = acc * inv;
+  }
+}
+
+#ifdef ONEBIT_X86
+__attribute__((target("avx2"))) void decode_avx2(const uint8_t* bits,
+                                                 int64_t row_bytes, int rows,
+                                                 const float* scales, int64_t b,
+                                                 int64_t e, float* out) {
+  // Lane j of `lane_bit` selects bit j of a broadcast byte.
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
+  const __m256 inv = _mm256_set1_ps(1.0f / float(rows));
+  int64_t j = b;
+  for (; j + 8 <= e; j += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      __m256i byte = _mm256_set1_epi32(bits[r * row_bytes + j / 8]);
+      __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
+      // A 0 bit flips the sign of the scale: xor with the sign bit where unset.
+      __m256 flip = _mm256_andnot_ps(_mm256_castsi256_ps(set), sign_mask);
+      acc = _mm256_add_ps(acc, _mm256_xor_ps(_mm256_set1_ps(scales[r]), flip));
+    }
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(acc, inv));
+  }
+  if (j < e) decode_portable(bits, row_bytes, rows, scales, j, e, out);
+}
+#endif
+
+void decode(uintptr_t src, int64_t row_bytes, int rows, uintptr_t scales_ptr,
+            int64_t cols, uintptr_t dst, int threads) {
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  const float* scales = reinterpret_cast<const float*>(scales_ptr);
+  float* out = reinterpret_cast<float*>(dst);
+  py::gil_scoped_release nogil;
+  parallel_for(cols, threads, 8, [&](int, int64_t b, int64_t e) {
+#ifdef ONEBIT_X86
+    if (has_avx2()) return decode_avx2(bits, row_bytes, rows, scales, b, e, out);
+#endif
+    decode_portable(bits, row_bytes, rows, scales, b, e, out);
+  });
+}
+
+// ------------------------------------------------- compensate and pack --
+//
+// The worker's (and the server's) error-feedback step, fused:
+//   x = buf + err                 (buf is zero past n_buf: the padding)
+//   s = ||x|| / sqrt(n)
+//   bits = pack(x >= 0); err = x - s * sign(x)
+// Pass 1 writes x into err and sums squares (in double, per thread, then
+// added in thread order so the result does not depend on timing). Pass 2
+// reads x back, packs it and writes the new error: two passes over memory.
+
+double compensate_pack(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr,
+                       int64_t n, uintptr_t dst, int threads) {
+  const float* buf = reinterpret_cast<const float*>(buf_ptr);
+  float* err = reinterpret_cast<float*>(err_ptr);
+  uint8_t* out = reinterpret_cast<uint8_t*>(dst);
+  py::gil_scoped_release nogil;
+
+  int slots = std::max(threads, 1);
+  std::vector<double> partial(size_t(slots) * 8, 0.0);  // 8 apart: no false sharing
+  parallel_for(n, threads, 32, [&](int k, int64_t b, int64_t e) {
+    double sum = 0.0;
+    int64_t mid = std::min(e, std::max(b, n_buf));
+    for (int64_t i = b; i < mid; ++i) {
+      float x = buf[i] + err[i];
+      err[i] = x;
+      sum += double(x) * double(x);
+    }
+    for (int64_t i = mid; i < e; ++i) sum += double(err[i]) * double(err[i]);
+    partial[size_t(k) * 8] = sum;
+  });
+  double total = 0.0;
+  for (int k = 0; k < slots; ++k) total += partial[size_t(k) * 8];
+  const float s = n > 0 ? float(std::sqrt(total / double(n))) : 0.0f;
+
+  parallel_for(n, threads, 32, [&](int, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; i += 8) {
+      int64_t m = std::min<int64_t>(8, e - i);
+      uint8_t byte = 0;
+      for (int64_t j = 0; j < m; ++j) {
+        float x = err[i + j];
+        bool one = x >= 0.0f;
+        byte |= uint8_t(one) << j;
+        err[i + j] = one ? x - s : x + s;
+      }
+      out[i / 8] = byte;
+    }
+  });
+  return double(s);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_packbits_cpu, m) {
+  m.doc() = "onebit CPU sign-bit kernels (raw pointers; see onebit/ops.py)";
+  m.def("pack", &pack, "pack signs of n elements of dtype code into ceil(n/8) bytes");
+  m.def("decode", &decode, "mean over rows of scale * sign, for cols elements");
+  m.def("compensate_pack", &compensate_pack,
+        "fused error feedback: err <- buf + err, pack signs, err -= s*sign; returns s");
+  m.def("has_avx2", &has_avx2, "whether the AVX2 paths are in use");
+}

@@ -1,0 +1,129 @@
+// Sign-bit packing for onebit on Intel GPUs (SYCL 2020).
+//
+// Same wire format as every other kernel (DESIGN.md): bit = 1 iff x >= 0,
+// element 8*i + j is bit j of byte i, a short tail is padded with zero bits,
+// unpacking gives +1.0f / -1.0f. One work-item builds one output byte, which
+// keeps every write whole and needs no sub-group ballot.
+//
+// extern "C" entry points over raw USM device pointers and the sycl::queue of
+// torch's current XPU stream (passed as a pointer), loaded with ctypes.
+// Each returns 0 on success and 1 if SYCL threw.
+
+#include <sycl/sycl.hpp>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline bool nonneg(float x) { return x >= 0.0f; }
+inline bool nonneg(double x) { return x >= 0.0; }
+struct Half { uint16_t bits; };
+struct BFloat { uint16_t bits; };
+inline bool nonneg(Half h) {
+  uint16_t mag = h.bits & 0x7fff;
+  return mag <= 0x7c00 && (!(h.bits & 0x8000) || mag == 0);
+}
+inline bool nonneg(BFloat h) {
+  uint16_t mag = h.bits & 0x7fff;
+  return mag <= 0x7f80 && (!(h.bits & 0x8000) || mag == 0);
+}
+
+template <typename T>
+void pack_on(sycl::queue& q, const T* x, int64_t n, uint8_t* out) {
+  const int64_t nbytes = (n + 7) / 8;
+  q.parallel_for(sycl::range<1>(size_t(nbytes)), [=](sycl::id<1> id) {
+    int64_t byte = int64_t(id[0]);
+    uint8_t v = 0;
+    for (int j = 0; j < 8; ++j) {
+      int64_t i = byte * 8 + j;
+      if (i < n && nonneg(x[i])) v |= uint8_t(1u << j);
+    }
+    out[byte] = v;
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype codes match builders/cpu.py: 0 fp32, 1 fp64, 2 fp16, 3 bf16.
+int onebit_sycl_pack(void* queue, int dtype, const void* x, int64_t n, uint8_t* out) {
+  try {
+    auto& q = *static_cast<sycl::queue*>(queue);
+    if (n == 0) return 0;
+    switch (dtype) {
+      case 0: pack_on(q, static_cast<const float*>(x), n, out); break;
+      case 1: pack_on(q, static_cast<const double*>(x), n, out); break;
+      case 2: pack_on(q, static_cast<const Half*>(x), n, out); break;
+      case 3: pack_on(q, static_cast<const BFloat*>(x), n, out); break;
+      default: return 1;
+    }
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+// out[j] = (1/rows) * sum_r (bit(r, j) ? scales[r] : -scales[r]), j < cols.
+int onebit_sycl_decode(void* queue, const uint8_t* bits, int64_t row_bytes, int rows,
+                       const float* scales, int64_t cols, float* out) {
+  try {
+    auto& q = *static_cast<sycl::queue*>(queue);
+    if (cols == 0) return 0;
+    q.parallel_for(sycl::range<1>(size_t(cols)), [=](sycl::id<1> id) {
+      int64_t j = int64_t(id[0]);
+      float acc = 0.0f;
+      for (int r = 0; r < rows; ++r) {
+        bool one = (bits[r * row_bytes + j / 8] >> (j % 8)) & 1;
+        acc += one ? scales[r] : -scales[r];
+      }
+      out[j] = acc * (1.0f / float(rows));
+    });
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+// err <- x = buf (zero past n_buf) + err; scale = ||x|| / sqrt(n);
+// out = pack(x >= 0); err <- x - scale * sign(x). `scratch` holds one double.
+int onebit_sycl_compensate_pack(void* queue, const float* buf, int64_t n_buf, float* err,
+                                int64_t n, uint8_t* out, float* scale, double* scratch) {
+  try {
+    auto& q = *static_cast<sycl::queue*>(queue);
+    q.fill(scratch, 0.0, 1);
+    q.parallel_for(sycl::range<1>(size_t(n > 0 ? n : 1)),
+                   sycl::reduction(scratch, sycl::plus<double>()),
+                   [=](sycl::id<1> id, auto& sum) {
+                     int64_t i = int64_t(id[0]);
+                     if (i >= n) return;
+                     float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
+                     err[i] = x;
+                     sum += double(x) * double(x);
+                   });
+    q.single_task([=] { scale[0] = n > 0 ? float(sycl::sqrt(scratch[0] / double(n))) : 0.0f; });
+    const int64_t nbytes = (n + 7) / 8;
+    if (nbytes > 0) {
+      q.parallel_for(sycl::range<1>(size_t(nbytes)), [=](sycl::id<1> id) {
+        const float s = scale[0];
+        int64_t byte = int64_t(id[0]);
+        uint8_t v = 0;
+        for (int j = 0; j < 8; ++j) {
+          int64_t i = byte * 8 + j;
+          if (i >= n) break;
+          float x = err[i];
+          bool bit = x >= 0.0f;
+          v |= uint8_t(bit) << j;
+          err[i] = bit ? x - s : x + s;
+        }
+        out[byte] = v;
+      });
+    }
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,8 @@
+"""onebit: communication-compressed 1-bit optimizers for data-parallel PyTorch.
+
+See DESIGN.md for the layers: kernels -> op builders -> accelerator ->
+compressed backends -> optimizers.
+"""
+__version__ = "0.1.0"
+
+from .accelerator import get_accelerator, set_accelerator  # noqa: E402,F401

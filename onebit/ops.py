@@ -1,0 +1,114 @@
+"""Sign-bit packing, dispatched to the kernel of the tensor's device.
+
+Public API:
+  packbits(x)              -> uint8[ceil(n/8)]  (x: any float dtype, any shape)
+  unpackbits(packed, n)    -> float32[n] of +-1
+Used by the compressed backends:
+  compensate_pack(...)     fused worker/server error-feedback step
+  decode_mean(...)         mean over rows of scale * sign
+
+Wire format (DESIGN.md): bit = 1 iff x >= 0, element 8*i + j in bit j of
+byte i, identical to numpy.packbits(x >= 0, bitorder="little").
+
+Which kernel runs: host tensors use the CPU builder; device tensors use the
+current accelerator's `PackbitsBuilder`. A kernel that cannot be built falls
+back to pure torch with one warning. ONEBIT_KERNELS=torch forces the
+fallback everywhere (handy for tests and benchmarks).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from .accelerator import get_accelerator
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_kernels = {}
+
+
+def _load(device_type: str):
+    from .builders import OpBuilderError, TorchKernels
+    from .accelerator import CpuAccelerator
+
+    if os.environ.get("ONEBIT_KERNELS", "").lower() == "torch":
+        return TorchKernels()
+    acc = CpuAccelerator() if device_type == "cpu" else get_accelerator()
+    builder = acc.create_op_builder("PackbitsBuilder") if acc.name == device_type else None
+    if builder is None:
+        return TorchKernels()
+    try:
+        return builder.load()
+    except (OpBuilderError, OSError, ImportError) as exc:
+        warnings.warn(f"onebit: no native packbits kernel for {device_type} ({exc}); "
+                      "using the pure-torch path, which is correct but slower",
+                      RuntimeWarning, stacklevel=3)
+        return TorchKernels()
+
+
+def kernels_for(device: torch.device):
+    """The kernels object for `device`'s type, loaded (or built) once."""
+    k = _kernels.get(device.type)
+    if k is None:
+        k = _kernels[device.type] = _load(device.type)
+    return k
+
+
+def reset_kernels() -> None:
+    """Forget loaded kernels, so the next call chooses again (tests use this)."""
+    _kernels.clear()
+
+
+def packbits(x: torch.Tensor) -> torch.Tensor:
+    """Pack sign bits of `x` (flattened) into a uint8 tensor of ceil(numel/8) bytes."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"packbits: x must be a floating tensor of {FLOAT_DTYPES}, "
+                         f"got {getattr(x, 'dtype', type(x).__name__)}")
+    x = x.contiguous()
+    out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        kernels_for(x.device).pack(x, out)
+    return out
+
+
+def unpackbits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """float32 tensor of `numel` signs (+1.0 for a 1 bit, -1.0 for a 0 bit)."""
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise ValueError(f"unpackbits: packed must be a uint8 tensor, got "
+                         f"{getattr(packed, 'dtype', type(packed).__name__)}")
+    if numel < 0 or (numel + 7) // 8 > packed.numel():
+        raise ValueError(f"unpackbits: numel={numel} needs {(numel + 7) // 8} bytes, "
+                         f"packed has {packed.numel()}")
+    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if numel:
+        one = torch.ones(1, dtype=torch.float32, device=packed.device)
+        decode_mean(packed.contiguous().reshape(1, -1), one, numel, out)
+    return out
+
+
+def decode_mean(bits: torch.Tensor, scales: torch.Tensor, cols: int,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out[j] = mean over rows r of scales[r] * sign(bits[r], j), for j < cols.
+
+    bits: uint8 [rows, row_bytes] (contiguous), scales: float32 [rows].
+    """
+    if out is None:
+        out = torch.empty(cols, dtype=torch.float32, device=bits.device)
+    if cols:
+        kernels_for(bits.device).decode(bits, scales, cols, out)
+    return out
+
+
+def compensate_pack(buf: torch.Tensor, err: torch.Tensor, out: torch.Tensor,
+                    scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The error-feedback step, fused where the kernel can:
+
+    x = buf zero-padded to err.numel() + err;  scale = ||x|| / sqrt(n)
+    out = packbits(x);  err <- x - scale * sign(x)      (sign(0) = +1)
+
+    buf, err: float32, contiguous; out: uint8[n/8]; scale: float32[1].
+    """
+    kernels_for(err.device).compensate_pack(buf, err, out, scale)
+    return out, scale
