@@ -38,7 +38,7 @@ class CpuKernels:
 
     def decode(self, bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.Tensor) -> None:
         rows = scales.numel()
-        self._m.decode(bits.data_ptr(), bits.numel() // rows, rows, scales.data_ptr(), cols,
+        self._m.decode(bits.data_ptr(), bits.stride(0), rows, scales.data_ptr(), cols,
                        out.data_ptr(), self._threads())
 
     def compensate_pack(self, buf: torch.Tensor, err: torch.Tensor, out: torch.Tensor,

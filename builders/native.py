@@ -44,8 +44,8 @@ class SharedLibraryBuilder(OpBuilder):
 class LauncherKernels:
     """The kernels interface over extern "C" launchers that return 0 on success.
 
-    `queue()` gives the leading stream/queue argument (a pointer) or None for
-    launchers that take it last (CUDA's convention here is last).
+    `stream()` gives the stream (CUDA, passed last) or queue (SYCL, passed
+    first) pointer for the current device stream.
     """
 
     def __init__(self, name: str, lib: ctypes.CDLL, prefix: str,
@@ -76,7 +76,7 @@ class LauncherKernels:
 
     def decode(self, bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.Tensor) -> None:
         rows = scales.numel()
-        self._call(self._decode, bits.data_ptr(), bits.numel() // rows, rows, scales.data_ptr(),
+        self._call(self._decode, bits.data_ptr(), bits.stride(0), rows, scales.data_ptr(),
                    cols, out.data_ptr())
 
     def compensate_pack(self, buf: torch.Tensor, err: torch.Tensor, out: torch.Tensor,

@@ -3,7 +3,8 @@ readable statement of what every native kernel must compute.
 
 Interface shared by every kernels object (all tensors contiguous, one device):
   pack(x, out)                          out[i] = packed signs of x, uint8[ceil(n/8)]
-  decode(bits, scales, cols, out)       out[j] = mean_r scales[r] * sign(bits[r], j)
+  decode(bits, scales, cols, out)       out[j] = mean_r scales[r] * sign(bits[r], j);
+                                        bits [rows, >= cols/8] may have a row stride
   compensate_pack(buf, err, out, scale) err <- x = buf (zero-padded) + err;
                                         scale[0] = ||x|| / sqrt(n); out = pack(x);
                                         err <- x - scale * sign(x)
@@ -36,8 +37,8 @@ class TorchKernels:
         out.copy_((nonneg.view(-1, 8) * _bit_weights(x.device)).sum(1, dtype=torch.uint8))
 
     def signs(self, bits: torch.Tensor, cols: int) -> torch.Tensor:
-        """float32 [rows, cols] of +-1 from uint8 [rows, row_bytes]."""
-        rows = bits.reshape(-1, bits.shape[-1]) if bits.dim() else bits.view(1, 1)
+        """float32 [rows, cols] of +-1 from uint8 [rows, >= ceil(cols/8)]."""
+        rows = bits[:, : (cols + 7) // 8]
         b = (rows.unsqueeze(-1) & _bit_weights(bits.device)) != 0
         return b.reshape(rows.shape[0], -1)[:, :cols].to(torch.float32) * 2 - 1
 

@@ -92,8 +92,12 @@ def decode_mean(bits: torch.Tensor, scales: torch.Tensor, cols: int,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out[j] = mean over rows r of scales[r] * sign(bits[r], j), for j < cols.
 
-    bits: uint8 [rows, row_bytes] (contiguous), scales: float32 [rows].
+    bits: uint8 [rows, >= ceil(cols/8)], rows may be strided (message rows
+    carry a trailing scale); scales: float32 [rows], contiguous.
     """
+    if bits.dim() != 2 or bits.stride(1) != 1 or bits.shape[1] * 8 < cols:
+        raise ValueError(f"decode_mean: bits must be uint8 [rows, >= {(cols + 7) // 8}] with "
+                         f"unit inner stride, got shape {tuple(bits.shape)} stride {bits.stride()}")
     if out is None:
         out = torch.empty(cols, dtype=torch.float32, device=bits.device)
     if cols:
