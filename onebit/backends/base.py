@@ -56,7 +56,8 @@ class _Buffers:
 
 def _scales(rows: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
     """The fp32 scale at the end of each message row, as a [p] tensor."""
-    return rows[:, chunk_bytes:].contiguous().view(torch.float32).view(-1)
+    fresh = rows[:, chunk_bytes:].clone(memory_format=torch.contiguous_format)  # 4-byte aligned
+    return fresh.view(torch.float32).view(-1)
 
 
 class CompressedAllreduceBase:

@@ -49,4 +49,4 @@ class CompressedBackend(CompressedAllreduceBase):
         if self._size == 1:
             recv.view(-1).copy_(send.view(-1))
         else:
-            _all_gather(recv, send, group=self.group)
+            _all_gather(recv.view(-1), send.view(-1), group=self.group)

@@ -1,0 +1,214 @@
+"""CompressedBackend on real gloo processes, checked against the independent
+float64 reference in reference.py."""
+import numpy as np
+import pytest
+import torch
+
+from distributed import run_workers
+from reference import reference_round
+
+SIZES = [1, 5, 77777, 1000003]
+ROUNDS = 5
+
+
+def make_inputs(rank, numel, round_):
+    g = torch.Generator().manual_seed(1000 * round_ + rank)
+    # Different magnitudes per rank, so averaging is not trivially symmetric.
+    return torch.randn(numel, generator=g) * (1.0 + rank)
+
+
+def check_rounds(backend, rank, p, numel, gather):
+    """Run ROUNDS compressed allreduces and compare each with the reference.
+
+    gather(t) -> list of every rank's copy of tensor t. The reference starts
+    each round from the backend's own error buffers (lockstep), so a tiny fp32
+    difference in one round cannot snowball into a different trajectory.
+    """
+    n, n_server = backend.error_sizes(numel)
+    assert n % (8 * p) == 0 and n >= numel and n_server * p == n
+    werr, serr = torch.zeros(n), torch.zeros(n_server)
+    for r in range(ROUNDS):
+        m = make_inputs(rank, numel, r)
+        bufs = [b.double().numpy() for b in gather(m)]
+        werrs = [w.double().numpy() for w in gather(werr)]
+        serrs = [s.double().numpy() for s in gather(serr)]
+        out = backend.compressed_allreduce(m, werr, serr)
+        assert out is m and out.dtype == torch.float32 and out.shape == (numel,)
+        ref_out, ref_w, ref_s, c = reference_round(bufs, werrs, serrs)
+        scale = np.abs(ref_out).max()
+        chunk = n_server
+        coin = np.abs(c[rank * chunk:(rank + 1) * chunk]) <= 1e-5 * scale
+        keep = np.abs(c[:numel]) > 1e-5 * scale
+        assert keep.mean() > 0.99
+        np.testing.assert_allclose(out.double().numpy()[keep], ref_out[keep], rtol=0,
+                                   atol=1e-3 * scale)
+        np.testing.assert_allclose(werr.double().numpy(), ref_w[rank], rtol=0, atol=1e-3 * scale)
+        np.testing.assert_allclose(serr.double().numpy()[~coin], ref_s[rank][~coin], rtol=0,
+                                   atol=1e-3 * scale)
+        copies = gather(out)
+        assert all(torch.equal(copies[0], c_) for c_ in copies), "output differs across ranks"
+
+
+def _gloo_rounds(rank, p):
+    import torch.distributed as dist
+
+    from onebit.backends import CompressedBackend, get_backend
+
+    backend = get_backend("compressed")
+    assert isinstance(backend, CompressedBackend) and backend.rank == rank
+
+    def gather(t):
+        out = [torch.empty_like(t) for _ in range(p)]
+        dist.all_gather(out, t.contiguous())
+        return out
+
+    for numel in SIZES:
+        check_rounds(backend, rank, p, numel, gather)
+    return True
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_matches_reference_and_is_identical_on_every_rank(p):
+    assert run_workers(_gloo_rounds, p, timeout=240) == [True] * p
+
+
+def _dtypes_and_shapes(rank, p):
+    from onebit.backends import CompressedBackend
+
+    b = CompressedBackend()
+    results = {}
+    base = make_inputs(rank, 6 * 50, 0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        n, ns = b.error_sizes(base.numel())
+        w, s = torch.zeros(n), torch.zeros(ns)
+        x = base.to(dtype, copy=True).view(6, 50).t()  # non-contiguous 2-D view
+        out = b.compressed_allreduce(x, w, s)
+        assert out is x and out.dtype == dtype and out.shape == (50, 6)
+        results[str(dtype)] = out.float().contiguous()
+    # The fp32 result of a non-contiguous input equals that of its contiguous copy
+    # (same logical order, so the same flattened vector).
+    w, s = torch.zeros(n), torch.zeros(ns)
+    y = base.view(6, 50).t().contiguous()
+    b.compressed_allreduce(y, w, s)
+    assert torch.equal(results["torch.float32"], y)
+    return {k: v.tolist() for k, v in results.items()}
+
+
+def test_low_precision_and_non_contiguous_buffers():
+    outs = run_workers(_dtypes_and_shapes, 3, timeout=120)
+    assert all(o == outs[0] for o in outs)
+
+
+def _bad_inputs(rank, p):
+    from onebit.backends import CompressedBackend
+
+    b = CompressedBackend()
+    m = torch.randn(100)
+    n, ns = b.error_sizes(100)
+    good_w, good_s = torch.zeros(n), torch.zeros(ns)
+    cases = [
+        ("worker_error has", (m, torch.zeros(n - 8 * p), good_s)),
+        ("worker_error has", (m, torch.zeros(n + 1), good_s)),
+        ("server_error has", (m, good_w, torch.zeros(ns + 1))),
+        ("worker_error must be float32", (m, torch.zeros(n, dtype=torch.float64), good_s)),
+        ("server_error must be float32", (m, good_w, torch.zeros(ns, dtype=torch.float16))),
+        ("buffer_m must be a floating", (torch.arange(100), good_w, good_s)),
+        ("worker_error is on meta", (m, torch.zeros(n, device="meta"), good_s)),
+        ("contiguous", (m, torch.zeros(2 * n)[::2], good_s)),
+    ]
+    for match, args in cases:
+        before = [a.clone() if a.device.type != "meta" else a for a in args]
+        with pytest.raises(ValueError, match=match):
+            b.compressed_allreduce(*args)
+        for a, a0 in zip(args, before):
+            assert a.device.type == "meta" or torch.equal(a, a0), "a rejected call changed its input"
+    # NaN / Inf: rejected on the rank that has it, before any communication.
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = m.clone()
+        x[17] = bad
+        w0 = torch.randn(n)
+        w = w0.clone()
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            b.compressed_allreduce(x, w, good_s)
+        assert torch.equal(w, w0)
+    # Empty buffer: errors zeroed, nothing sent.
+    e = torch.empty(0)
+    w, s = torch.ones(8 * p), torch.ones(8)
+    assert b.compressed_allreduce(e, w, s) is e and not w.any() and not s.any()
+    # The backend still works after all that.
+    out = b.compressed_allreduce(m.clone(), good_w, good_s)
+    return out.tolist()
+
+
+def test_bad_inputs_raise_before_communicating_and_change_nothing():
+    outs = run_workers(_bad_inputs, 2, timeout=120)
+    assert outs[0] == outs[1]
+
+
+def _disagree(rank, p):
+    from onebit.backends import CompressedBackend
+
+    b = CompressedBackend()
+    numel = 100 if rank == 0 else 1000  # rank 1 has a different N
+    n, ns = b.error_sizes(numel)
+    with pytest.raises(ValueError, match="ranks disagree on the padded size"):
+        b.compressed_allreduce(torch.randn(numel), torch.zeros(n), torch.zeros(ns))
+    return True
+
+
+def test_ranks_that_disagree_on_size_fail_on_every_rank_without_hanging():
+    assert run_workers(_disagree, 3, timeout=60) == [True] * 3
+
+
+def _buffers_reused(rank, p):
+    from onebit.backends import CompressedBackend
+
+    b = CompressedBackend()
+    n, ns = b.error_sizes(5000)
+    w, s = torch.zeros(n), torch.zeros(ns)
+    b.compressed_allreduce(torch.randn(5000), w, s)
+    first = {k: id(v) for k, v in vars(b._buffers[(n, torch.device("cpu"))]).items()}
+    b.compressed_allreduce(torch.randn(5000), w, s)
+    assert {k: id(v) for k, v in vars(b._buffers[(n, torch.device("cpu"))]).items()} == first
+    assert len(b._buffers) == 1
+    return True
+
+
+def test_scratch_buffers_are_allocated_once_per_size():
+    assert run_workers(_buffers_reused, 2, timeout=60) == [True, True]
+
+
+def _alone(rank, p):
+    import torch.distributed as dist
+
+    from onebit.backends import compressed
+
+    def forbidden(*a, **k):
+        raise AssertionError("a collective was issued at world size 1")
+
+    dist.all_to_all_single = compressed._all_gather = forbidden
+    b = compressed.CompressedBackend()
+    m = torch.randn(77)
+    n, ns = b.error_sizes(77)
+    w, s = torch.zeros(n), torch.zeros(ns)
+    ref_out, ref_w, ref_s, _ = reference_round([m.double().numpy()], [np.zeros(n)], [np.zeros(ns)])
+    out = b.compressed_allreduce(m.clone(), w, s)
+    np.testing.assert_allclose(out.double().numpy(), ref_out, atol=1e-5)
+    np.testing.assert_allclose(w.double().numpy(), ref_w[0], atol=1e-5)
+    return True
+
+
+def test_world_size_one_issues_no_collective():
+    """At p = 1 the maths still runs -- worker and server compression, both
+    with error feedback -- but nothing is sent."""
+    assert run_workers(_alone, 1, timeout=60) == [True]
+
+
+def test_get_backend_registry():
+    from onebit.backends import get_backend, register_backend
+
+    with pytest.raises(ValueError, match=r"known: \['compressed', 'mpi'"):
+        get_backend("nccl-magic")
+    made = []
+    register_backend("vendor", lambda group=None, **kw: made.append(kw) or "vendor-backend")
+    assert get_backend("Vendor", flavour=1) == "vendor-backend" and made == [{"flavour": 1}]
