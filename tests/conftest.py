@@ -5,5 +5,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 # tests/mpi/ only makes sense under mpirun; test_mpirun.py launches it there.
-_UNDER_MPI = any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+from onebit.launch import under_mpirun  # noqa: E402
+
+_UNDER_MPI = under_mpirun()
 collect_ignore = [] if _UNDER_MPI else ["mpi"]

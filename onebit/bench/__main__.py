@@ -4,20 +4,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import kernels
+from . import allreduce, kernels
 
-COMMANDS = {"kernels": kernels}
+COMMANDS = {"allreduce": allreduce, "kernels": kernels}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    name = argv.pop(0) if argv and argv[0] in COMMANDS else "kernels"
+    name = argv.pop(0) if argv and argv[0] in COMMANDS else "allreduce"
     module = COMMANDS[name]
     parser = argparse.ArgumentParser(prog=f"python -m onebit.bench {name}",
                                      description=module.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
-    return int(bool(module.run(parser.parse_args(argv)) is False))
+    return 0 if module.run(parser.parse_args(argv)) is not False else 1
 
 
 if __name__ == "__main__":

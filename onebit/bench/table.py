@@ -2,22 +2,24 @@
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Sequence, TextIO
+from typing import Sequence, TextIO
 
 
 class Table:
     """Print a header once, then one row per call, in fixed-width columns."""
 
-    def __init__(self, columns: Sequence[tuple], out: TextIO = sys.stdout) -> None:
+    def __init__(self, columns: Sequence[tuple], out: TextIO = sys.stdout,
+                 quiet: bool = False) -> None:
         self.columns = list(columns)  # (name, width, format)
-        self.rows: List[Dict] = []
-        self.out = out
+        self.out, self.quiet = out, quiet  # quiet: ranks other than 0 print nothing
 
     def header(self) -> None:
-        print("#" + " ".join(f"{n:>{w}}" for n, w, _ in self.columns), file=self.out)
+        if not self.quiet:
+            print("#" + " ".join(f"{n:>{w}}" for n, w, _ in self.columns), file=self.out)
 
     def row(self, **values) -> None:
-        self.rows.append(values)
+        if self.quiet:
+            return
         cells = []
         for name, width, fmt in self.columns:
             v = values.get(name, "")

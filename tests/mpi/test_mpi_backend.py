@@ -1,9 +1,6 @@
 """MpiBackend under mpirun (launched by tests/test_mpirun.py with -n 2, 3, 4).
 
 Every rank runs these tests; a failure on any rank fails mpirun."""
-import datetime
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -60,20 +57,11 @@ def test_mpi_ranks_that_disagree_on_size_all_fail(backend):
 @pytest.fixture(scope="module")
 def gloo():
     """A gloo group over the same ranks, for the cross-check."""
-    port = COMM.bcast(_free_port() if COMM.Get_rank() == 0 else None, root=0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=COMM.Get_rank(), world_size=COMM.Get_size(),
-                            timeout=datetime.timedelta(seconds=60))
+    from onebit.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout_s=60)
     yield
     dist.destroy_process_group()
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("numel", [5, 77777])

@@ -1,0 +1,230 @@
+"""`python -m onebit.bench`: compressed allreduce throughput, nccl-tests style.
+
+Run with no launcher it starts --nproc local ranks (4 CPU processes on gloo
+by default); under torchrun or mpirun it joins their ranks instead.
+
+For each size it times the compressed backend(s) and two baselines,
+dist.all_reduce in fp32 and fp16, on the same ranks:
+  size     logical fp32 payload in bytes (4 * count)
+  time     per iteration, the slowest rank's (max-reduced), in microseconds
+  algbw    size / time, GB/s;  busbw = algbw * 2(p-1)/p, as nccl-tests
+  wire     bytes each rank sends per iteration
+  speedup  fp32 all_reduce time / this row's time
+  #wrong   elements off an fp64 reference (compressed: a float64 simulation
+           of the algorithm; all_reduce: the float64 sum), checked once per size
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .. import launch
+from ..accelerator import get_accelerator
+from .reference import count_wrong, simulate
+from .table import Table, parse_size, progress
+
+COLUMNS = [("size(B)", 12, "d"), ("count", 10, "d"), ("type", 6, "s"), ("backend", 15, "s"),
+           ("time(us)", 11, ".1f"), ("algbw", 7, ".2f"), ("busbw", 7, ".2f"),
+           ("wire(B)", 11, "d"), ("speedup", 7, ".2f"), ("#wrong", 6, "d")]
+
+
+def _sizes(args) -> List[int]:
+    sizes, b = [], parse_size(args.minbytes)
+    while b <= parse_size(args.maxbytes):
+        sizes.append(b)
+        b = int(b * args.stepfactor) if args.stepfactor > 1 else b + parse_size(args.stepbytes)
+    return sizes
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _timed(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    get_accelerator().synchronize()
+    return _slowest((time.perf_counter() - t0) / iters)
+
+
+def _gather_to_rank0(t: torch.Tensor) -> List[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather(t.contiguous(), parts, dst=0)
+    return parts
+
+
+def _check_compressed(backend, count: int, device) -> int:
+    """Run one fresh compressed allreduce and count wrong elements on rank 0."""
+    n, ns = backend.error_sizes(count)
+    g = torch.Generator().manual_seed(1234 + dist.get_rank())
+    m = torch.randn(count, generator=g).to(device)
+    werr = (torch.randn(n, generator=g) * 0.1).to(device)
+    serr = (torch.randn(ns, generator=g) * 0.1).to(device)
+    inputs = [_gather_to_rank0(t.cpu()) for t in (m, werr, serr)]
+    backend.compressed_allreduce(m, werr, serr)
+    wrong = 0
+    if dist.get_rank() == 0:
+        expected, c = simulate(*inputs)
+        wrong = count_wrong(m.cpu(), expected, c)
+    return _broadcast_int(wrong)
+
+
+def _check_all_reduce(count: int, dtype, device) -> int:
+    g = torch.Generator().manual_seed(99 + dist.get_rank())
+    x = torch.randn(count, generator=g)
+    parts = _gather_to_rank0(x)
+    y = x.to(dtype).to(device)
+    dist.all_reduce(y)
+    wrong = 0
+    if dist.get_rank() == 0:
+        expected = torch.stack([p.to(dtype).double() for p in parts]).sum(0)
+        tol = (1e-5 if dtype == torch.float32 else 1e-2) * expected.abs().max().item() * 2
+        wrong = int(((y.cpu().double() - expected).abs() > tol).sum())
+    return _broadcast_int(wrong)
+
+
+def _broadcast_int(v: int) -> int:
+    t = torch.tensor([v], dtype=torch.int64)
+    dist.broadcast(t, 0)
+    return int(t.item())
+
+
+def _make_backends(names: List[str]) -> Dict[str, object]:
+    from ..backends import get_backend
+
+    made = {}
+    for name in names:
+        try:
+            made[name] = get_backend(name)
+        except ImportError as exc:
+            raise SystemExit(f"onebit.bench: cannot use backend {name!r}: {exc}")
+    return made
+
+
+def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
+    """Runs on every rank; rank 0 prints. Returns the rows (rank 0) or []."""
+    device = torch.device(get_accelerator().current_device_name())
+    backends = _make_backends(args.backend.split(","))
+    sizes = _sizes(args)
+    table = Table(COLUMNS, out=sys.stdout, quiet=rank != 0)
+    if rank == 0:
+        print(f"# onebit.bench allreduce: ranks={world} device={device.type} "
+              f"dist={dist.get_backend()} threads/rank={torch.get_num_threads()} "
+              f"sizes={args.minbytes}..{args.maxbytes} x{args.stepfactor} "
+              f"warmup={args.warmup} iters={args.iters}")
+        table.header()
+    bar = progress(len(sizes), "onebit.bench") if rank == 0 else None
+    results = []
+    for size in sizes:
+        count = max(1, size // 4)
+        rows = []
+        for dtype, label in ((torch.float32, "fp32"), (torch.float16, "fp16")):
+            x = torch.randn(count).to(dtype).to(device)
+            t = _timed(lambda: dist.all_reduce(x), args.warmup, args.iters)
+            wire = 2 * (world - 1) * count * x.element_size() // world
+            rows.append(dict(type=label, backend="all_reduce", time=t, wire=wire,
+                             wrong=_check_all_reduce(count, dtype, device)))
+        for name, backend in backends.items():
+            n, ns = backend.error_sizes(count)
+            m = torch.randn(count).to(device)
+            werr, serr = torch.zeros(n, device=device), torch.zeros(ns, device=device)
+            t = _timed(lambda: backend.compressed_allreduce(m, werr, serr), args.warmup, args.iters)
+            wire = 2 * (world - 1) * (ns // 8 + 4)  # sign bytes + fp32 scale per message
+            rows.append(dict(type="fp32", backend=name, time=t, wire=wire,
+                             wrong=_check_compressed(backend, count, device)))
+        base = rows[0]["time"]
+        for r in rows:
+            algbw = 4 * count / r["time"] / 1e9
+            r.update(size=4 * count, count=count, algbw=algbw,
+                     busbw=algbw * 2 * (world - 1) / world, speedup=base / r["time"])
+            table.row(**{"size(B)": r["size"], "count": count, "type": r["type"],
+                         "backend": r["backend"], "time(us)": r["time"] * 1e6, "algbw": algbw,
+                         "busbw": r["busbw"], "wire(B)": r["wire"], "speedup": r["speedup"],
+                         "#wrong": r["wrong"]})
+        results.extend(rows)
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    return results if rank == 0 else []
+
+
+def _footer(rows: List[Dict]) -> None:
+    by = {}
+    for r in rows:
+        by.setdefault(f"{r['backend']}/{r['type']}", []).append(r)
+    for key, rs in by.items():
+        avg = sum(r["busbw"] for r in rs) / len(rs)
+        sp = sum(r["speedup"] for r in rs) / len(rs)
+        print(f"# {key:<18} avg busbw {avg:7.3f} GB/s   avg speedup vs fp32 all_reduce {sp:6.2f}x")
+    wrong = sum(r["wrong"] for r in rows)
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+
+
+def run(args: argparse.Namespace) -> bool:
+    if "mpi" in args.backend.split(",") and not launch.under_mpirun():
+        raise SystemExit("--backend mpi needs the ranks to be started by mpirun, e.g.\n"
+                         "  mpirun -n 4 python -m onebit.bench --backend compressed,mpi\n"
+                         "(MPI itself comes with: pip install 'onebit[mpi]')")
+    if launch.launched_externally():
+        launch.init_distributed()
+        rows = sweep(dist.get_rank(), dist.get_world_size(), args)
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return True
+    else:
+        rows = launch.spawn_local(sweep, args.nproc, args)[0]
+    _footer(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "allreduce", "config": vars(args), "results": rows}, f, indent=1)
+    if args.plot:
+        _plot(rows, args.plot)
+    return all(r["wrong"] == 0 for r in rows)
+
+
+def _plot(rows: List[Dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'onebit[bench]'")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in dict.fromkeys(f"{r['backend']}/{r['type']}" for r in rows):
+        rs = [r for r in rows if f"{r['backend']}/{r['type']}" == key]
+        ax.plot([r["size"] for r in rs], [r["algbw"] for r in rs], marker="o", label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("payload (bytes of fp32)")
+    ax.set_ylabel("algbw (GB/s)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--minbytes", default="1M", help="smallest fp32 payload (bytes)")
+    p.add_argument("-e", "--maxbytes", default="64M", help="largest fp32 payload (bytes)")
+    p.add_argument("-f", "--stepfactor", type=float, default=2, help="size multiplier")
+    p.add_argument("-i", "--stepbytes", default="1M", help="size increment when -f 1")
+    p.add_argument("-w", "--warmup", type=int, default=2, help="warmup iterations")
+    p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks when not launched")
+    p.add_argument("--backend", default="compressed", help="comma list: compressed,mpi")
+    p.add_argument("--json", help="write results to this JSON file")
+    p.add_argument("--plot", help="write algbw vs size to this PNG (needs matplotlib)")

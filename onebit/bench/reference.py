@@ -1,0 +1,41 @@
+"""A float64 simulation of the compressed allreduce for the benchmark's
+#wrong column: p ranks' inputs in, the exact output out. Deliberately plain
+torch, sharing no code with onebit.backends."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+
+
+def simulate(buffers: List[torch.Tensor], worker_errors: List[torch.Tensor],
+             server_errors: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(output[numel], server values c[N]) for one compressed allreduce."""
+    p, n, numel = len(buffers), worker_errors[0].numel(), buffers[0].numel()
+    chunk = n // p
+    compressed = []
+    for b, e in zip(buffers, worker_errors):
+        x = e.double().clone()
+        x[:numel] += b.double().reshape(-1)
+        compressed.append(x.norm() / n ** 0.5 * _sign(x))
+    out, c_all = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
+    for k in range(p):
+        part = slice(k * chunk, (k + 1) * chunk)
+        c = torch.stack([w[part] for w in compressed]).mean(0) + server_errors[k].double()
+        out[part] = c.norm() / chunk ** 0.5 * _sign(c)
+        c_all[part] = c
+    return out[:numel], c_all
+
+
+def count_wrong(result: torch.Tensor, expected: torch.Tensor, server_values: torch.Tensor,
+                rtol: float = 1e-3) -> int:
+    """Elements off by more than rtol * max|expected|, ignoring positions whose
+    server value is within 1e-5 of that scale of zero (a fair coin toss in fp32)."""
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    decided = server_values[: expected.numel()].abs() > 1e-5 * scale
+    off = (result.double().reshape(-1) - expected).abs() > rtol * scale
+    return int((off & decided).sum())

@@ -1,0 +1,143 @@
+"""Launch helpers: join the process group a launcher set up, or start local ranks.
+
+  init_distributed()          torchrun (RANK/WORLD_SIZE/MASTER_ADDR...) or
+                              mpirun (MPI rank and size; rank 0 picks a port)
+  launched_externally()       whether either launcher started this process
+  spawn_local(fn, n, *args)   start n local ranks, each running
+                              fn(rank, world_size, *args) in a gloo group;
+                              returns their results, re-raises a failure,
+                              and kills everyone if `timeout` passes
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def under_mpirun() -> bool:
+    return any(v in os.environ for v in _MPI_RANK_VARS)
+
+
+def launched_externally() -> bool:
+    return under_torchrun() or under_mpirun()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> None:
+    """Initialise torch.distributed from torchrun's or mpirun's environment.
+
+    backend: torch.distributed backend (default: the accelerator's). Under
+    mpirun, rank 0 chooses MASTER_PORT unless it is set, and MPI broadcasts it.
+    The device is chosen by *local* rank.
+    """
+    import torch.distributed as dist
+
+    from .accelerator import get_accelerator
+
+    if dist.is_initialized():
+        return
+    acc = get_accelerator()
+    if under_torchrun():
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+    elif under_mpirun():
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        port = comm.bcast(os.environ.get("MASTER_PORT") or (free_port() if rank == 0 else None))
+        addr = comm.bcast(os.environ.get("MASTER_ADDR", "127.0.0.1") if rank == 0 else None)
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), LOCAL_RANK=str(local))
+    else:
+        raise RuntimeError("init_distributed: not launched by torchrun or mpirun")
+    if acc.device_count() > 1:
+        acc.set_device(local % acc.device_count())
+    dist.init_process_group(backend or acc.communication_backend_name(), rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if threads:
+            torch.set_num_threads(threads)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
+                timeout: Optional[float] = None, env: Optional[dict] = None,
+                pg_timeout_s: float = 300.0, threads: Optional[int] = None) -> List[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` local gloo ranks.
+
+    fn must be importable (a module-level function). `threads` sets each
+    rank's torch threads (default: cores shared out, at least 1).
+    """
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, daemon=True,
+                         args=(fn, r, world_size, port, args, results, env or {}, pg_timeout_s,
+                               threads))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while len(out) < world_size and not errors:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"local ranks timed out after {timeout}s; finished: {sorted(out)}")
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} died without reporting (exit codes "
+                                       f"{[procs[r].exitcode for r in dead]})")
+                continue
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if errors else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank, tb = errors[0]
+        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,61 @@
+"""python -m onebit.bench: runs, documents its JSON, and finds nothing wrong."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = {"size", "count", "type", "backend", "time", "algbw", "busbw", "wire", "speedup", "wrong"}
+
+
+def bench(*args, launcher=(), timeout=300):
+    cmd = [*launcher, sys.executable, "-m", "onebit.bench", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_bench_two_local_ranks_small_sizes(tmp_path):
+    out = bench("--nproc", "2", "-b", "4K", "-e", "64K", "-f", "4", "-w", "1", "-n", "2",
+                "--json", str(tmp_path / "r.json"))
+    lines = [l for l in out.splitlines() if not l.startswith("#")]
+    assert len(lines) == 3 * 3  # sizes 4K, 16K, 64K x (fp32, fp16, compressed)
+    assert "# Out of bounds values : 0 OK" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["benchmark"] == "allreduce" and data["config"]["nproc"] == 2
+    rows = data["results"]
+    assert len(rows) == 9 and all(FIELDS <= set(r) for r in rows)
+    assert all(r["wrong"] == 0 for r in rows)
+    comp = [r for r in rows if r["backend"] == "compressed"]
+    assert [r["count"] for r in comp] == [1024, 4096, 16384]
+    # wire bytes: 2(p-1) messages of N/(8p) sign bytes + a 4-byte scale
+    assert comp[-1]["wire"] == 2 * 1 * (16384 // 2 // 8 + 4)
+    for r in rows:
+        assert abs(r["busbw"] - r["algbw"] * 2 * (2 - 1) / 2) < 1e-9
+
+
+def test_bench_mpi_backend_under_mpirun(tmp_path):
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    out = bench("--backend", "compressed,mpi", "-b", "16K", "-e", "16K", "-w", "1", "-n", "2",
+                "--json", str(tmp_path / "m.json"), launcher=(str(mpiexec), "-n", "3"))
+    rows = json.loads((tmp_path / "m.json").read_text())["results"]
+    assert {r["backend"] for r in rows} == {"all_reduce", "compressed", "mpi"}
+    assert all(r["wrong"] == 0 for r in rows), out
+
+
+def test_bench_mpi_backend_without_mpirun_says_how():
+    proc = subprocess.run([sys.executable, "-m", "onebit.bench", "--nproc", "2", "--backend", "mpi",
+                           "-b", "4K", "-e", "4K"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode != 0 and "mpirun -n 4 python -m onebit.bench" in proc.stdout + proc.stderr
+
+
+def test_kernel_bench_json(tmp_path):
+    bench("kernels", "--min-exp", "10", "--max-exp", "11", "-n", "2", "--json", str(tmp_path / "k.json"))
+    rows = json.loads((tmp_path / "k.json").read_text())["results"]
+    assert [r["n"] for r in rows] == [1024, 2048]
+    assert all(r["pack_GBs"] > 0 and r["fused_speedup"] > 0 for r in rows)

