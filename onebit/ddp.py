@@ -1,0 +1,46 @@
+"""A DistributedDataParallel communication hook for the onebit optimizers.
+
+    model = DistributedDataParallel(model)
+    opt = onebit.OnebitAdam(model.parameters(), freeze_step=...)
+    model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
+
+With the hook, DDP averages gradients in full precision exactly when the
+optimizer's next step needs it (1-bit Adam/LAMB warmup, 0/1 Adam's variance
+steps) -- one bucketed allreduce, and the optimizer then skips its own -- and
+sends nothing otherwise, leaving the local gradients to the optimizer's
+1-bit exchange. Without the hook, DDP would allreduce every step and the
+compression would save nothing.
+
+Pitfall: every parameter the optimizer trains must be in the DDP model;
+parameters outside it would never be averaged in warmup.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class OnebitHookState:
+    """What the hook needs: the optimizer (it knows the stage) and its group."""
+
+    __slots__ = ("optimizer",)
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+
+    def __getstate__(self):
+        raise TypeError("OnebitHookState refers to a live optimizer; register a new one after "
+                        "loading a checkpoint instead of pickling it")
+
+
+def ddp_comm_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    opt = state.optimizer
+    buf = bucket.buffer()
+    if opt.world_size > 1 and opt.needs_full_precision_gradients():
+        opt._grads_averaged_externally = True
+        buf.div_(opt.world_size)
+        work = dist.all_reduce(buf, group=opt.process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    fut = torch.futures.Future()
+    fut.set_result(buf)  # compression stage: the optimizer exchanges 1-bit momentum
+    return fut

@@ -1,0 +1,101 @@
+"""1-bit Adam (Tang et al., 2021, arXiv 2102.02888)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import functional as F
+from .base import OnebitOptimizer, check_common, check_positive_int
+
+
+class OnebitAdam(OnebitOptimizer):
+    """Adam whose communication drops to 1 bit per element after a warmup.
+
+    Warmup (steps 1..freeze_step): gradients are averaged across ranks in full
+    precision and this is plain Adam, so the variance v learns.
+    Compression (steps after freeze_step): v is frozen; each rank folds its
+    *local* gradient into the momentum m, and m is averaged with the
+    error-compensated 1-bit compressed allreduce -- about 32x less traffic
+    than an fp32 allreduce. The update is m / (sqrt(v) + eps) + wd * p.
+
+    Choosing freeze_step: 15-25% of the total steps. It must be late enough
+    for v to settle (the compression stage relies on a good v), and early
+    enough that most steps are cheap. If the loss jumps at the switch, freeze
+    later.
+
+    Args (DeepSpeed's names; `deepspeed=` is not needed):
+      params, lr, betas, eps, weight_decay: as torch.optim.Adam (weight decay
+        is added to the update, as DeepSpeed does: L2 inside the step size).
+      freeze_step: last full-precision step.
+      bias_correction: divide m by 1 - beta1^t and v by 1 - beta2^t (v's
+        count stops at freeze_step). DeepSpeed accepts and ignores this; here
+        it is implemented (False gives DeepSpeed's maths).
+      eps_inside_sqrt: m / sqrt(v + eps) instead of m / (sqrt(v) + eps).
+      max_grad_norm: clip the gradient to this global norm (0: off). In
+        warmup the averaged gradient is clipped; in compression, the local one.
+      amsgrad: not supported (raises).
+      cuda_aware: for comm_backend_name='mpi': pass device buffers to MPI.
+      comm_backend_name: 'compressed' (torch.distributed), 'mpi', or a
+        registered name; None asks the accelerator (`onebit_backend()`).
+      process_group: the data-parallel group (default: world).
+    Param groups may carry `exp_avg_mask`: multiplied into m after every
+    compressed exchange, for entries whose momentum must stay exactly 0.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000,
+                 bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
+                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
+                 comm_backend_name: Optional[str] = None, process_group=None) -> None:
+        check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "OnebitAdam")
+        check_positive_int("freeze_step", freeze_step, minimum=0)
+        self.freeze_step = freeze_step
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
+                        max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group)
+
+    def compression_started(self, step: Optional[int] = None) -> bool:
+        """Whether step `step` (default: the next one) is in the compression stage."""
+        t = self.counters["step"] + 1 if step is None else step
+        return t > self.freeze_step
+
+    def needs_full_precision_gradients(self) -> bool:
+        return not self.compression_started()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.counters["step"] + 1
+        compress = self.compression_started(t)
+        groups = [(g, self._trainable(g)) for g in self.param_groups]
+        grads = [self._gradients(ps) for _, ps in groups]
+        if not compress:
+            for i, gs in enumerate(grads):
+                self._average_(i, gs)
+        self._grads_averaged_externally = False  # the DDP hook's promise covers one step
+        if self._skip_for_nonfinite(grads, local_only=compress):
+            return loss
+        self.counters["step"] = t
+        for i, ((group, params), gs) in enumerate(zip(groups, grads)):
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            self._clip_(gs, group["max_grad_norm"])
+            m = [self._state_tensor(p, "exp_avg") for p in params]
+            v = [self._state_tensor(p, "exp_avg_sq") for p in params]
+            F.update_momentum_(m, gs, beta1)
+            if compress:
+                self._compressed_average_(i, m)
+                self._mask_(group, m)
+            else:
+                F.update_variance_(v, gs, beta2)
+            bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))
+            denom = F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2)
+            upd = F.adam_updates(m, denom, [p.float() for p in params], group["weight_decay"], bc1)
+            F.apply_updates_(params, upd, group["lr"])
+        return loss

@@ -1,0 +1,276 @@
+"""What the three 1-bit optimizers share: hyper-parameter checks, the
+process group and compressed backend, gradient averaging, the fused
+compressed allreduce of a list of tensors, GradScaler support, and
+checkpoints. The maths lives in `functional.py`; the stage machines in the
+optimizer classes.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..accelerator import get_accelerator
+
+STATE_KEY = "onebit"  # self.state[STATE_KEY]: the counters that decide the stage
+
+
+def _check(name: str, value, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name) -> None:
+    _check("lr", lr, isinstance(lr, (int, float)) and lr >= 0, "a number >= 0")
+    _check("betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
+           and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
+           "a pair of numbers in [0, 1)")
+    _check("eps", eps, isinstance(eps, (int, float)) and eps >= 0, "a number >= 0")
+    _check("weight_decay", weight_decay, isinstance(weight_decay, (int, float))
+           and weight_decay >= 0, "a number >= 0")
+    _check("max_grad_norm", max_grad_norm, isinstance(max_grad_norm, (int, float))
+           and max_grad_norm >= 0, "a number >= 0 (0 disables clipping)")
+    if amsgrad:
+        raise ValueError(f"{cls_name} does not support amsgrad=True: its variance is frozen "
+                         "(or updated rarely), which is what the AMSGrad maximum would track")
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> None:
+    _check(name, value, isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+           f"an integer >= {minimum}")
+
+
+class OnebitOptimizer(torch.optim.Optimizer):
+    """Base class; see OnebitAdam for the user-facing documentation.
+
+    `process_group` is the data-parallel group (default: the world, or no
+    communication at all when torch.distributed is not initialised).
+    """
+
+    # GradScaler then hands us `grad_scale` and `found_inf` instead of
+    # stepping only on ranks that saw finite gradients (which would hang).
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, defaults: dict, comm_backend_name: Optional[str], cuda_aware: bool,
+                 process_group=None, broadcast_init: bool = True) -> None:
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self.cuda_aware = cuda_aware
+        self.comm_backend_name = comm_backend_name or get_accelerator().onebit_backend()
+        self.backend = None
+        if self.world_size > 1:
+            from ..backends import get_backend
+
+            kwargs = {"cuda_aware": cuda_aware} if self.comm_backend_name == "mpi" else {}
+            group = None if self.comm_backend_name == "mpi" else process_group
+            # The optimizer checks gradients (and agrees across ranks) itself.
+            self.backend = get_backend(self.comm_backend_name, group=group, check_finite=False,
+                                       **kwargs)
+            if broadcast_init:
+                self._broadcast_parameters()
+        self._errors: Dict[int, tuple] = {}  # group index -> (worker_error, server_error)
+        self._flat: Dict[int, torch.Tensor] = {}
+        self._grads_averaged_externally = False  # set by the DDP hook for one step
+        self.state[STATE_KEY] = self._initial_counters()
+
+    # ------------------------------------------------------------ counters --
+    def _initial_counters(self) -> dict:
+        return {"step": 0}
+
+    @property
+    def counters(self) -> dict:
+        return self.state[STATE_KEY]
+
+    # ------------------------------------------------------------- tensors --
+    def _trainable(self, group) -> List[torch.Tensor]:
+        """The params this optimizer trains: those that require grad. A param
+        whose .grad is None at a step counts as a zero gradient, so every rank
+        flattens the same layout."""
+        return [p for p in group["params"] if p.requires_grad]
+
+    def _state_tensor(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        st = self.state[p]
+        t = st.get(name)
+        if t is None:
+            t = st[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return t
+
+    def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """fp32 gradients, unscaled when a GradScaler handed us its scale."""
+        grads = []
+        for p in params:
+            if p.grad is None:
+                g = torch.zeros_like(p, dtype=torch.float32)
+            elif p.grad.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+            else:
+                g = p.grad.detach()
+                g = g.float() if g.dtype != torch.float32 else g
+            grads.append(g)
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None and grads:
+            torch._foreach_mul_(grads, (1.0 / scale.double()).float().item())
+        return grads
+
+    def _flat_buffer(self, index: int, tensors: List[torch.Tensor]) -> torch.Tensor:
+        total = sum(t.numel() for t in tensors)
+        flat = self._flat.get(index)
+        if flat is None or flat.numel() != total:
+            device = tensors[0].device if tensors else torch.device("cpu")
+            flat = self._flat[index] = torch.empty(total, dtype=torch.float32, device=device)
+        return flat
+
+    def _flatten_into(self, flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+        if tensors:
+            torch.cat([t.reshape(-1) for t in tensors], out=flat)
+
+    @staticmethod
+    def _unflatten_from(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+        views = [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+        if tensors:
+            torch._foreach_copy_(tensors, views)
+
+    # -------------------------------------------------------- communication --
+    def _average_(self, index: int, tensors: List[torch.Tensor]) -> None:
+        """Full-precision mean across ranks, as one collective on a flat buffer."""
+        if self.world_size == 1 or self._grads_averaged_externally or not tensors:
+            return
+        flat = self._flat_buffer(index, tensors)
+        self._flatten_into(flat, tensors)
+        dist.all_reduce(flat, group=self.process_group)
+        flat.div_(self.world_size)
+        self._unflatten_from(flat, tensors)
+
+    def _compressed_average_(self, index: int, tensors: List[torch.Tensor]) -> None:
+        """1-bit error-compensated mean across ranks of the concatenation of
+        `tensors` (one compressed_allreduce; one scale per rank per group)."""
+        if self.world_size == 1 or not tensors:
+            return
+        flat = self._flat_buffer(index, tensors)
+        self._flatten_into(flat, tensors)
+        errors = self._errors.get(index)
+        if errors is None or errors[0].numel() != self.backend.error_sizes(flat.numel())[0]:
+            n, ns = self.backend.error_sizes(flat.numel())
+            errors = self._errors[index] = (torch.zeros(n, device=flat.device),
+                                            torch.zeros(ns, device=flat.device))
+        self.backend.compressed_allreduce(flat, *errors)
+        self._unflatten_from(flat, tensors)
+
+    def reset_compression_errors(self) -> None:
+        """Forget the error-feedback buffers (they restart from zero)."""
+        self._errors.clear()
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True if `flag` is true on any rank (one tiny collective)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(t.item() > 0)
+
+    def _device(self) -> torch.device:
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    @staticmethod
+    def _finite(tensors: List[torch.Tensor]) -> bool:
+        if not tensors:
+            return True
+        total = torch.stack([t.float().abs().sum() if t.numel() else t.new_zeros((), dtype=torch.float32)
+                             for t in tensors]).sum()
+        return bool(torch.isfinite(total))
+
+    def _skip_for_nonfinite(self, grads_by_group: List[List[torch.Tensor]], local_only: bool) -> bool:
+        """Whether this step must be skipped: a GradScaler saw inf/NaN on any
+        rank. Without a GradScaler, non-finite gradients raise on every rank
+        before anything changes. `local_only`: the gradients are not averaged
+        yet, so ranks must agree through a collective."""
+        found = getattr(self, "found_inf", None)
+        bad = bool(found.item() > 0) if found is not None else False
+        if not bad:
+            bad = not all(self._finite(g) for g in grads_by_group)
+        if local_only:
+            bad = self._any_rank(bad)
+        if bad and found is None:
+            raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step "
+                             f"{self.counters['step'] + 1} on at least one rank; nothing was "
+                             "updated (use torch.amp.GradScaler to skip such steps)")
+        return bad
+
+    def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
+        if max_norm > 0 and grads:
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            coef = max_norm / (float(total) + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+
+    def _broadcast_parameters(self) -> None:
+        """Start every rank from rank 0's parameters (one collective per group)."""
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        for i, group in enumerate(self.param_groups):
+            params = [p for p in group["params"]]
+            if not params:
+                continue
+            with torch.no_grad():
+                flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+                dist.broadcast(flat, src=src, group=self.process_group)
+                for p, v in zip(params, flat.split([p.numel() for p in params])):
+                    p.copy_(v.view_as(p))
+
+    # ---------------------------------------------------------- checkpoints --
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a checkpoint, from any world size.
+
+        Kept from the *current* param groups, not the checkpoint: each group's
+        `exp_avg_mask` (it may change between training phases, as DeepSpeed
+        does). Reset: the compression error buffers, which are per-rank and
+        sized for one world size (DeepSpeed's documented choice).
+        """
+        state_dict = dict(state_dict)
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        for mine, theirs in zip(self.param_groups, groups):
+            theirs.pop("exp_avg_mask", None)
+            if "exp_avg_mask" in mine:
+                theirs["exp_avg_mask"] = mine["exp_avg_mask"]
+        state_dict["param_groups"] = groups
+        super().load_state_dict(state_dict)
+        self.state[STATE_KEY] = {**self._initial_counters(), **self.state.get(STATE_KEY, {})}
+        self.reset_compression_errors()
+        self._flat.clear()
+
+    # ----------------------------------------------------------------- DDP --
+    def ddp_hook_state(self):
+        """State for `model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)`."""
+        from ..ddp import OnebitHookState
+
+        return OnebitHookState(self)
+
+    def needs_full_precision_gradients(self) -> bool:
+        """Whether the coming step averages gradients in full precision (the
+        DDP hook asks this during backward)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _mask_(group, tensors: List[torch.Tensor]) -> None:
+        """Multiply each tensor by the group's exp_avg_mask (DeepSpeed semantics:
+        1-bit signs cannot represent exact zeros, so positions known to stay 0
+        are forced back to 0 after every compressed exchange)."""
+        mask = group.get("exp_avg_mask")
+        if mask is None:
+            return
+        for t in tensors:
+            if mask.device != t.device:
+                mask = group["exp_avg_mask"] = mask.to(t.device)
+            t.mul_(mask)
+
+    @staticmethod
+    def _bias_corrections(group, step: int, variance_updates: int):
+        if not group["bias_correction"]:
+            return 1.0, 1.0
+        b1, b2 = group["betas"]
+        return 1.0 - b1 ** step, (1.0 - b2 ** max(variance_updates, 1))

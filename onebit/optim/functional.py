@@ -1,0 +1,118 @@
+"""The maths of one optimizer step, as pure functions on lists of tensors.
+
+No process group, no optimizer state: these can be tested on their own, and
+the optimizer classes only decide *which* of them to call and on *what*
+(averaged or compressed quantities). Everything works in place on fp32
+tensors with torch's multi-tensor (`_foreach_*`) kernels, which is what keeps
+a step as cheap as `torch.optim.Adam(foreach=True)`.
+
+Notation: m = exp_avg, v = exp_avg_sq, t = step (1-based), bc1 = 1 - beta1^t,
+bc2 = 1 - beta2^(number of variance updates so far), both 1 without bias
+correction.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+
+Tensors = List[torch.Tensor]
+
+
+def update_momentum_(exp_avgs: Tensors, grads: Tensors, beta1: float) -> None:
+    """m <- beta1 * m + (1 - beta1) * g"""
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+
+
+def update_variance_(exp_avg_sqs: Tensors, grads: Tensors, beta2: float) -> None:
+    """v <- beta2 * v + (1 - beta2) * g^2"""
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+
+
+def denominators(exp_avg_sqs: Tensors, eps: float, eps_inside_sqrt: bool, bc2: float) -> Tensors:
+    """sqrt(v / bc2) + eps, or sqrt(v / bc2 + eps) when eps_inside_sqrt."""
+    if eps_inside_sqrt:
+        d = torch._foreach_div(exp_avg_sqs, bc2)
+        torch._foreach_add_(d, eps)
+        torch._foreach_sqrt_(d)
+        return d
+    d = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(d, math.sqrt(bc2))
+    torch._foreach_add_(d, eps)
+    return d
+
+
+def adam_updates(exp_avgs: Tensors, denoms: Tensors, params: Tensors, weight_decay: float,
+                 bc1: float) -> Tensors:
+    """u = (m / bc1) / denom + weight_decay * p   (the direction, before lr)."""
+    u = torch._foreach_div(exp_avgs, denoms)
+    if bc1 != 1.0:
+        torch._foreach_div_(u, bc1)
+    if weight_decay:
+        torch._foreach_add_(u, params, alpha=weight_decay)
+    return u
+
+
+def apply_updates_(params: Tensors, updates: Tensors, lr: float,
+                   scales: Optional[Sequence[float]] = None) -> None:
+    """p <- p - lr * scale_i * u_i (scales: LAMB's per-tensor coefficients).
+
+    Params of another dtype (bf16, fp16) receive the fp32 update rounded once.
+    """
+    if scales is not None:
+        torch._foreach_mul_(updates, [-lr * s for s in scales])
+    else:
+        torch._foreach_mul_(updates, -lr)
+    same = [(p, u) for p, u in zip(params, updates) if p.dtype == u.dtype]
+    if same:
+        torch._foreach_add_([p for p, _ in same], [u for _, u in same])
+    for p, u in zip(params, updates):
+        if p.dtype != u.dtype:
+            p.add_(u.to(p.dtype))
+
+
+def norms(tensors: Tensors) -> List[float]:
+    """L2 norm of each tensor (0 for empty tensors), as Python floats."""
+    if not tensors:
+        return []
+    return [float(n) for n in torch.stack(torch._foreach_norm(tensors)).tolist()]
+
+
+def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
+                      max_coeff: float) -> List[float]:
+    """||p|| / ||u|| clamped to [min_coeff, max_coeff]; 1 where either norm is 0."""
+    out = []
+    for w, u in zip(norms([p.float() for p in params]), norms(updates)):
+        out.append(min(max(w / u, min_coeff), max_coeff) if w > 0 and u > 0 else 1.0)
+    return out
+
+
+def lamb_momentum_scales(exp_avgs: Tensors) -> List[float]:
+    """Per-tensor coefficients that bring every momentum to the same RMS
+    before the fused compression (1-bit LAMB, Sec. 4): united_rms / rms_i.
+
+    A tensor whose momentum is all zero (or empty) keeps 1.0, where DeepSpeed
+    divides by zero.
+    """
+    rms = [n / math.sqrt(m.numel()) if m.numel() else 0.0
+           for n, m in zip(norms(exp_avgs), exp_avgs)]
+    live = [r for r in rms if r > 0]
+    united = sum(live) / len(live) if live else 0.0
+    return [united / r if r > 0 else 1.0 for r in rms]
+
+
+def lamb_frozen_factor(denom: torch.Tensor, denom_fresh: torch.Tensor, update_prelim_norm: float,
+                       update_norm: float, weight_decay: float, last_factor: float,
+                       factor_min: float, factor_max: float, threshold: float) -> float:
+    """1-bit LAMB's compression-stage scaling factor for one tensor:
+    max(denom / denom_fresh), blended toward 1 by the weight-decay share of the
+    update, clamped to [factor_min, factor_max] and to within `threshold` of
+    the previous step's factor."""
+    factor = float((denom / denom_fresh).max()) if denom.numel() else 1.0
+    if weight_decay and update_norm > 0:
+        ratio = min(1.0, update_prelim_norm / update_norm)
+        factor = factor * ratio + (1.0 - ratio)
+    factor = min(max(factor, factor_min), factor_max)
+    return min(max(factor, last_factor * (1.0 - threshold)), last_factor * (1.0 + threshold))

@@ -1,0 +1,155 @@
+"""1-bit LAMB (Li et al., 2021, arXiv 2104.06069)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import functional as F
+from .base import OnebitOptimizer, check_common, check_positive_int
+
+
+class OnebitLamb(OnebitOptimizer):
+    """LAMB whose communication drops to 1 bit per element after a warmup.
+
+    Warmup (steps 1..freeze_step): LAMB with full-precision averaged
+    gradients. Each tensor's trust ratio ||p|| / ||update|| is clamped to
+    [min_coeff, max_coeff] and tracked as a running average (coeff_beta),
+    which becomes the frozen coefficient.
+    Compression (after freeze_step): every momentum is first scaled by a
+    per-tensor coefficient (fixed at the first compressed step) so all
+    tensors share one RMS; then *one* compressed allreduce covers the whole
+    group. A fresh variance is rebuilt from the gradient implied by the
+    momentum change, and the trust ratio becomes frozen coefficient x a
+    factor max(sqrt(v)/sqrt(v_fresh)) clamped to [factor_min, factor_max] and
+    to within factor_threshold of the previous factor.
+
+    freeze_step: as OnebitAdam (15-25% of steps). Other arguments as
+    OnebitAdam, with DeepSpeed's names and defaults.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000,
+                 bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
+                 eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
+                 amsgrad: bool = False, cuda_aware: bool = False,
+                 comm_backend_name: Optional[str] = None, coeff_beta: float = 0.9,
+                 factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
+                 process_group=None) -> None:
+        check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "OnebitLamb")
+        check_positive_int("freeze_step", freeze_step, minimum=0)
+        for name, v in (("max_coeff", max_coeff), ("min_coeff", min_coeff),
+                        ("factor_max", factor_max), ("factor_min", factor_min)):
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if min_coeff > max_coeff:
+            raise ValueError(f"min_coeff ({min_coeff}) must not exceed max_coeff ({max_coeff})")
+        if factor_min > factor_max:
+            raise ValueError(f"factor_min ({factor_min}) must not exceed factor_max ({factor_max})")
+        if not isinstance(coeff_beta, (int, float)) or not 0 <= coeff_beta < 1:
+            raise ValueError(f"coeff_beta must be a number in [0, 1), got {coeff_beta!r}")
+        if not isinstance(factor_threshold, (int, float)) or not 0 <= factor_threshold < 1:
+            raise ValueError(f"factor_threshold must be a number in [0, 1), got {factor_threshold!r}")
+        self.freeze_step = freeze_step
+        self.coeff_beta = coeff_beta
+        self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
+                        max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
+        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group)
+        self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
+
+    def compression_started(self, step: Optional[int] = None) -> bool:
+        t = self.counters["step"] + 1 if step is None else step
+        return t > self.freeze_step
+
+    def needs_full_precision_gradients(self) -> bool:
+        return not self.compression_started()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.counters["step"] + 1
+        compress = self.compression_started(t)
+        groups = [(g, self._trainable(g)) for g in self.param_groups]
+        grads = [self._gradients(ps) for _, ps in groups]
+        if not compress:
+            for i, gs in enumerate(grads):
+                self._average_(i, gs)
+        self._grads_averaged_externally = False  # the DDP hook's promise covers one step
+        if self._skip_for_nonfinite(grads, local_only=compress):
+            return loss
+        self.counters["step"] = t
+        self.lamb_coeffs = []
+        for i, ((group, params), gs) in enumerate(zip(groups, grads)):
+            if params:
+                self._clip_(gs, group["max_grad_norm"])
+                (self._compressed_step if compress else self._warmup_step)(i, group, params, gs, t)
+        return loss
+
+    def _warmup_step(self, i, group, params, gs, t) -> None:
+        beta1, beta2 = group["betas"]
+        m = [self._state_tensor(p, "exp_avg") for p in params]
+        v = [self._state_tensor(p, "exp_avg_sq") for p in params]
+        F.update_momentum_(m, gs, beta1)
+        F.update_variance_(v, gs, beta2)
+        bc1, bc2 = self._bias_corrections(group, t, t)
+        denom = F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2)
+        pf = [p.float() for p in params]
+        upd = F.adam_updates(m, denom, pf, group["weight_decay"], bc1)
+        coeffs = F.lamb_trust_ratios(pf, upd, group["min_coeff"], group["max_coeff"])
+        for p, coeff in zip(params, coeffs):
+            st = self.state[p]
+            st.setdefault("lamb_coeff_freeze", 0.0)
+            st.setdefault("last_factor", 1.0)
+            if coeff != 1.0:
+                st["lamb_coeff_freeze"] = (self.coeff_beta * st["lamb_coeff_freeze"]
+                                           + (1.0 - self.coeff_beta) * coeff)
+        if t == self.freeze_step:
+            for p, vi in zip(params, v):
+                self.state[p]["exp_avg_sq_fresh"] = vi.clone()
+        self.lamb_coeffs.extend(coeffs)
+        F.apply_updates_(params, upd, group["lr"], coeffs)
+
+    def _compressed_step(self, i, group, params, gs, t) -> None:
+        beta1, beta2 = group["betas"]
+        m = [self._state_tensor(p, "exp_avg") for p in params]
+        v = [self._state_tensor(p, "exp_avg_sq") for p in params]
+        for p, vi in zip(params, v):  # freeze_step = 0: the fresh variance starts at v
+            if "exp_avg_sq_fresh" not in self.state[p]:
+                self.state[p]["exp_avg_sq_fresh"] = vi.clone()
+        fresh = [self.state[p]["exp_avg_sq_fresh"] for p in params]
+        if "scaling_coeff" not in self.state[params[0]]:
+            for p, s in zip(params, F.lamb_momentum_scales(m)):
+                self.state[p]["scaling_coeff"] = s
+        scaling = [self.state[p]["scaling_coeff"] for p in params]
+        m_last = [x.clone() for x in m]
+        F.update_momentum_(m, gs, beta1)
+        torch._foreach_mul_(m, scaling)
+        self._compressed_average_(i, m)  # one fused exchange for the whole group
+        torch._foreach_div_(m, scaling)
+        self._mask_(group, m)
+        # The gradient implied by the momentum change feeds the fresh variance.
+        g_rec = torch._foreach_sub(m, torch._foreach_mul(m_last, beta1))
+        torch._foreach_div_(g_rec, 1.0 - beta1)
+        F.update_variance_(fresh, g_rec, beta2)
+        bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
+        denom = F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2)
+        denom_fresh = F.denominators(fresh, group["eps"], group["eps_inside_sqrt"], bc2)
+        pf = [p.float() for p in params]
+        prelim = F.adam_updates(m, denom, pf, 0.0, bc1)
+        upd = F.adam_updates(m, denom, pf, group["weight_decay"], bc1)
+        prelim_norms, upd_norms = F.norms(prelim), F.norms(upd)
+        coeffs = []
+        for p, d, df, pn, un in zip(params, denom, denom_fresh, prelim_norms, upd_norms):
+            st = self.state[p]
+            factor = F.lamb_frozen_factor(d, df, pn, un, group["weight_decay"],
+                                          st.get("last_factor", 1.0), self.factor_min,
+                                          self.factor_max, self.factor_threshold)
+            st["last_factor"] = factor
+            coeffs.append(st.get("lamb_coeff_freeze", 0.0) * factor)
+        self.lamb_coeffs.extend(coeffs)
+        F.apply_updates_(params, upd, group["lr"], coeffs)

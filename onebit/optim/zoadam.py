@@ -1,0 +1,148 @@
+"""0/1 Adam (Lu et al., 2022, arXiv 2202.06009)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import functional as F
+from .base import OnebitOptimizer, check_common, check_positive_int
+
+
+class ZeroOneAdam(OnebitOptimizer):
+    """Adam with rare variance updates, 1-bit gradients, then local steps.
+
+    Before var_freeze_step: the variance v is updated only on steps that are
+    multiples of an interval that starts at 1 and doubles every
+    `var_update_scaler` updates; those steps average gradients in full
+    precision. Every other step averages the gradient with the 1-bit
+    compressed allreduce and moves only the momentum.
+    After var_freeze_step: v is frozen; each rank takes *local* steps while
+    accumulating its displacement u, and every `local_step_interval` steps
+    the ranks exchange u with the 1-bit allreduce and land on the same point.
+    The interval starts at 1 and doubles every `local_step_scaler` steps, up
+    to `local_step_clipper`. Between syncs the ranks' parameters differ by
+    design; after each sync they are bitwise identical.
+
+    Choosing var_freeze_step: the end of the learning-rate warmup (the paper's
+    T_v); it needs no other tuning. Hyper-parameters otherwise as OnebitAdam.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
+                 weight_decay: float = 0.0, max_grad_norm: float = 0.0,
+                 var_freeze_step: int = 100000, var_update_scaler: int = 16,
+                 local_step_scaler: int = 32678, local_step_clipper: int = 16,
+                 amsgrad: bool = False, cuda_aware: bool = False,
+                 comm_backend_name: Optional[str] = None, process_group=None) -> None:
+        check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "ZeroOneAdam")
+        check_positive_int("var_freeze_step", var_freeze_step, minimum=0)
+        check_positive_int("var_update_scaler", var_update_scaler)
+        check_positive_int("local_step_scaler", local_step_scaler)
+        check_positive_int("local_step_clipper", local_step_clipper)
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
+                        max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group)
+
+    def _initial_counters(self) -> dict:
+        return {"step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
+                "local_step_interval": 1, "local_step_counter": 0,
+                "lrs": [0.0] * len(self.param_groups)}  # sum of lr since the last sync, per group
+
+    def frozen(self, step: Optional[int] = None) -> bool:
+        """Whether step `step` (default: the next) is past var_freeze_step."""
+        t = self.counters["step"] + 1 if step is None else step
+        return t > self.var_freeze_step
+
+    def needs_full_precision_gradients(self) -> bool:
+        t = self.counters["step"] + 1
+        return not self.frozen(t) and t % self.counters["var_interval"] == 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        c = self.counters
+        t = c["step"] + 1
+        frozen = self.frozen(t)
+        full = not frozen and t % c["var_interval"] == 0
+        groups = [(g, self._trainable(g)) for g in self.param_groups]
+        grads = [self._gradients(ps) for _, ps in groups]
+        if full:
+            for i, gs in enumerate(grads):
+                self._average_(i, gs)
+        self._grads_averaged_externally = False  # the DDP hook's promise covers one step
+        if self._skip_for_nonfinite(grads, local_only=not full):
+            return loss
+        if frozen and not self.frozen(t - 1):
+            # The error buffers switch from gradients to accumulated steps.
+            self.reset_compression_errors()
+        c["step"] = t
+        if full:
+            c["var_updates"] += 1
+        sync = frozen and t % c["local_step_interval"] == 0
+        for i, ((group, params), gs) in enumerate(zip(groups, grads)):
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            self._clip_(gs, group["max_grad_norm"])
+            m = [self._state_tensor(p, "exp_avg") for p in params]
+            v = [self._state_tensor(p, "exp_avg_sq") for p in params]
+            if full:
+                F.update_variance_(v, gs, beta2)
+            elif not frozen:
+                self._compressed_average_(i, gs)
+                self._mask_(group, gs)
+            F.update_momentum_(m, gs, beta1)
+            bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
+            denom = F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2)
+            upd = F.adam_updates(m, denom, [p.float() for p in params], group["weight_decay"], bc1)
+            torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
+            if frozen:
+                u = [self._state_tensor(p, "momentum_accumulator") for p in params]
+                torch._foreach_add_(u, upd)
+                c["lrs"][i] += group["lr"]
+            F.apply_updates_(params, upd, -1.0)
+            if sync:
+                self._sync_local_steps(i, group, params, m, u, denom, bc1, c["lrs"][i])
+                c["lrs"][i] = 0.0
+        self._advance_intervals(t, frozen)
+        return loss
+
+    def _sync_local_steps(self, i, group, params, m, u, denom, bc1, lrs) -> None:
+        """Replace the local steps since the last sync with their 1-bit average.
+
+        u holds this rank's displacement; p - u is the last synced point. In
+        momentum units (u * denom) the ranks' u are averaged, the momentum is
+        re-derived from it (m = -avg / sum(lr) * bc1) and every rank lands on
+        synced point + avg / denom: the same bits everywhere.
+        """
+        F.apply_updates_(params, [x.clone() for x in u], 1.0)  # back to the synced point
+        torch._foreach_mul_(u, denom)
+        self._compressed_average_(i, u)
+        self._mask_(group, u)
+        for mi, ui in zip(m, u):
+            mi.copy_(ui).mul_(-bc1 / lrs)
+        F.apply_updates_(params, torch._foreach_div(u, denom), -1.0)
+        torch._foreach_zero_(u)
+
+    def _advance_intervals(self, t: int, frozen: bool) -> None:
+        c = self.counters
+        if not frozen:
+            if t % c["var_interval"] == 0:
+                c["var_counter"] += 1
+                if c["var_counter"] == self.var_update_scaler:
+                    c["var_counter"] = 0
+                    c["var_interval"] *= 2
+        else:
+            c["local_step_counter"] += 1
+            if c["local_step_counter"] == self.local_step_scaler:
+                c["local_step_counter"] = 0
+                c["local_step_interval"] = min(self.local_step_clipper, c["local_step_interval"] * 2)

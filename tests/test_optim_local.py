@@ -1,0 +1,242 @@
+"""The optimizers without a process group (world size 1), and their maths."""
+import copy
+import math
+
+import pytest
+import torch
+
+from onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from onebit.optim import functional as F
+
+OPTIMIZERS = [OnebitAdam, OnebitLamb, ZeroOneAdam]
+
+
+def model_and_data(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+    x, y = torch.randn(64, 6).to(dtype), torch.randint(0, 3, (64,))
+    return model, x, y
+
+
+def train(model, opt, x, y, steps):
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_onebit_adam_warmup_is_torch_adam():
+    # Same formula, different rounding order: equal to float32 precision.
+    m1, x, y = model_and_data()
+    m2 = copy.deepcopy(m1)
+    train(m1, OnebitAdam(m1.parameters(), lr=1e-2, freeze_step=1000), x, y, 30)
+    train(m2, torch.optim.Adam(m2.parameters(), lr=1e-2), x, y, 30)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_zero_one_adam_with_every_step_a_variance_step_is_torch_adam():
+    # var_update_scaler huge: the interval never doubles, so every step is
+    # full precision and 0/1 Adam is Adam.
+    m1, x, y = model_and_data()
+    m2 = copy.deepcopy(m1)
+    train(m1, ZeroOneAdam(m1.parameters(), lr=1e-2, var_update_scaler=10**6), x, y, 30)
+    train(m2, torch.optim.Adam(m2.parameters(), lr=1e-2), x, y, 30)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def reference_lamb(params, grads_seq, lr, betas, eps, wd, min_c, max_c):
+    """Textbook LAMB with bias correction and clamped trust ratio, per tensor."""
+    ps = [p.detach().clone().double() for p in params]
+    m = [torch.zeros_like(p) for p in ps]
+    v = [torch.zeros_like(p) for p in ps]
+    for t, grads in enumerate(grads_seq, 1):
+        for i, g in enumerate(grads):
+            g = g.double()
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * g
+            v[i] = betas[1] * v[i] + (1 - betas[1]) * g * g
+            u = (m[i] / (1 - betas[0] ** t)) / ((v[i] / (1 - betas[1] ** t)).sqrt() + eps) + wd * ps[i]
+            wn, un = ps[i].norm().item(), u.norm().item()
+            r = min(max(wn / un, min_c), max_c) if wn > 0 and un > 0 else 1.0
+            ps[i] = ps[i] - lr * r * u
+    return ps
+
+
+def test_onebit_lamb_warmup_matches_textbook_lamb():
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.zeros(3))]
+    grads_seq = [[torch.randn(5, 4), torch.randn(3)] for _ in range(12)]
+    ref = reference_lamb(params, grads_seq, 1e-2, (0.9, 0.999), 1e-8, 0.01, 0.01, 10.0)
+    opt = OnebitLamb(params, lr=1e-2, weight_decay=0.01, freeze_step=100)
+    for gs in grads_seq:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    for p, r in zip(params, ref):
+        assert torch.allclose(p.double(), r, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_compression_stage_runs_at_world_size_one_and_learns(cls):
+    def run(freeze):
+        model, x, y = model_and_data()
+        kw = ({"var_freeze_step": freeze, "local_step_scaler": 3} if cls is ZeroOneAdam
+              else {"freeze_step": freeze})
+        return train(model, cls(model.parameters(), lr=1e-2, **kw), x, y, 60)
+
+    frozen, never = run(20), run(10**6)
+    assert all(math.isfinite(l) for l in frozen)
+    assert frozen[-1] < 0.9 * frozen[0]
+    assert abs(frozen[-1] - never[-1]) <= 0.05 * never[-1]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_rejects_bad_hyper_parameters_by_name(cls):
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    cases = {"lr": -1.0, "eps": -1e-8, "weight_decay": -0.1, "max_grad_norm": -1.0,
+             "betas": (0.9, 1.0)}
+    for name, bad in cases.items():
+        with pytest.raises(ValueError, match=name):
+            cls(p, **{name: bad})
+    with pytest.raises(ValueError, match="amsgrad"):
+        cls(p, amsgrad=True)
+    step_name = "var_freeze_step" if cls is ZeroOneAdam else "freeze_step"
+    with pytest.raises(ValueError, match=step_name):
+        cls(p, **{step_name: -1})
+
+
+def test_class_specific_checks():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        with pytest.raises(ValueError, match=name):
+            ZeroOneAdam(p, **{name: 0})
+    for name in ("max_coeff", "min_coeff", "factor_max", "factor_min"):
+        with pytest.raises(ValueError, match=name):
+            OnebitLamb(p, **{name: 0.0})
+    with pytest.raises(ValueError, match="coeff_beta"):
+        OnebitLamb(p, coeff_beta=1.5)
+    with pytest.raises(ValueError, match="min_coeff"):
+        OnebitLamb(p, min_coeff=5.0, max_coeff=1.0)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_edge_cases_empty_params_no_grad_and_groups(cls):
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))
+    empty, unused = torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.randn(2))
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    kw = {"var_freeze_step": 3} if cls is ZeroOneAdam else {"freeze_step": 3}
+    opt = cls([{"params": [a, empty, frozen], "lr": 1e-2}, {"params": [b, unused], "lr": 1e-1}], **kw)
+    a0, b0, u0, f0 = a.detach().clone(), b.detach().clone(), unused.detach().clone(), frozen.detach().clone()
+    for _ in range(8):
+        a.grad, b.grad, empty.grad = torch.ones(4), torch.ones(3), torch.zeros(0)
+        opt.step()
+    for t in (a, b, empty, unused):
+        assert torch.isfinite(t).all()
+    assert torch.equal(frozen, f0) and torch.equal(unused, u0)  # zero grad, no decay: stays
+    # A 10x larger lr moves the second group further.
+    assert (b0 - b).abs().mean() > 5 * (a0 - a).abs().mean()
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_fp32_state(cls, dtype):
+    model, x, y = model_and_data(dtype=dtype)
+    kw = {"var_freeze_step": 4} if cls is ZeroOneAdam else {"freeze_step": 4}
+    opt = cls(model.parameters(), lr=1e-2, **kw)
+    losses = train(model, opt, x, y, 20)
+    assert losses[-1] < losses[0]
+    for p in model.parameters():
+        assert p.dtype == dtype
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+        assert opt.state[p]["exp_avg_sq"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_state_dict_round_trip_continues_exactly(cls):
+    kw = {"var_freeze_step": 4, "local_step_scaler": 2} if cls is ZeroOneAdam else {"freeze_step": 4}
+    m1, x, y = model_and_data()
+    o1 = cls(m1.parameters(), lr=1e-2, **kw)
+    train(m1, o1, x, y, 7)  # into the compression stage
+    m2 = copy.deepcopy(m1)
+    o2 = cls(m2.parameters(), lr=1e-2, **kw)
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+    assert o2.counters == o1.counters
+    l1, l2 = train(m1, o1, x, y, 6), train(m2, o2, x, y, 6)
+    assert l1 == l2
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_exp_avg_mask_survives_checkpoint_from_current_groups():
+    p = torch.nn.Parameter(torch.randn(4))
+    mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    opt = OnebitAdam([{"params": [p], "exp_avg_mask": mask}], freeze_step=1)
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["exp_avg_mask"] = torch.ones(4)  # a stale mask in the checkpoint
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.param_groups[0]["exp_avg_mask"], mask)
+    opt2 = OnebitAdam([p], freeze_step=1)  # no mask now: the checkpoint's is dropped
+    opt2.load_state_dict(opt.state_dict())
+    assert "exp_avg_mask" not in opt2.param_groups[0]
+
+
+def test_nan_gradient_raises_and_changes_nothing():
+    model, x, y = model_and_data()
+    opt = OnebitAdam(model.parameters(), freeze_step=2)
+    train(model, opt, x, y, 3)
+    before = copy.deepcopy(opt.state_dict())
+    params = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    next(model.parameters()).grad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf gradient"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert opt.counters == before["state"]["onebit"]
+
+
+def test_lamb_momentum_scales_survive_zero_and_empty_momentum():
+    scales = F.lamb_momentum_scales([torch.zeros(5), torch.ones(4), torch.zeros(0), 2 * torch.ones(9)])
+    assert scales[0] == 1.0 and scales[2] == 1.0  # DeepSpeed: division by zero
+    assert scales[1] == pytest.approx(1.5) and scales[3] == pytest.approx(0.75)
+
+
+def test_lamb_frozen_factor_clamps():
+    d, df = torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0])
+    assert F.lamb_frozen_factor(d, df, 1, 1, 0.0, 1.0, 0.5, 4.0, 0.1) == pytest.approx(1.1)
+    assert F.lamb_frozen_factor(d, df, 1, 1, 0.0, 2.0, 0.5, 4.0, 0.1) == pytest.approx(2.0)
+    assert F.lamb_frozen_factor(d * 10, df, 1, 1, 0.0, 3.9, 0.5, 4.0, 0.5) == pytest.approx(4.0)
+    assert F.lamb_frozen_factor(d / 10, df, 1, 1, 0.0, 0.5, 0.5, 4.0, 0.9) == pytest.approx(0.5)
+
+
+def test_grad_scaler_skips_inf_step_and_leaves_state_untouched():
+    model, x, y = model_and_data()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    for i in range(5):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if i == 3:
+            next(model.parameters()).grad[0, 0] = float("inf")
+            state = copy.deepcopy(opt.state_dict())
+            params = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        if i == 3:
+            assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            after = opt.state_dict()
+            assert after["state"]["onebit"] == state["state"]["onebit"]
+            for k in state["state"]:
+                if k != "onebit":
+                    for name, t in state["state"][k].items():
+                        assert torch.equal(t, after["state"][k][name])
+    assert opt.counters["step"] == 4  # 5 calls, one skipped
