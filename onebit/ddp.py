@@ -14,7 +14,6 @@ compression would save nothing.
 Pitfall: every parameter the optimizer trains must be in the DDP model;
 parameters outside it would never be averaged in warmup.
 """
-from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,8 @@ class OnebitHookState:
                         "loading a checkpoint instead of pickling it")
 
 
-def ddp_comm_hook(state: OnebitHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def ddp_comm_hook(state: OnebitHookState,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     opt = state.optimizer
     buf = bucket.buffer()
     if opt.world_size > 1 and opt.needs_full_precision_gradients():

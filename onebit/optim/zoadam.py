@@ -107,30 +107,45 @@ class ZeroOneAdam(OnebitOptimizer):
             torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
+                anchors = self._anchors(params)
                 torch._foreach_add_(u, upd)
                 c["lrs"][i] += group["lr"]
             F.apply_updates_(params, upd, -1.0)
             if sync:
-                self._sync_local_steps(i, group, params, m, u, denom, bc1, c["lrs"][i])
+                self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i])
                 c["lrs"][i] = 0.0
         self._advance_intervals(t, frozen)
         return loss
 
-    def _sync_local_steps(self, i, group, params, m, u, denom, bc1, lrs) -> None:
+    def _anchors(self, params):
+        """The last synced point of each param, kept exactly: recomputing it
+        as p - u would round differently on each rank, and the replicas would
+        no longer be bitwise identical after a sync."""
+        out = []
+        for p in params:
+            st = self.state[p]
+            if "sync_point" not in st:  # first local step: p is still the common point
+                st["sync_point"] = p.detach().clone()
+            out.append(st["sync_point"])
+        return out
+
+    def _sync_local_steps(self, i, group, params, anchors, m, u, denom, bc1, lrs) -> None:
         """Replace the local steps since the last sync with their 1-bit average.
 
-        u holds this rank's displacement; p - u is the last synced point. In
-        momentum units (u * denom) the ranks' u are averaged, the momentum is
-        re-derived from it (m = -avg / sum(lr) * bc1) and every rank lands on
-        synced point + avg / denom: the same bits everywhere.
+        u holds this rank's displacement since the anchor (the last synced
+        point). In momentum units (u * denom) the ranks' u are averaged, the
+        momentum is re-derived from it (m = -avg / sum(lr) * bc1) and every
+        rank lands on anchor + avg / denom: the same bits everywhere.
         """
-        F.apply_updates_(params, [x.clone() for x in u], 1.0)  # back to the synced point
         torch._foreach_mul_(u, denom)
         self._compressed_average_(i, u)
         self._mask_(group, u)
         for mi, ui in zip(m, u):
             mi.copy_(ui).mul_(-bc1 / lrs)
-        F.apply_updates_(params, torch._foreach_div(u, denom), -1.0)
+        torch._foreach_div_(u, denom)
+        for p, a, ui in zip(params, anchors, u):
+            a.add_(ui.to(a.dtype))
+            p.copy_(a)
         torch._foreach_zero_(u)
 
     def _advance_intervals(self, t: int, frozen: bool) -> None:
