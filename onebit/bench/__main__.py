@@ -1,12 +1,12 @@
-"""python -m onebit.bench [allreduce|kernels|optim] ...  (allreduce is the default)."""
+"""python -m onebit.bench [allreduce|kernels|convergence|optim] ...  (allreduce is the default)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import allreduce, kernels
+from . import allreduce, convergence, kernels
 
-COMMANDS = {"allreduce": allreduce, "kernels": kernels}
+COMMANDS = {"allreduce": allreduce, "kernels": kernels, "convergence": convergence}
 
 
 def main(argv=None) -> int:
