@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import allreduce, convergence, kernels
+from . import allreduce, convergence, kernels, optim
 
-COMMANDS = {"allreduce": allreduce, "kernels": kernels, "convergence": convergence}
+COMMANDS = {"allreduce": allreduce, "kernels": kernels, "convergence": convergence,
+            "optim": optim}
 
 
 def main(argv=None) -> int:

@@ -95,7 +95,6 @@ class OnebitAdam(OnebitOptimizer):
             else:
                 F.update_variance_(v, gs, beta2)
             bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))
-            denom = F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2)
-            upd = F.adam_updates(m, denom, [p.float() for p in params], group["weight_decay"], bc1)
-            F.apply_updates_(params, upd, group["lr"])
+            denom = self._denominators(i, group, v, bc2, "frozen" if compress else None)
+            F.adam_step_(params, m, denom, group["lr"], group["weight_decay"], bc1)
         return loss

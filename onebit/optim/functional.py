@@ -55,6 +55,22 @@ def adam_updates(exp_avgs: Tensors, denoms: Tensors, params: Tensors, weight_dec
     return u
 
 
+def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
+               weight_decay: float, bc1: float) -> None:
+    """p <- p - lr * ((m / bc1) / denom + weight_decay * p), without
+    materialising the update: decay in place, then one addcdiv (what keeps
+    this as cheap as torch.optim.Adam's foreach step)."""
+    fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
+    if len(fp32) == len(params):
+        if weight_decay:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr / bc1)
+        return
+    # Low-precision params: compute in fp32, round once.
+    upd = adam_updates(exp_avgs, denoms, [p.float() for p in params], weight_decay, bc1)
+    apply_updates_(params, upd, lr)
+
+
 def apply_updates_(params: Tensors, updates: Tensors, lr: float,
                    scales: Optional[Sequence[float]] = None) -> None:
     """p <- p - lr * scale_i * u_i (scales: LAMB's per-tensor coefficients).

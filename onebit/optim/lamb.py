@@ -137,7 +137,7 @@ class OnebitLamb(OnebitOptimizer):
         torch._foreach_div_(g_rec, 1.0 - beta1)
         F.update_variance_(fresh, g_rec, beta2)
         bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
-        denom = F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2)
+        denom = self._denominators(i, group, v, bc2, "frozen")
         denom_fresh = F.denominators(fresh, group["eps"], group["eps_inside_sqrt"], bc2)
         pf = [p.float() for p in params]
         prelim = F.adam_updates(m, denom, pf, 0.0, bc1)

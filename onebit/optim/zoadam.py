@@ -102,7 +102,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 self._mask_(group, gs)
             F.update_momentum_(m, gs, beta1)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
-            denom = F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2)
+            denom = self._denominators(i, group, v, bc2, c["var_updates"])
             upd = F.adam_updates(m, denom, [p.float() for p in params], group["weight_decay"], bc1)
             torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
             if frozen:
