@@ -57,7 +57,8 @@ setup(
     package_dir={"onebit.builders": "builders", "onebit.kernels": "kernels"},
     package_data={"onebit.kernels": ["cpu/*.cpp", "cuda/*.cu", "sycl/*.cpp"]},
     include_package_data=True,
-    install_requires=["torch>=2.1,<3", "numpy>=1.22", "pybind11>=2.10"],  # pybind11: headers for the JIT build,
+    # pybind11: headers for the just-in-time build; tqdm: the bench progress bar.
+    install_requires=["torch>=2.1,<3", "numpy>=1.22", "pybind11>=2.10", "tqdm"],
     extras_require={
         "mpi": ["mpi4py>=3.1", "mpich>=4"],
         "cuda": ["cupy-cuda12x>=13"],

@@ -8,3 +8,4 @@ __version__ = "0.1.0"
 from .accelerator import get_accelerator, set_accelerator  # noqa: E402,F401
 from .optim import OnebitAdam, OnebitLamb, ZeroOneAdam  # noqa: E402,F401
 from .ddp import OnebitHookState, ddp_comm_hook  # noqa: E402,F401
+from .config import build_optimizer  # noqa: E402,F401
