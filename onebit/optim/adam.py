@@ -6,10 +6,10 @@ from typing import Optional
 import torch
 
 from . import functional as F
-from .base import OnebitOptimizer, check_common, check_positive_int
+from .base import FreezeStepOptimizer, check_common, check_positive_int
 
 
-class OnebitAdam(OnebitOptimizer):
+class OnebitAdam(FreezeStepOptimizer):
     """Adam whose communication drops to 1 bit per element after a warmup.
 
     Warmup (steps 1..freeze_step): gradients are averaged across ranks in full
@@ -56,31 +56,8 @@ class OnebitAdam(OnebitOptimizer):
                         max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group)
 
-    def compression_started(self, step: Optional[int] = None) -> bool:
-        """Whether step `step` (default: the next one) is in the compression stage."""
-        t = self.counters["step"] + 1 if step is None else step
-        return t > self.freeze_step
-
-    def needs_full_precision_gradients(self) -> bool:
-        return not self.compression_started()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t = self.counters["step"] + 1
+    def _update(self, t, groups, grads) -> None:
         compress = self.compression_started(t)
-        groups = [(g, self._trainable(g)) for g in self.param_groups]
-        grads = [self._gradients(ps) for _, ps in groups]
-        if not compress:
-            for i, gs in enumerate(grads):
-                self._average_(i, gs)
-        self._grads_averaged_externally = False  # the DDP hook's promise covers one step
-        if self._skip_for_nonfinite(grads, local_only=compress):
-            return loss
-        self.counters["step"] = t
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
@@ -97,4 +74,3 @@ class OnebitAdam(OnebitOptimizer):
             bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))
             denom = self._denominators(i, group, v, bc2, "frozen" if compress else None)
             F.adam_step_(params, m, denom, group["lr"], group["weight_decay"], bc1)
-        return loss

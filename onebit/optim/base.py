@@ -86,6 +86,39 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def counters(self) -> dict:
         return self.state[STATE_KEY]
 
+    # ---------------------------------------------------------------- step --
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step (see the class docs for what each stage does).
+
+        Shared by every onebit optimizer: gather fp32 gradients (a missing
+        .grad counts as zero), average them in full precision when this step
+        needs it, agree across ranks on skipping a non-finite step, then let
+        the subclass's `_update` do the maths for step t.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.counters["step"] + 1
+        full = self.needs_full_precision_gradients()
+        groups = [(g, self._trainable(g)) for g in self.param_groups]
+        grads = [self._gradients(ps) for _, ps in groups]
+        if full:
+            for i, gs in enumerate(grads):
+                self._average_(i, gs)
+        self._grads_averaged_externally = False  # the DDP hook's promise covers one step
+        if self._skip_for_nonfinite(grads, local_only=not full):
+            return loss
+        self.counters["step"] = t
+        self._update(t, groups, grads)
+        return loss
+
+    def _update(self, t: int, groups: list, grads: list) -> None:
+        """The maths of step t: groups is [(param_group, trainable params)],
+        grads the matching fp32 gradients (averaged when full precision)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------- tensors --
     def _trainable(self, group) -> List[torch.Tensor]:
         """The params this optimizer trains: those that require grad. A param
@@ -298,3 +331,17 @@ class OnebitOptimizer(torch.optim.Optimizer):
             return 1.0, 1.0
         b1, b2 = group["betas"]
         return 1.0 - b1 ** step, (1.0 - b2 ** max(variance_updates, 1))
+
+
+class FreezeStepOptimizer(OnebitOptimizer):
+    """1-bit Adam and 1-bit LAMB: full precision up to `freeze_step`, 1-bit after."""
+
+    freeze_step: int
+
+    def compression_started(self, step: Optional[int] = None) -> bool:
+        """Whether step `step` (default: the next one) is in the compression stage."""
+        t = self.counters["step"] + 1 if step is None else step
+        return t > self.freeze_step
+
+    def needs_full_precision_gradients(self) -> bool:
+        return not self.compression_started()

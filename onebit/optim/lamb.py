@@ -6,10 +6,10 @@ from typing import Optional
 import torch
 
 from . import functional as F
-from .base import OnebitOptimizer, check_common, check_positive_int
+from .base import FreezeStepOptimizer, check_common, check_positive_int
 
 
-class OnebitLamb(OnebitOptimizer):
+class OnebitLamb(FreezeStepOptimizer):
     """LAMB whose communication drops to 1 bit per element after a warmup.
 
     Warmup (steps 1..freeze_step): LAMB with full-precision averaged
@@ -59,36 +59,13 @@ class OnebitLamb(OnebitOptimizer):
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group)
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
 
-    def compression_started(self, step: Optional[int] = None) -> bool:
-        t = self.counters["step"] + 1 if step is None else step
-        return t > self.freeze_step
-
-    def needs_full_precision_gradients(self) -> bool:
-        return not self.compression_started()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t = self.counters["step"] + 1
+    def _update(self, t, groups, grads) -> None:
         compress = self.compression_started(t)
-        groups = [(g, self._trainable(g)) for g in self.param_groups]
-        grads = [self._gradients(ps) for _, ps in groups]
-        if not compress:
-            for i, gs in enumerate(grads):
-                self._average_(i, gs)
-        self._grads_averaged_externally = False  # the DDP hook's promise covers one step
-        if self._skip_for_nonfinite(grads, local_only=compress):
-            return loss
-        self.counters["step"] = t
         self.lamb_coeffs = []
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if params:
                 self._clip_(gs, group["max_grad_norm"])
                 (self._compressed_step if compress else self._warmup_step)(i, group, params, gs, t)
-        return loss
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
         beta1, beta2 = group["betas"]

@@ -59,32 +59,19 @@ class ZeroOneAdam(OnebitOptimizer):
         t = self.counters["step"] + 1 if step is None else step
         return t > self.var_freeze_step
 
-    def needs_full_precision_gradients(self) -> bool:
-        t = self.counters["step"] + 1
+    def _variance_step(self, t: int) -> bool:
+        """Whether step t updates v (with full-precision averaged gradients)."""
         return not self.frozen(t) and t % self.counters["var_interval"] == 0
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def needs_full_precision_gradients(self) -> bool:
+        return self._variance_step(self.counters["step"] + 1)
+
+    def _update(self, t, groups, grads) -> None:
         c = self.counters
-        t = c["step"] + 1
-        frozen = self.frozen(t)
-        full = not frozen and t % c["var_interval"] == 0
-        groups = [(g, self._trainable(g)) for g in self.param_groups]
-        grads = [self._gradients(ps) for _, ps in groups]
-        if full:
-            for i, gs in enumerate(grads):
-                self._average_(i, gs)
-        self._grads_averaged_externally = False  # the DDP hook's promise covers one step
-        if self._skip_for_nonfinite(grads, local_only=not full):
-            return loss
+        frozen, full = self.frozen(t), self._variance_step(t)
         if frozen and not self.frozen(t - 1):
             # The error buffers switch from gradients to accumulated steps.
             self.reset_compression_errors()
-        c["step"] = t
         if full:
             c["var_updates"] += 1
         sync = frozen and t % c["local_step_interval"] == 0
@@ -115,7 +102,6 @@ class ZeroOneAdam(OnebitOptimizer):
                 self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i])
                 c["lrs"][i] = 0.0
         self._advance_intervals(t, frozen)
-        return loss
 
     def _anchors(self, params):
         """The last synced point of each param, kept exactly: recomputing it
