@@ -9,3 +9,5 @@ from .accelerator import get_accelerator, set_accelerator  # noqa: E402,F401
 from .optim import OnebitAdam, OnebitLamb, ZeroOneAdam  # noqa: E402,F401
 from .ddp import OnebitHookState, ddp_comm_hook  # noqa: E402,F401
 from .config import build_optimizer  # noqa: E402,F401
+from .collectives import CommunicationError  # noqa: E402,F401
+from .optim.base import ReplicaDivergenceError  # noqa: E402,F401

@@ -17,7 +17,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
@@ -96,11 +96,14 @@ def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads):
 
 def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
                 timeout: Optional[float] = None, env: Optional[dict] = None,
-                pg_timeout_s: float = 300.0, threads: Optional[int] = None) -> List[Any]:
+                pg_timeout_s: float = 300.0, threads: Optional[int] = None,
+                may_die: Sequence[int] = ()) -> List[Any]:
     """Run fn(rank, world_size, *args) on `world_size` local gloo ranks.
 
     fn must be importable (a module-level function). `threads` sets each
-    rank's torch threads (default: cores shared out, at least 1).
+    rank's torch threads (default: cores shared out, at least 1). Ranks in
+    `may_die` (fault-injection tests) may exit without reporting; their
+    result is None.
     """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -115,14 +118,20 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
         p.start()
     out, errors = {}, []
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def settled() -> int:
+        gone = [r for r in may_die if r not in out and procs[r].exitcode not in (None, 0)]
+        return len(out) + len(gone)
+
     try:
-        while len(out) < world_size and not errors:
+        while settled() < world_size and not errors:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"local ranks timed out after {timeout}s; finished: {sorted(out)}")
             try:
                 rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in may_die]
                 if dead:
                     raise RuntimeError(f"ranks {dead} died without reporting (exit codes "
                                        f"{[procs[r].exitcode for r in dead]})")
@@ -140,4 +149,4 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
     if errors:
         rank, tb = errors[0]
         raise RuntimeError(f"rank {rank} failed:\n{tb}")
-    return [out[r] for r in range(world_size)]
+    return [out.get(r) for r in range(world_size)]

@@ -4,9 +4,9 @@ onebit.launch.spawn_local, with one thread per rank (p ranks share 2 cores)."""
 from onebit.launch import spawn_local
 
 
-def run_workers(fn, world_size, *args, timeout=120, env=None, pg_timeout=60):
+def run_workers(fn, world_size, *args, timeout=120, env=None, pg_timeout=60, may_die=()):
     try:
         return spawn_local(fn, world_size, *args, timeout=timeout, env=env,
-                           pg_timeout_s=pg_timeout, threads=1)
+                           pg_timeout_s=pg_timeout, threads=1, may_die=may_die)
     except RuntimeError as exc:
         raise AssertionError(str(exc)) from None

@@ -2,13 +2,13 @@
 xccl -- whatever the process group was initialised with)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from .base import CompressedAllreduceBase
-
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CompressedBackend(CompressedAllreduceBase):
@@ -18,12 +18,16 @@ class CompressedBackend(CompressedAllreduceBase):
       group: the data-parallel process group (default: the world). Chunk k of
         the buffer is served by rank k *of this group*.
       check_finite: see CompressedAllreduceBase.
+      timeout_s: deadline of each collective (default $ONEBIT_TIMEOUT_S or
+        300 s); past it, or when a peer dies, CommunicationError names the phase.
     """
 
     name = "compressed"
 
-    def __init__(self, group=None, check_finite: bool = True) -> None:
+    def __init__(self, group=None, check_finite: bool = True,
+                 timeout_s: Optional[float] = None) -> None:
         super().__init__(check_finite=check_finite)
+        self.timeout_s = timeout_s
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CompressedBackend needs torch.distributed initialised "
                                "(dist.init_process_group) before it is created")
@@ -43,10 +47,16 @@ class CompressedBackend(CompressedAllreduceBase):
         if self._size == 1:
             recv.copy_(send)
         else:
-            dist.all_to_all_single(recv, send, group=self.group)
+            collectives.run("compressed_allreduce phase 1 (all-to-all of worker signs)",
+                            lambda: dist.all_to_all_single(recv, send, group=self.group,
+                                                           async_op=True),
+                            self.timeout_s, self.group)
 
     def gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         if self._size == 1:
             recv.view(-1).copy_(send.view(-1))
         else:
-            _all_gather(recv.view(-1), send.view(-1), group=self.group)
+            collectives.run("compressed_allreduce all-gather (server signs / sizes)",
+                            lambda: collectives.all_gather_flat(recv.view(-1), send.view(-1), group=self.group,
+                                                async_op=True),
+                            self.timeout_s, self.group)

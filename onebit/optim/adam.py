@@ -39,6 +39,13 @@ class OnebitAdam(FreezeStepOptimizer):
       comm_backend_name: 'compressed' (torch.distributed), 'mpi', or a
         registered name; None asks the accelerator (`onebit_backend()`).
       process_group: the data-parallel group (default: world).
+      timeout_s: deadline of every collective (default $ONEBIT_TIMEOUT_S or
+        300 s); a dead or hung peer raises CommunicationError naming the phase.
+      check_replicas_every: every K steps, compare checksums of all params and
+        state across ranks and raise ReplicaDivergenceError naming the first
+        tensor that differs (0: off; costs one small all-gather).
+    Construction broadcasts rank 0's parameters and checks that every rank
+    built the same optimizer (shapes, hyper-parameters, backend, wire format).
     Param groups may carry `exp_avg_mask`: multiplied into m after every
     compressed exchange, for entries whose momentum must stay exactly 0.
     """
@@ -47,14 +54,16 @@ class OnebitAdam(FreezeStepOptimizer):
                  bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
-                 comm_backend_name: Optional[str] = None, process_group=None) -> None:
+                 comm_backend_name: Optional[str] = None, process_group=None,
+                 timeout_s: Optional[float] = None, check_replicas_every: int = 0) -> None:
         check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "OnebitAdam")
         check_positive_int("freeze_step", freeze_step, minimum=0)
         self.freeze_step = freeze_step
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
                         max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group)
+        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
+                         timeout_s, check_replicas_every)
 
     def _update(self, t, groups, grads) -> None:
         compress = self.compression_started(t)

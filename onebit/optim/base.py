@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..accelerator import get_accelerator
+from ..backends.base import WIRE_FORMAT_VERSION
 from . import functional as F
 
 STATE_KEY = "onebit"  # self.state[STATE_KEY]: the counters that decide the stage
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The divergence guard found ranks whose parameters or state differ."""
 
 
 def _check(name: str, value, ok: bool, expected: str) -> None:
@@ -54,8 +62,15 @@ class OnebitOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults: dict, comm_backend_name: Optional[str], cuda_aware: bool,
-                 process_group=None, broadcast_init: bool = True) -> None:
+                 process_group=None, timeout_s: Optional[float] = None,
+                 check_replicas_every: int = 0) -> None:
+        # What the subclass set before calling us: its stage settings
+        # (freeze_step, var_update_scaler, ...), part of the rank fingerprint.
+        settings = {k: v for k, v in vars(self).items() if isinstance(v, (int, float, str, tuple))}
+        check_positive_int("check_replicas_every", check_replicas_every, minimum=0)
         super().__init__(params, defaults)
+        self.timeout_s = timeout_s
+        self.check_replicas_every = check_replicas_every
         self.process_group = process_group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
@@ -67,11 +82,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
             kwargs = {"cuda_aware": cuda_aware} if self.comm_backend_name == "mpi" else {}
             group = None if self.comm_backend_name == "mpi" else process_group
+            if self.comm_backend_name != "mpi":
+                kwargs["timeout_s"] = timeout_s
             # The optimizer checks gradients (and agrees across ranks) itself.
             self.backend = get_backend(self.comm_backend_name, group=group, check_finite=False,
                                        **kwargs)
-            if broadcast_init:
-                self._broadcast_parameters()
+            self._check_ranks_agree(settings)
+            self._broadcast_parameters()
         self._errors: Dict[int, tuple] = {}  # group index -> (worker_error, server_error)
         self._flat: Dict[int, torch.Tensor] = {}
         self._denoms: Dict[int, tuple] = {}  # group index -> (key, cached denominators)
@@ -112,6 +129,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
             return loss
         self.counters["step"] = t
         self._update(t, groups, grads)
+        if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
+                and self._replicas_should_match(t)):
+            self._check_replicas(t)
         return loss
 
     def _update(self, t: int, groups: list, grads: list) -> None:
@@ -175,7 +195,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
             return
         flat = self._flat_buffer(index, tensors)
         self._flatten_into(flat, tensors)
-        dist.all_reduce(flat, group=self.process_group)
+        self._collective("gradient averaging (full-precision all-reduce)",
+                         lambda: dist.all_reduce(flat, group=self.process_group, async_op=True))
         flat.div_(self.world_size)
         self._unflatten_from(flat, tensors)
 
@@ -203,8 +224,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if self.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self._device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._collective("agreeing on skipping a non-finite step",
+                         lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group,
+                                                 async_op=True))
         return bool(t.item() > 0)
+
+    def _collective(self, phase: str, start) -> None:
+        collectives.run(f"{type(self).__name__}: {phase}", start, self.timeout_s, self.process_group)
 
     def _device(self) -> torch.device:
         for g in self.param_groups:
@@ -255,9 +281,71 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 continue
             with torch.no_grad():
                 flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-                dist.broadcast(flat, src=src, group=self.process_group)
+                self._collective("broadcast of rank 0's initial parameters",
+                                 lambda: dist.broadcast(flat, src=src, group=self.process_group,
+                                                        async_op=True))
                 for p, v in zip(params, flat.split([p.numel() for p in params])):
                     p.copy_(v.view_as(p))
+
+    # --------------------------------------------------- ranks that disagree --
+    def _gather_int64(self, phase: str, values: List[int]) -> torch.Tensor:
+        """[world, len(values)] int64: every rank's values."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self._device())
+        out = torch.empty(self.world_size, len(values), dtype=torch.int64, device=mine.device)
+        self._collective(phase, lambda: collectives.all_gather_flat(
+            out.view(-1), mine, group=self.process_group, async_op=True))
+        return out
+
+    def _check_ranks_agree(self, settings: dict) -> None:
+        """Construction-time fingerprint (one small all-gather): every rank
+        must build the same optimizer, or the collectives would mismatch."""
+        groups = [{k: (tuple(v.shape) if isinstance(v, torch.Tensor) else v)
+                   for k, v in g.items() if k != "params"} for g in self.param_groups]
+        fields = {
+            "parameter shapes/order": [[(tuple(p.shape), str(p.dtype)) for p in g["params"]]
+                                       for g in self.param_groups],
+            "hyper-parameters": (type(self).__name__, sorted(settings.items()),
+                                 [sorted(g.items()) for g in groups]),
+            "compressed backend": self.comm_backend_name,
+            "wire format version": WIRE_FORMAT_VERSION,
+        }
+        digest = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:8], "little", signed=True)
+                  for v in fields.values()]
+        table = self._gather_int64("construction fingerprint", digest)
+        bad = [name for j, name in enumerate(fields) if len(set(table[:, j].tolist())) > 1]
+        if bad:
+            rank = dist.get_rank(self.process_group)
+            raise ValueError(f"{type(self).__name__}: ranks disagree on {', '.join(bad)}; "
+                             f"this rank ({rank}) has " + "; ".join(
+                                 f"{b} = {fields[b]!r}"[:400] for b in bad))
+
+    def _replicas_should_match(self, step: int) -> bool:
+        """Whether all replicas are identical after `step` (0/1 Adam: only after a sync)."""
+        return True
+
+    def _check_replicas(self, step: int) -> None:
+        """Divergence guard: compare a checksum of every parameter and state
+        tensor across ranks; raise naming the first that differs."""
+        names, sums = [], []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                tensors = [("value", p.detach())] + sorted(
+                    (k, v) for k, v in self.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+                for name, t in tensors:
+                    raw = t.contiguous().view(-1).view(torch.uint8)
+                    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+                    names.append(f"group {gi} param {pi} {tuple(p.shape)} {name}")
+                    sums.append(int(words.sum(dtype=torch.int64)))
+        if not sums:
+            return
+        table = self._gather_int64("replica divergence check", sums)
+        for j, name in enumerate(names):
+            column = table[:, j].tolist()
+            if len(set(column)) > 1:
+                odd = [r for r, v in enumerate(column) if v != column[0]]
+                raise ReplicaDivergenceError(
+                    f"{type(self).__name__}: replicas diverged by step {step}: {name} differs "
+                    f"on rank(s) {odd} from rank 0")
 
     # ---------------------------------------------------------- checkpoints --
     def load_state_dict(self, state_dict: dict) -> None:

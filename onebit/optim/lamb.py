@@ -35,7 +35,8 @@ class OnebitLamb(FreezeStepOptimizer):
                  amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                 process_group=None) -> None:
+                 process_group=None, timeout_s: Optional[float] = None,
+                 check_replicas_every: int = 0) -> None:
         check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "OnebitLamb")
         check_positive_int("freeze_step", freeze_step, minimum=0)
         for name, v in (("max_coeff", max_coeff), ("min_coeff", min_coeff),
@@ -56,7 +57,8 @@ class OnebitLamb(FreezeStepOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
                         max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
-        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group)
+        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
+                         timeout_s, check_replicas_every)
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
 
     def _update(self, t, groups, grads) -> None:

@@ -34,7 +34,8 @@ class ZeroOneAdam(OnebitOptimizer):
                  var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16,
                  amsgrad: bool = False, cuda_aware: bool = False,
-                 comm_backend_name: Optional[str] = None, process_group=None) -> None:
+                 comm_backend_name: Optional[str] = None, process_group=None,
+                 timeout_s: Optional[float] = None, check_replicas_every: int = 0) -> None:
         check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "ZeroOneAdam")
         check_positive_int("var_freeze_step", var_freeze_step, minimum=0)
         check_positive_int("var_update_scaler", var_update_scaler)
@@ -47,17 +48,21 @@ class ZeroOneAdam(OnebitOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
                         max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group)
+        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
+                         timeout_s, check_replicas_every)
 
     def _initial_counters(self) -> dict:
         return {"step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
-                "local_step_interval": 1, "local_step_counter": 0,
+                "local_step_interval": 1, "local_step_counter": 0, "last_sync": 0,
                 "lrs": [0.0] * len(self.param_groups)}  # sum of lr since the last sync, per group
 
     def frozen(self, step: Optional[int] = None) -> bool:
         """Whether step `step` (default: the next) is past var_freeze_step."""
         t = self.counters["step"] + 1 if step is None else step
         return t > self.var_freeze_step
+
+    def _replicas_should_match(self, step: int) -> bool:
+        return not self.frozen(step) or self.counters["last_sync"] == step
 
     def _variance_step(self, t: int) -> bool:
         """Whether step t updates v (with full-precision averaged gradients)."""
@@ -101,6 +106,8 @@ class ZeroOneAdam(OnebitOptimizer):
             if sync:
                 self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i])
                 c["lrs"][i] = 0.0
+        if sync:
+            c["last_sync"] = t
         self._advance_intervals(t, frozen)
 
     def _anchors(self, params):

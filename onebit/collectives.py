@@ -1,0 +1,43 @@
+"""Bounded collectives: every torch.distributed call onebit makes, with a
+deadline and an error that says which phase failed.
+
+A collective whose peer died fails as soon as the transport notices (gloo:
+"connection closed by peer"); one whose peer hangs fails when `timeout_s`
+passes. Either way every surviving rank raises `CommunicationError` naming
+the phase -- never a silent hang. The default deadline is
+$ONEBIT_TIMEOUT_S, else 300 s; backends and optimizers take `timeout_s`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed or timed out; the message names the phase."""
+
+
+def default_timeout_s() -> float:
+    return float(os.environ.get("ONEBIT_TIMEOUT_S", "300"))
+
+
+def run(phase: str, start: Callable[[], "dist.Work"], timeout_s: Optional[float] = None,
+        group=None) -> None:
+    """Start an async collective with `start()` and wait for it, bounded."""
+    t = default_timeout_s() if timeout_s is None else timeout_s
+    try:
+        work = start()
+        work.wait(timeout=datetime.timedelta(seconds=t))
+    except RuntimeError as exc:
+        where = f"rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
+        raise CommunicationError(
+            f"onebit: {phase} failed or did not finish within {t:g} s on {where}: {exc}. "
+            "A peer rank probably died, hung, or stopped calling step() in step with the "
+            "others") from exc

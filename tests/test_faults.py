@@ -1,0 +1,131 @@
+"""Faults end in a clear error on every surviving rank, never a hang or
+silent corruption: dead and hung ranks, ranks that disagree, diverging
+replicas."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from distributed import run_workers
+
+SHAPES = [(6, 4), (9,)]
+
+
+def _params():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+
+
+def _grads(params, rank, t):
+    g = torch.Generator().manual_seed(100 * t + rank)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _dies_mid_training(rank, world, how, freeze):
+    import onebit
+
+    params = _params()
+    opt = onebit.OnebitAdam(params, freeze_step=freeze, timeout_s=4.0)
+    for t in range(1, 9):
+        _grads(params, rank, t)
+        if t == 6 and rank == 1:
+            if how == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(12)  # hung: alive, but misses the collective until the others gave up
+            return None
+        if rank == 1 or t < 6:
+            opt.step()
+            continue
+        start = time.monotonic()
+        with pytest.raises(onebit.CommunicationError) as err:
+            opt.step()
+        return str(err.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+@pytest.mark.parametrize("freeze", [100, 3], ids=["warmup", "compression"])
+def test_dead_or_hung_rank_gives_a_timely_error_naming_the_phase(how, freeze):
+    results = run_workers(_dies_mid_training, 3, how, freeze, timeout=90, may_die=(1,))
+    for rank in (0, 2):
+        message, waited = results[rank]
+        assert waited < 4.0 + 6.0, f"rank {rank} waited {waited:.1f}s"
+        assert "OnebitAdam" in message
+        phase = "gradient averaging" if freeze == 100 else "agreeing on skipping"
+        assert phase in message, message
+    if how == "hung":
+        assert "within 4 s" in results[0][0]
+
+
+def _backend_peer_dies(rank, world):
+    import onebit
+    from onebit.backends import CompressedBackend
+
+    b = CompressedBackend(timeout_s=4.0)
+    n, ns = b.error_sizes(1000)
+    w, s = torch.zeros(n), torch.zeros(ns)
+    b.compressed_allreduce(torch.randn(1000), w, s)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(onebit.CommunicationError, match="phase 1"):
+        b.compressed_allreduce(torch.randn(1000), w, s)
+    return True
+
+
+def test_backend_names_the_phase_when_a_peer_dies():
+    assert run_workers(_backend_peer_dies, 3, timeout=60, may_die=(2,))[:2] == [True, True]
+
+
+def _disagree(rank, world, what):
+    import onebit
+    import onebit.optim.base as base
+
+    params = _params()
+    kw = {}
+    if what == "freeze_step" and rank == 1:
+        kw["freeze_step"] = 7
+    if what == "shapes" and rank == 2:
+        params = params[::-1]
+    if what == "wire format" and rank == 0:
+        base.WIRE_FORMAT_VERSION = 99
+    if what == "backend" and rank == 1:
+        from onebit.backends import CompressedBackend, register_backend
+
+        register_backend("compressed-v2", CompressedBackend)
+        kw["comm_backend_name"] = "compressed-v2"
+    with pytest.raises(ValueError, match="ranks disagree on") as err:
+        onebit.OnebitAdam(params, **kw)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("what, named", [("freeze_step", "hyper-parameters"),
+                                         ("shapes", "parameter shapes/order"),
+                                         ("wire format", "wire format version"),
+                                         ("backend", "compressed backend")])
+def test_construction_fingerprint_catches_disagreeing_ranks(what, named):
+    messages = run_workers(_disagree, 3, what, timeout=60)
+    assert all(named in m for m in messages), messages
+
+
+def _corrupted(rank, world):
+    import onebit
+
+    params = _params()
+    opt = onebit.OnebitAdam(params, freeze_step=3, check_replicas_every=5)
+    for t in range(1, 5):
+        _grads(params, rank, t)
+        opt.step()
+    if rank == 2:
+        with torch.no_grad():
+            params[1][4] += 1e-3  # silent corruption on one rank
+    _grads(params, rank, 5)
+    with pytest.raises(onebit.ReplicaDivergenceError) as err:
+        opt.step()
+    return str(err.value)
+
+
+def test_divergence_guard_names_the_first_differing_tensor():
+    for message in run_workers(_corrupted, 3, timeout=60):
+        assert "group 0 param 1 (9,) value differs on rank(s) [2]" in message, message
