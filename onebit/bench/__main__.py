@@ -1,13 +1,13 @@
-"""python -m onebit.bench [allreduce|kernels|convergence|optim] ...  (allreduce is the default)."""
+"""python -m onebit.bench [allreduce|kernels|convergence|optim|soak] ...  (allreduce is the default)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import allreduce, convergence, kernels, optim
+from . import allreduce, convergence, kernels, optim, soak
 
 COMMANDS = {"allreduce": allreduce, "kernels": kernels, "convergence": convergence,
-            "optim": optim}
+            "optim": optim, "soak": soak}
 
 
 def main(argv=None) -> int:
