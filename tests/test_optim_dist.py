@@ -201,16 +201,20 @@ def loss_and_grads(params, rank, world):
     return loss
 
 
+@pytest.mark.parametrize("saved_on, resumed_on", [(4, (2, 3)), (2, (4,))])
 @pytest.mark.parametrize("cls_name", sorted(CONFIGS))
-def test_checkpoint_in_compression_stage_resumes_at_other_world_sizes(cls_name, tmp_path):
+def test_checkpoint_in_compression_stage_resumes_at_other_world_sizes(cls_name, saved_on,
+                                                                      resumed_on, tmp_path):
     path = str(tmp_path / "ckpt.pt")
-    before = run_workers(_train_and_save, 3, cls_name, 40, path, timeout=120)[0]
+    before = run_workers(_train_and_save, saved_on, cls_name, 40, path, timeout=120)[0]
     typical = max(abs(a - b) for a, b in zip(before[-6:], before[-5:]))
-    for world in (2, 4):
+    for world in resumed_on:
         (after, step), *_ = run_workers(_resume, world, cls_name, 10, path, timeout=120)
         assert step == 50  # the stage (step count) came back with the checkpoint
+        # after[0] is the loss at the checkpointed point, before[-1] the loss one
+        # step earlier: their gap is one step's change, which must look normal.
         jump = abs(after[0] - before[-1])
-        assert jump <= 2 * typical + 1e-6, f"loss jumped {jump} (typical step change {typical})"
+        assert jump <= typical, f"loss jumped {jump} (largest recent step change {typical})"
         assert after[-1] < before[0]
 
 
