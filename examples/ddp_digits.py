@@ -1,0 +1,62 @@
+"""The same training, with the model wrapped in DistributedDataParallel.
+
+The comm hook makes DDP allreduce gradients (once, bucketed) only on the
+steps that need full precision, and send nothing in the compression stage,
+where the optimizer exchanges 1-bit momentum instead:
+
+  python examples/ddp_digits.py --nproc 4
+  torchrun --nproc-per-node 4 examples/ddp_digits.py
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import onebit
+from onebit import launch
+from onebit.bench.convergence import load_digits_split
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_digits import batches, evaluate, make_model_and_groups  # noqa: E402
+
+
+def train(rank, world, steps, freeze_step):
+    xtr, ytr, xte, yte = load_digits_split()
+    model, groups = make_model_and_groups(xtr)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = onebit.OnebitAdam(groups, lr=3e-3, freeze_step=freeze_step)
+    ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
+    data = batches(xtr, ytr, rank, world, 32)
+    for step in range(1, steps + 1):
+        x, y = next(data)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        if rank == 0 and (step % 50 == 0 or step == steps):
+            print(f"step {step:5d}  loss {loss.item():.4f}", flush=True)
+    acc = evaluate(model, xte, yte)
+    if rank == 0:
+        print(f"final: DDP + OnebitAdam on {world} ranks, test accuracy {acc:.2f}%", flush=True)
+    return acc
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--freeze-step", type=int, default=60)
+    p.add_argument("--nproc", type=int, default=4)
+    args = p.parse_args(argv)
+    if launch.launched_externally():
+        launch.init_distributed()
+        train(dist.get_rank(), dist.get_world_size(), args.steps, args.freeze_step)
+        dist.destroy_process_group()
+    else:
+        launch.spawn_local(train, args.nproc, args.steps, args.freeze_step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

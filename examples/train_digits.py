@@ -1,0 +1,89 @@
+"""Train an MLP on scikit-learn's digits with the optimizer a JSON config names.
+
+  python examples/train_digits.py --config examples/configs/onebit_adam.json          # 4 local ranks
+  torchrun --nproc-per-node 4 examples/train_digits.py --config examples/configs/onebit_adam.json
+  mpirun -n 4 python examples/train_digits.py --config examples/configs/onebit_adam.json
+
+Swapping optimizers is one word in the config ("type": "Adam" -> "OneBitAdam").
+"""
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+
+import onebit
+from onebit import launch
+from onebit.bench.convergence import load_digits_split
+
+
+def make_model_and_groups(xtr):
+    """The model and its param groups: pixels that never vary get an
+    exp_avg_mask (1-bit signs cannot say "this momentum is zero")."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
+    first = model[0].weight
+    live = (xtr.abs().sum(0) > 0).float().expand_as(first).clone()
+    groups = [{"params": [first], "exp_avg_mask": live},
+              {"params": [p for p in model.parameters() if p is not first]}]
+    return model, groups
+
+
+def batches(xtr, ytr, rank, world, batch, seed=0):
+    shard = torch.arange(rank, len(ytr), world)
+    g = torch.Generator().manual_seed(seed + rank)
+    while True:
+        idx = shard[torch.randint(len(shard), (batch,), generator=g)]
+        yield xtr[idx], ytr[idx]
+
+
+def evaluate(model, xte, yte):
+    with torch.no_grad():
+        return (model(xte).argmax(1) == yte).float().mean().item() * 100
+
+
+def train(rank, world, config, steps, batch):
+    xtr, ytr, xte, yte = load_digits_split()
+    model, groups = make_model_and_groups(xtr)
+    opt = onebit.build_optimizer(groups, config)
+    plain_torch = not isinstance(opt, onebit.optim.OnebitOptimizer)
+    if plain_torch and world > 1:  # torch optimizers neither broadcast nor average
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+    data = batches(xtr, ytr, rank, world, batch)
+    for step in range(1, steps + 1):
+        x, y = next(data)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if plain_torch and world > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+        if rank == 0 and (step % 50 == 0 or step == steps):
+            print(f"step {step:5d}  loss {loss.item():.4f}", flush=True)
+    acc = evaluate(model, xte, yte)
+    if rank == 0:
+        print(f"final: {type(opt).__name__} on {world} ranks, test accuracy {acc:.2f}%", flush=True)
+    return acc
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="DeepSpeed-style JSON with an optimizer section")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks when not under torchrun/mpirun")
+    args = p.parse_args(argv)
+    if launch.launched_externally():
+        launch.init_distributed()
+        train(dist.get_rank(), dist.get_world_size(), args.config, args.steps, args.batch)
+        dist.destroy_process_group()
+    else:
+        launch.spawn_local(train, args.nproc, args.config, args.steps, args.batch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
