@@ -19,7 +19,7 @@ from onebit import launch
 from onebit.bench.convergence import load_digits_split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_digits import batches, evaluate, make_model_and_groups  # noqa: E402
+from train_digits import batches, evaluate, fit, make_model_and_groups  # noqa: E402
 
 
 def train(rank, world, steps, freeze_step):
@@ -28,15 +28,7 @@ def train(rank, world, steps, freeze_step):
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = onebit.OnebitAdam(groups, lr=3e-3, freeze_step=freeze_step)
     ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
-    data = batches(xtr, ytr, rank, world, 32)
-    for step in range(1, steps + 1):
-        x, y = next(data)
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
-        opt.step()
-        if rank == 0 and (step % 50 == 0 or step == steps):
-            print(f"step {step:5d}  loss {loss.item():.4f}", flush=True)
+    fit(ddp, opt, batches(xtr, ytr, rank, world, 32), steps, rank)
     acc = evaluate(model, xte, yte)
     if rank == 0:
         print(f"final: DDP + OnebitAdam on {world} ranks, test accuracy {acc:.2f}%", flush=True)

@@ -37,6 +37,20 @@ def batches(xtr, ytr, rank, world, batch, seed=0):
         yield xtr[idx], ytr[idx]
 
 
+def fit(forward, opt, data, steps, rank, after_backward=None):
+    """The training loop both examples share; rank 0 prints the loss."""
+    for step in range(1, steps + 1):
+        x, y = next(data)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        if rank == 0 and (step % 50 == 0 or step == steps):
+            print(f"step {step:5d}  loss {loss.item():.4f}", flush=True)
+
+
 def evaluate(model, xte, yte):
     with torch.no_grad():
         return (model(xte).argmax(1) == yte).float().mean().item() * 100
@@ -46,23 +60,17 @@ def train(rank, world, config, steps, batch):
     xtr, ytr, xte, yte = load_digits_split()
     model, groups = make_model_and_groups(xtr)
     opt = onebit.build_optimizer(groups, config)
-    plain_torch = not isinstance(opt, onebit.optim.OnebitOptimizer)
-    if plain_torch and world > 1:  # torch optimizers neither broadcast nor average
+    average = None
+    if not isinstance(opt, onebit.optim.OnebitOptimizer) and world > 1:
+        # torch optimizers neither broadcast the start nor average gradients
         for p in model.parameters():
             dist.broadcast(p.data, 0)
-    data = batches(xtr, ytr, rank, world, batch)
-    for step in range(1, steps + 1):
-        x, y = next(data)
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        if plain_torch and world > 1:
+
+        def average():
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world
-        opt.step()
-        if rank == 0 and (step % 50 == 0 or step == steps):
-            print(f"step {step:5d}  loss {loss.item():.4f}", flush=True)
+    fit(model, opt, batches(xtr, ytr, rank, world, batch), steps, rank, average)
     acc = evaluate(model, xte, yte)
     if rank == 0:
         print(f"final: {type(opt).__name__} on {world} ranks, test accuracy {acc:.2f}%", flush=True)

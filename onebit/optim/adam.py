@@ -71,9 +71,7 @@ class OnebitAdam(FreezeStepOptimizer):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            self._clip_(gs, group["max_grad_norm"])
-            m = [self._state_tensor(p, "exp_avg") for p in params]
-            v = [self._state_tensor(p, "exp_avg_sq") for p in params]
+            m, v = self._moments(group, params, gs)
             F.update_momentum_(m, gs, beta1)
             if compress:
                 self._compressed_average_(i, m)

@@ -153,6 +153,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
             t = st[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return t
 
+    def _moments(self, group, params: List[torch.Tensor], grads: List[torch.Tensor]):
+        """Clip this group's gradients (max_grad_norm) and return its fp32
+        (exp_avg, exp_avg_sq) state tensors, created on first use."""
+        self._clip_(grads, group["max_grad_norm"])
+        return ([self._state_tensor(p, "exp_avg") for p in params],
+                [self._state_tensor(p, "exp_avg_sq") for p in params])
+
     def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
         """fp32 gradients, unscaled when a GradScaler handed us its scale."""
         grads = []

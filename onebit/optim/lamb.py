@@ -66,13 +66,11 @@ class OnebitLamb(FreezeStepOptimizer):
         self.lamb_coeffs = []
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if params:
-                self._clip_(gs, group["max_grad_norm"])
                 (self._compressed_step if compress else self._warmup_step)(i, group, params, gs, t)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
         beta1, beta2 = group["betas"]
-        m = [self._state_tensor(p, "exp_avg") for p in params]
-        v = [self._state_tensor(p, "exp_avg_sq") for p in params]
+        m, v = self._moments(group, params, gs)
         F.update_momentum_(m, gs, beta1)
         F.update_variance_(v, gs, beta2)
         bc1, bc2 = self._bias_corrections(group, t, t)
@@ -95,8 +93,7 @@ class OnebitLamb(FreezeStepOptimizer):
 
     def _compressed_step(self, i, group, params, gs, t) -> None:
         beta1, beta2 = group["betas"]
-        m = [self._state_tensor(p, "exp_avg") for p in params]
-        v = [self._state_tensor(p, "exp_avg_sq") for p in params]
+        m, v = self._moments(group, params, gs)
         for p, vi in zip(params, v):  # freeze_step = 0: the fresh variance starts at v
             if "exp_avg_sq_fresh" not in self.state[p]:
                 self.state[p]["exp_avg_sq_fresh"] = vi.clone()

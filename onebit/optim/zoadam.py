@@ -84,9 +84,7 @@ class ZeroOneAdam(OnebitOptimizer):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            self._clip_(gs, group["max_grad_norm"])
-            m = [self._state_tensor(p, "exp_avg") for p in params]
-            v = [self._state_tensor(p, "exp_avg_sq") for p in params]
+            m, v = self._moments(group, params, gs)
             if full:
                 F.update_variance_(v, gs, beta2)
             elif not frozen:
