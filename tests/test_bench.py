@@ -38,6 +38,11 @@ def test_bench_two_local_ranks_small_sizes(tmp_path):
         assert abs(r["busbw"] - r["algbw"] * 2 * (2 - 1) / 2) < 1e-9
 
 
+def test_bench_plot_writes_a_png(tmp_path):
+    bench("--nproc", "2", "-b", "4K", "-e", "16K", "-w", "1", "-n", "1", "--plot", str(tmp_path / "bw.png"))
+    assert (tmp_path / "bw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_mpi_backend_under_mpirun(tmp_path):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     out = bench("--backend", "compressed,mpi", "-b", "16K", "-e", "16K", "-w", "1", "-n", "2",
