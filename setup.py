@@ -9,7 +9,7 @@ import os
 import sys
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # Builds must never fail the install: a missing compiler only costs speed, and
 # onebit.ops falls back to its JIT builder and then to pure torch.
@@ -46,14 +46,7 @@ setup(
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=[
-        "onebit",
-        "onebit.accelerator",
-        "onebit.backends",
-        "onebit.bench",
-        "onebit.builders",
-        "onebit.kernels",
-    ],
+    packages=find_packages(include=["onebit", "onebit.*"]) + ["onebit.builders", "onebit.kernels"],
     package_dir={"onebit.builders": "builders", "onebit.kernels": "kernels"},
     package_data={"onebit.kernels": ["cpu/*.cpp", "cuda/*.cu", "sycl/*.cpp"]},
     include_package_data=True,
