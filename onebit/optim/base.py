@@ -6,9 +6,8 @@ optimizer classes.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 import hashlib
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,10 +79,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if self.world_size > 1:
             from ..backends import get_backend
 
-            kwargs = {"cuda_aware": cuda_aware} if self.comm_backend_name == "mpi" else {}
-            group = None if self.comm_backend_name == "mpi" else process_group
-            if self.comm_backend_name != "mpi":
-                kwargs["timeout_s"] = timeout_s
+            # MPI has its own communicator and no deadlines; torch.distributed
+            # backends take the process group and the deadline.
+            mpi = self.comm_backend_name == "mpi"
+            kwargs = {"cuda_aware": cuda_aware} if mpi else {"timeout_s": timeout_s}
+            group = None if mpi else process_group
             # The optimizer checks gradients (and agrees across ranks) itself.
             self.backend = get_backend(self.comm_backend_name, group=group, check_finite=False,
                                        **kwargs)
