@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from onebit.builders import CPUPackbitsBuilder, CUDAPackbitsBuilder
+from onebit.builders import CPUPackbitsBuilder, CUDAPackbitsBuilder, OpBuilderError, SYCLPackbitsBuilder
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
@@ -17,6 +17,34 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 def test_cuda_kernel_compiles_with_the_builders_own_step(tmp_path):
     obj = CUDAPackbitsBuilder().compile_check(tmp_path / "packbits.o")
     assert obj.stat().st_size > 0
+
+
+def test_sycl_kernel_passes_the_host_syntax_check():
+    """clang++ -fsycl-host-only against intel-sycl-rt's headers (.ci/run
+    installs both); skipped, with the reason, where they are missing."""
+    import os
+
+    if shutil.which(os.environ.get("ONEBIT_SYCL_HOST_CXX", "clang++-22")) is None:
+        pytest.skip("no clang++-22 for the SYCL host syntax check")
+    if not os.environ.get("ONEBIT_SYCL_INCLUDE"):
+        pytest.skip("ONEBIT_SYCL_INCLUDE (intel-sycl-rt headers) is not set")
+    SYCLPackbitsBuilder().host_syntax_check()
+
+
+def test_sycl_host_syntax_check_catches_a_broken_source(tmp_path, monkeypatch):
+    import os
+
+    import onebit.builders.base as base
+
+    if shutil.which(os.environ.get("ONEBIT_SYCL_HOST_CXX", "clang++-22")) is None or \
+            not os.environ.get("ONEBIT_SYCL_INCLUDE"):
+        pytest.skip("no SYCL host syntax check toolchain here")
+    (tmp_path / "sycl").mkdir()
+    good = (base.kernels_dir() / "sycl" / "packbits.cpp").read_text()
+    (tmp_path / "sycl" / "packbits.cpp").write_text(good.replace("q.parallel_for", "q.paralel_for", 1))
+    monkeypatch.setattr(base, "kernels_dir", lambda: tmp_path)
+    with pytest.raises(OpBuilderError, match="host syntax check failed"):
+        SYCLPackbitsBuilder().host_syntax_check()
 
 
 @needs_cuda
