@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .base import OpBuilder, OpBuilderError
+from .base import OpBuilderError
 from .native import LauncherKernels, SharedLibraryBuilder
 from .torch_kernels import TorchKernels
 

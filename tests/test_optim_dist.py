@@ -2,7 +2,6 @@
 stage against an independent simulation, masks, checkpoints across world
 sizes, DDP, and bad gradients."""
 import copy
-import io
 import math
 
 import numpy as np

@@ -1,7 +1,6 @@
 """packbits / unpackbits against numpy, on every kernel path we can run here."""
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest

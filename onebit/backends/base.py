@@ -159,7 +159,7 @@ class CompressedAllreduceBase:
             return buffer_m
         if self.check_finite:
             self._check_finite(buffer_m)
-        p, rank, n = self.size, self.rank, worker_error.numel()
+        p, n = self.size, worker_error.numel()
         self._agree_on_size(n, buffer_m.device)
         buf = self._buffers.get((n, buffer_m.device))
         if buf is None:

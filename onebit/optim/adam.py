@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 
 from . import functional as F
 from .base import FreezeStepOptimizer, check_common, check_positive_int

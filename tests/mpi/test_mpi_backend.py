@@ -1,7 +1,6 @@
 """MpiBackend under mpirun (launched by tests/test_mpirun.py with -n 2, 3, 4).
 
 Every rank runs these tests; a failure on any rank fails mpirun."""
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
