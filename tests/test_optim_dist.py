@@ -279,3 +279,38 @@ def _inf_on_one_rank(rank, world, use_scaler):
 @pytest.mark.parametrize("use_scaler", [True, False], ids=["grad_scaler", "no_scaler"])
 def test_inf_gradient_on_one_rank_skips_or_raises_on_every_rank(use_scaler):
     assert run_workers(_inf_on_one_rank, 3, use_scaler, timeout=120) == [4, 4, 4]
+
+
+def _count_ddp_allreduces(rank, world):
+    import torch.distributed as dist
+
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = onebit.OnebitAdam(ddp.parameters(), freeze_step=3)
+    ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
+    sizes, real = [], dist.all_reduce
+
+    def counting(tensor, *a, **k):
+        sizes.append(tensor.numel())
+        return real(tensor, *a, **k)
+
+    dist.all_reduce = counting
+    per_step = []
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        sizes.clear()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(torch.randn(8, 5, generator=g)), torch.randn(8, 2, generator=g)).backward()
+        opt.step()
+        per_step.append([s for s in sizes if s > 1])  # gradient traffic, not 1-element flags
+    return per_step
+
+
+def test_ddp_hook_one_full_allreduce_in_warmup_none_after():
+    n = sum(p.numel() for p in torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 2)).parameters())
+    for per_step in run_workers(_count_ddp_allreduces, 2, timeout=60):
+        assert per_step[:3] == [[n]] * 3, per_step  # warmup: DDP's one bucket, the optimizer none
+        assert per_step[3:] == [[]] * 3, per_step  # compression: only the 1-bit exchange
