@@ -12,7 +12,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 import onebit
 from onebit import launch
@@ -41,12 +40,7 @@ def main(argv=None):
     p.add_argument("--freeze-step", type=int, default=60)
     p.add_argument("--nproc", type=int, default=4)
     args = p.parse_args(argv)
-    if launch.launched_externally():
-        launch.init_distributed()
-        train(dist.get_rank(), dist.get_world_size(), args.steps, args.freeze_step)
-        dist.destroy_process_group()
-    else:
-        launch.spawn_local(train, args.nproc, args.steps, args.freeze_step)
+    launch.run_everywhere(train, args.nproc, args.steps, args.freeze_step)
     return 0
 
 

@@ -84,12 +84,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     p.add_argument("--nproc", type=int, default=4, help="local ranks when not under torchrun/mpirun")
     args = p.parse_args(argv)
-    if launch.launched_externally():
-        launch.init_distributed()
-        train(dist.get_rank(), dist.get_world_size(), args.config, args.steps, args.batch)
-        dist.destroy_process_group()
-    else:
-        launch.spawn_local(train, args.nproc, args.config, args.steps, args.batch)
+    launch.run_everywhere(train, args.nproc, args.config, args.steps, args.batch)
     return 0
 
 

@@ -7,6 +7,8 @@
                               fn(rank, world_size, *args) in a gloo group;
                               returns their results, re-raises a failure,
                               and kills everyone if `timeout` passes
+  run_everywhere(fn, n, *args)  under a launcher, fn on this rank; else
+                              spawn_local with n ranks
 """
 from __future__ import annotations
 
@@ -150,3 +152,23 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
         rank, tb = errors[0]
         raise RuntimeError(f"rank {rank} failed:\n{tb}")
     return [out.get(r) for r in range(world_size)]
+
+
+def run_everywhere(fn: Callable[..., Any], nproc: int, *args: Any) -> tuple:
+    """Run fn(rank, world_size, *args) on every rank and return (rank, result).
+
+    Under torchrun or mpirun: join their process group and run on this
+    process's rank. Otherwise: start `nproc` local ranks and return rank 0's
+    result as (0, result). fn must be importable (module level).
+    """
+    if launched_externally():
+        import torch.distributed as dist
+
+        init_distributed()
+        try:
+            rank = dist.get_rank()
+            return rank, fn(rank, dist.get_world_size(), *args)
+        finally:
+            dist.destroy_process_group()
+    return 0, spawn_local(fn, nproc, *args)[0]
+

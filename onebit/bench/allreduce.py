@@ -178,15 +178,9 @@ def run(args: argparse.Namespace) -> bool:
         raise SystemExit("--backend mpi needs the ranks to be started by mpirun, e.g.\n"
                          "  mpirun -n 4 python -m onebit.bench --backend compressed,mpi\n"
                          "(MPI itself comes with: pip install 'onebit[mpi]')")
-    if launch.launched_externally():
-        launch.init_distributed()
-        rows = sweep(dist.get_rank(), dist.get_world_size(), args)
-        rank = dist.get_rank()
-        dist.destroy_process_group()
-        if rank != 0:
-            return True
-    else:
-        rows = launch.spawn_local(sweep, args.nproc, args)[0]
+    rank, rows = launch.run_everywhere(sweep, args.nproc, args)
+    if rank != 0:
+        return True
     _footer(rows)
     if args.json:
         with open(args.json, "w") as f:

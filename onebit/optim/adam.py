@@ -5,7 +5,7 @@ from typing import Optional
 
 
 from . import functional as F
-from .base import FreezeStepOptimizer, check_common, check_positive_int
+from .base import FreezeStepOptimizer, adam_defaults, check_positive_int
 
 
 class OnebitAdam(FreezeStepOptimizer):
@@ -55,12 +55,10 @@ class OnebitAdam(FreezeStepOptimizer):
                  max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, process_group=None,
                  timeout_s: Optional[float] = None, check_replicas_every: int = 0) -> None:
-        check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "OnebitAdam")
+        defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
+                                 bias_correction, eps_inside_sqrt)
         check_positive_int("freeze_step", freeze_step, minimum=0)
         self.freeze_step = freeze_step
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
-                        max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
                          timeout_s, check_replicas_every)
 

@@ -44,6 +44,16 @@ def check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name)
                          "(or updated rarely), which is what the AMSGrad maximum would track")
 
 
+def adam_defaults(cls_name, lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
+                  bias_correction, eps_inside_sqrt, **extra) -> dict:
+    """Check the hyper-parameters every onebit optimizer shares and return
+    them as param-group defaults (plus `extra`, already checked by the caller)."""
+    check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name)
+    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
+                max_grad_norm=max_grad_norm, **extra)
+
+
 def check_positive_int(name: str, value, minimum: int = 1) -> None:
     _check(name, value, isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
            f"an integer >= {minimum}")

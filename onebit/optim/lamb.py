@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from . import functional as F
-from .base import FreezeStepOptimizer, check_common, check_positive_int
+from .base import FreezeStepOptimizer, adam_defaults, check_positive_int
 
 
 class OnebitLamb(FreezeStepOptimizer):
@@ -37,7 +37,9 @@ class OnebitLamb(FreezeStepOptimizer):
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                  process_group=None, timeout_s: Optional[float] = None,
                  check_replicas_every: int = 0) -> None:
-        check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "OnebitLamb")
+        defaults = adam_defaults("OnebitLamb", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
+                                 bias_correction, eps_inside_sqrt, max_coeff=max_coeff,
+                                 min_coeff=min_coeff)
         check_positive_int("freeze_step", freeze_step, minimum=0)
         for name, v in (("max_coeff", max_coeff), ("min_coeff", min_coeff),
                         ("factor_max", factor_max), ("factor_min", factor_min)):
@@ -54,9 +56,6 @@ class OnebitLamb(FreezeStepOptimizer):
         self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
-                        max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
                          timeout_s, check_replicas_every)
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from . import functional as F
-from .base import OnebitOptimizer, check_common, check_positive_int
+from .base import OnebitOptimizer, adam_defaults, check_positive_int
 
 
 class ZeroOneAdam(OnebitOptimizer):
@@ -36,7 +36,8 @@ class ZeroOneAdam(OnebitOptimizer):
                  amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, process_group=None,
                  timeout_s: Optional[float] = None, check_replicas_every: int = 0) -> None:
-        check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, "ZeroOneAdam")
+        defaults = adam_defaults("ZeroOneAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
+                                 bias_correction, eps_inside_sqrt)
         check_positive_int("var_freeze_step", var_freeze_step, minimum=0)
         check_positive_int("var_update_scaler", var_update_scaler)
         check_positive_int("local_step_scaler", local_step_scaler)
@@ -45,9 +46,6 @@ class ZeroOneAdam(OnebitOptimizer):
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
-                        max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
                          timeout_s, check_replicas_every)
 
