@@ -56,11 +56,6 @@ def kernels_for(device: torch.device):
     return k
 
 
-def reset_kernels() -> None:
-    """Forget loaded kernels, so the next call chooses again (tests use this)."""
-    _kernels.clear()
-
-
 def packbits(x: torch.Tensor) -> torch.Tensor:
     """Pack sign bits of `x` (flattened) into a uint8 tensor of ceil(numel/8) bytes."""
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
