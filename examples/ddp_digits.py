@@ -28,10 +28,7 @@ def train(rank, world, steps, freeze_step):
     opt = onebit.OnebitAdam(groups, lr=3e-3, freeze_step=freeze_step)
     ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
     fit(ddp, opt, batches(xtr, ytr, rank, world, 32), steps, rank)
-    acc = evaluate(model, xte, yte)
-    if rank == 0:
-        print(f"final: DDP + OnebitAdam on {world} ranks, test accuracy {acc:.2f}%", flush=True)
-    return acc
+    return evaluate(model, xte, yte, rank, f"DDP + OnebitAdam on {world} ranks")
 
 
 def main(argv=None):

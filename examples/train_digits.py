@@ -51,9 +51,13 @@ def fit(forward, opt, data, steps, rank, after_backward=None):
             print(f"step {step:5d}  loss {loss.item():.4f}", flush=True)
 
 
-def evaluate(model, xte, yte):
+def evaluate(model, xte, yte, rank, label):
+    """Test accuracy in percent; rank 0 prints the one `final:` line."""
     with torch.no_grad():
-        return (model(xte).argmax(1) == yte).float().mean().item() * 100
+        acc = (model(xte).argmax(1) == yte).float().mean().item() * 100
+    if rank == 0:
+        print(f"final: {label}, test accuracy {acc:.2f}%", flush=True)
+    return acc
 
 
 def train(rank, world, config, steps, batch):
@@ -71,10 +75,7 @@ def train(rank, world, config, steps, batch):
                 dist.all_reduce(p.grad)
                 p.grad /= world
     fit(model, opt, batches(xtr, ytr, rank, world, batch), steps, rank, average)
-    acc = evaluate(model, xte, yte)
-    if rank == 0:
-        print(f"final: {type(opt).__name__} on {world} ranks, test accuracy {acc:.2f}%", flush=True)
-    return acc
+    return evaluate(model, xte, yte, rank, f"{type(opt).__name__} on {world} ranks")
 
 
 def main(argv=None):
