@@ -92,6 +92,8 @@ class Accelerator(abc.ABC):
 
     def replay_graph(self, graph: Any) -> None:
         """Replay a captured graph; a no-op for an `EagerGraph`."""
+        if not isinstance(graph, EagerGraph):
+            graph.replay()
 
     # ---- communication -----------------------------------------------------
     @abc.abstractmethod

@@ -51,11 +51,11 @@ class CudaAccelerator(Accelerator):
         return torch.cuda.CUDAGraph()
 
     def capture_to_graph(self, graph, pool=None, stream=None):
-        return torch.cuda.graph(graph, pool=pool, stream=stream)
-
-    def replay_graph(self, graph) -> None:
-        if isinstance(graph, torch.cuda.CUDAGraph):
-            graph.replay()
+        # thread_local: the NCCL watchdog thread polls events of earlier
+        # collectives while we capture; in the default "global" mode that
+        # poll invalidates the capture (pytorch/pytorch#104555). What we
+        # capture never calls collectives itself.
+        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
 
     def communication_backend_name(self) -> str:
         return "nccl"

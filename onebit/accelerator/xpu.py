@@ -55,6 +55,16 @@ class XpuAccelerator(Accelerator):
     def current_stream(self, index: Optional[int] = None):
         return _xpu().current_stream(index)
 
+    def graphs_supported(self) -> bool:
+        # torch.xpu.XPUGraph is recent (torch 2.13 has it); older stacks run eagerly.
+        return hasattr(_xpu(), "XPUGraph")
+
+    def create_graph(self):
+        return _xpu().XPUGraph()
+
+    def capture_to_graph(self, graph, pool=None, stream=None):
+        return _xpu().graph(graph, pool=pool, stream=stream)
+
     def communication_backend_name(self) -> str:
         # torch >= 2.8 ships xccl; older stacks name oneCCL's binding "ccl".
         if hasattr(torch.distributed, "is_xccl_available") and torch.distributed.is_xccl_available():

@@ -1,11 +1,13 @@
 """1-bit Adam (Tang et al., 2021, arXiv 2102.02888)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 
 from . import functional as F
-from .base import FreezeStepOptimizer, adam_defaults, check_positive_int
+from ..graphs import tensor_key
+from .base import FreezeStepOptimizer, adam_defaults, check_flag, check_positive_int
 
 
 class OnebitAdam(FreezeStepOptimizer):
@@ -43,6 +45,14 @@ class OnebitAdam(FreezeStepOptimizer):
       check_replicas_every: every K steps, compare checksums of all params and
         state across ranks and raise ReplicaDivergenceError naming the first
         tensor that differs (0: off; costs one small all-gather).
+      graph_capture: in the compression stage, capture the element-wise work
+        before and after the compressed allreduce (momentum, flatten,
+        unflatten, mask, update) into two graphs and replay them each step
+        (CUDA graphs; XPU graphs where torch has them). Worth it when a step
+        is many small tensors. lr may change freely (it is read from a device
+        tensor); changing betas, eps or weight_decay, or loading a checkpoint,
+        re-captures. On the CPU the same code runs eagerly. All ranks must
+        agree on this flag: it changes the rounding of the update slightly.
     Construction broadcasts rank 0's parameters and checks that every rank
     built the same optimizer (shapes, hyper-parameters, backend, wire format).
     Param groups may carry `exp_avg_mask`: multiplied into m after every
@@ -54,16 +64,22 @@ class OnebitAdam(FreezeStepOptimizer):
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, process_group=None,
-                 timeout_s: Optional[float] = None, check_replicas_every: int = 0) -> None:
+                 timeout_s: Optional[float] = None, check_replicas_every: int = 0,
+                 graph_capture: bool = False) -> None:
         defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("freeze_step", freeze_step, minimum=0)
+        check_flag("graph_capture", graph_capture)
         self.freeze_step = freeze_step
+        self.graph_capture = graph_capture
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
                          timeout_s, check_replicas_every)
 
     def _update(self, t, groups, grads) -> None:
         compress = self.compression_started(t)
+        if compress and self.graph_capture:
+            self._graphed_compression_step(t, groups, grads)
+            return
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
@@ -78,3 +94,47 @@ class OnebitAdam(FreezeStepOptimizer):
             bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))
             denom = self._denominators(i, group, v, bc2, "frozen" if compress else None)
             F.adam_step_(params, m, denom, group["lr"], group["weight_decay"], bc1)
+
+    def _graphed_compression_step(self, t, groups, grads) -> None:
+        """The compression-stage step as two graphed regions around the
+        allreduce. Host-side work stays outside them: clipping (it needs the
+        norm on the host), copying the gradients to fixed addresses, the
+        cached denominators, and this step's lr-dependent scalars."""
+        plan = []
+        for i, ((group, params), gs) in enumerate(zip(groups, grads)):
+            if not params:
+                continue
+            m, v = self._moments(group, params, gs)
+            bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
+            lr, wd = group["lr"], group["weight_decay"]
+            plan.append(SimpleNamespace(
+                index=i, group=group, params=params, m=m, grads=self._static_copy(i, gs),
+                denom=self._denominators(i, group, v, bc2, "frozen"),
+                scalars=self._step_scalars(i, params[0].device, (-lr / bc1, 1.0 - lr * wd)),
+                flat=[self._flat_buffer(i, m)] if self.world_size > 1 else [],
+                mask=[self._group_mask(group, params[0].device)] if "exp_avg_mask" in group else []))
+
+        def momentum():
+            for s in plan:
+                F.update_momentum_(s.m, s.grads, s.group["betas"][0])
+                for f in s.flat:
+                    self._flatten_into(f, s.m)
+
+        def update():
+            for s in plan:
+                for f in s.flat:
+                    self._unflatten_from(f, s.m)
+                self._mask_(s.group, s.m)
+                decay = s.scalars[1] if s.group["weight_decay"] else None
+                F.adam_step_from_tensors_(s.params, s.m, s.denom, s.scalars[0], decay)
+
+        # The keys name what each graph baked in: addresses, and Python floats.
+        betas = tuple(s.group["betas"][0] for s in plan)
+        self._graphed("momentum", (betas, tensor_key(*(x for s in plan for x in (s.m, s.grads, s.flat)))),
+                      momentum)
+        for s in plan:
+            for f in s.flat:
+                self._compressed_allreduce_flat(s.index, f)
+        decays = tuple(bool(s.group["weight_decay"]) for s in plan)
+        self._graphed("update", (decays, tensor_key(*(x for s in plan for x in (
+            s.params, s.m, s.denom, s.flat, s.mask, [s.scalars])))), update)

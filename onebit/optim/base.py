@@ -15,6 +15,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..accelerator import get_accelerator
 from ..backends.base import WIRE_FORMAT_VERSION
+from ..graphs import GraphedRegion
 from . import functional as F
 
 STATE_KEY = "onebit"  # self.state[STATE_KEY]: the counters that decide the stage
@@ -52,6 +53,10 @@ def adam_defaults(cls_name, lr, betas, eps, weight_decay, max_grad_norm, amsgrad
     return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                 bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
                 max_grad_norm=max_grad_norm, **extra)
+
+
+def check_flag(name: str, value) -> None:
+    _check(name, value, isinstance(value, bool), "True or False")
 
 
 def check_positive_int(name: str, value, minimum: int = 1) -> None:
@@ -103,6 +108,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._flat: Dict[int, torch.Tensor] = {}
         self._denoms: Dict[int, tuple] = {}  # group index -> (key, cached denominators)
         self._grads_averaged_externally = False  # set by the DDP hook for one step
+        self._graph_regions: Dict[str, GraphedRegion] = {}
+        self._static: Dict[tuple, object] = {}  # fixed-address inputs of graphed regions
         self.state[STATE_KEY] = self._initial_counters()
 
     # ------------------------------------------------------------ counters --
@@ -224,17 +231,61 @@ class OnebitOptimizer(torch.optim.Optimizer):
             return
         flat = self._flat_buffer(index, tensors)
         self._flatten_into(flat, tensors)
+        self._compressed_allreduce_flat(index, flat)
+        self._unflatten_from(flat, tensors)
+
+    def _compressed_allreduce_flat(self, index: int, flat: torch.Tensor) -> None:
+        """The compressed allreduce of group `index`'s flat buffer, in place,
+        with that group's error-feedback buffers."""
         errors = self._errors.get(index)
         if errors is None or errors[0].numel() != self.backend.error_sizes(flat.numel())[0]:
             n, ns = self.backend.error_sizes(flat.numel())
             errors = self._errors[index] = (torch.zeros(n, device=flat.device),
                                             torch.zeros(ns, device=flat.device))
         self.backend.compressed_allreduce(flat, *errors)
-        self._unflatten_from(flat, tensors)
 
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._errors.clear()
+
+    # -------------------------------------------------------- graph capture --
+    def _graphed(self, name: str, key, body) -> None:
+        """Run `body` through the GraphedRegion `name` (see onebit.graphs):
+        eagerly at first and where the device has no graphs, then captured
+        once and replayed while `key` stays the same."""
+        region = self._graph_regions.get(name)
+        if region is None:
+            region = self._graph_regions[name] = GraphedRegion()
+        region(key, body)
+
+    def graph_stats(self) -> Dict[str, dict]:
+        """Per graphed region: how many eager runs, captures and replays so far."""
+        return {name: {"eager_runs": r.eager_runs, "captures": r.captures, "replays": r.replays}
+                for name, r in self._graph_regions.items()}
+
+    def _static_copy(self, index: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """fp32 copies of `tensors` in buffers that keep their addresses from
+        step to step (gradients arrive in new tensors each step; a graph can
+        only read from where it was captured)."""
+        key = ("inputs", index)
+        bufs = self._static.get(key)
+        if bufs is None or [b.shape for b in bufs] != [t.shape for t in tensors]:
+            bufs = self._static[key] = [torch.empty(t.shape, dtype=torch.float32, device=t.device)
+                                        for t in tensors]
+        if bufs:
+            torch._foreach_copy_(bufs, tensors)
+        return bufs
+
+    def _step_scalars(self, index: int, device: torch.device, values) -> torch.Tensor:
+        """A device tensor holding this step's `values` (lr-dependent numbers)
+        at a fixed address, so a replayed graph reads the new values."""
+        key = ("scalars", index)
+        t = self._static.get(key)
+        if t is None or t.device != device or t.numel() != len(values):
+            t = self._static[key] = torch.empty(len(values), dtype=torch.float32, device=device)
+        for j, v in enumerate(values):
+            t[j].fill_(v)  # a kernel argument, not a host-to-device copy: no sync
+        return t
 
     def _any_rank(self, flag: bool) -> bool:
         """True if `flag` is true on any rank (one tiny collective)."""
@@ -385,6 +436,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self.reset_compression_errors()
         self._flat.clear()
         self._denoms.clear()
+        self._graph_regions.clear()
+        self._static.clear()
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):
@@ -403,13 +456,19 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Multiply each tensor by the group's exp_avg_mask (DeepSpeed semantics:
         1-bit signs cannot represent exact zeros, so positions known to stay 0
         are forced back to 0 after every compressed exchange)."""
-        mask = group.get("exp_avg_mask")
-        if mask is None:
-            return
         for t in tensors:
-            if mask.device != t.device:
-                mask = group["exp_avg_mask"] = mask.to(t.device)
+            mask = OnebitOptimizer._group_mask(group, t.device)
+            if mask is None:
+                return
             t.mul_(mask)
+
+    @staticmethod
+    def _group_mask(group, device: torch.device) -> Optional[torch.Tensor]:
+        """The group's exp_avg_mask on `device` (moved there once), or None."""
+        mask = group.get("exp_avg_mask")
+        if mask is not None and mask.device != device:
+            mask = group["exp_avg_mask"] = mask.to(device)
+        return mask
 
     def _denominators(self, index: int, group, exp_avg_sqs: List[torch.Tensor], bc2: float,
                       version) -> List[torch.Tensor]:

@@ -71,6 +71,29 @@ def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
     apply_updates_(params, upd, lr)
 
 
+def adam_step_from_tensors_(params: Tensors, exp_avgs: Tensors, denoms: Tensors,
+                             step: torch.Tensor, decay: Optional[torch.Tensor]) -> None:
+    """adam_step_ for a captured graph: p <- p * decay + step * (m / denom),
+    with step = -lr / bc1 and decay = 1 - lr * weight_decay (None: no decay)
+    read from 0-dim device tensors, because a Python float would be frozen
+    into the graph at capture. Rounds differently from adam_step_'s fused
+    addcdiv (one more rounding), but identically on every rank."""
+    u = torch._foreach_div(exp_avgs, denoms)
+    torch._foreach_mul_(u, step)
+    fp32 = [(p, ui) for p, ui in zip(params, u) if p.dtype == torch.float32]
+    if fp32:
+        ps = [p for p, _ in fp32]
+        if decay is not None:
+            torch._foreach_mul_(ps, decay)
+        torch._foreach_add_(ps, [ui for _, ui in fp32])
+    for p, ui in zip(params, u):
+        if p.dtype != torch.float32:  # low precision: compute in fp32, round once
+            w = p.float()
+            if decay is not None:
+                w.mul_(decay)
+            p.copy_(w.add_(ui))
+
+
 def apply_updates_(params: Tensors, updates: Tensors, lr: float,
                    scales: Optional[Sequence[float]] = None) -> None:
     """p <- p - lr * scale_i * u_i (scales: LAMB's per-tensor coefficients).
