@@ -1,16 +1,34 @@
-"""Graph capture of the optimizer step, on CPU.
+"""Graph capture of the optimizer step: captured equals eager, bitwise.
 
-The emulator (graph_emulator.py) behaves like a CUDA graph where code can go
-wrong: capture records without running, replay re-runs with frozen Python
-numbers, and host syncs in a capture raise. So "captured equals eager,
-bitwise" is checked here on every machine; tests/test_gpu.py checks it again
-with real CUDA graphs where there is a GPU.
+Every test runs with the CPU graph emulator (graph_emulator.py), which
+behaves like a CUDA graph where code can go wrong: capture records without
+running, replay re-runs with frozen Python numbers, and host syncs in a
+capture raise. The "cuda" variants run the same checks with real CUDA
+graphs where there is a GPU (marked gpu; skipped here, with the reason).
 """
 import pytest
 import torch
 
 from distributed import run_workers
 from graph_emulator import EmulatedGraphAccelerator
+from onebit.accelerator import CpuAccelerator, CudaAccelerator
+
+on_cuda = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here")])
+
+
+class CudaWithoutGraphs(CudaAccelerator):
+    """CUDA, with the graphed regions run eagerly: the reference for captures."""
+
+    def graphs_supported(self):
+        return False
+
+
+def graphs_on(kind):
+    """(accelerator with graphs, the same without, device) for a test kind."""
+    if kind == "cuda":
+        return CudaAccelerator(), CudaWithoutGraphs(), "cuda"
+    return EmulatedGraphAccelerator(), CpuAccelerator(), "cpu"
 
 
 @pytest.fixture
@@ -46,21 +64,24 @@ def test_emulator_behaves_like_a_graph(emulated_graphs):
 
 
 # ----------------------------------------------------------- GraphedRegion --
-def test_graphed_region_warms_up_captures_then_replays(emulated_graphs):
+@pytest.mark.parametrize("kind", ["emulated", on_cuda])
+def test_graphed_region_warms_up_captures_then_replays(kind):
     from onebit.graphs import GraphedRegion, tensor_key
 
-    region = GraphedRegion(warmup=2)
-    x, inc = torch.zeros(4), torch.tensor(1.0)
+    acc, _, device = graphs_on(kind)
+    region = GraphedRegion(warmup=2, accelerator=acc)
+    x, inc = torch.zeros(4, device=device), torch.tensor(1.0, device=device)
     for call in range(1, 7):
         region(tensor_key([x, inc]), lambda: x.add_(inc))
-        assert torch.equal(x, torch.full((4,), float(call))), f"call {call}"
+        assert torch.equal(x.cpu(), torch.full((4,), float(call))), f"call {call}"
     assert (region.eager_runs, region.captures, region.replays) == (2, 1, 4)
     inc.fill_(0.5)  # a device-tensor scalar: replays see the new value
     region(tensor_key([x, inc]), lambda: x.add_(inc))
-    assert torch.equal(x, torch.full((4,), 6.5))
-    x2 = torch.zeros(4)  # new address: the old graph would write the wrong tensor
+    assert torch.equal(x.cpu(), torch.full((4,), 6.5))
+    x2 = torch.zeros(4, device=device)  # new address: the old graph would write the wrong tensor
     region(tensor_key([x2, inc]), lambda: x2.add_(inc))
-    assert region.captures == 1 and region.eager_runs == 3 and torch.equal(x2, torch.full((4,), 0.5))
+    assert region.captures == 1 and region.eager_runs == 3
+    assert torch.equal(x2.cpu(), torch.full((4,), 0.5))
 
 
 def test_graphed_region_runs_eagerly_without_graphs():
@@ -83,58 +104,77 @@ def test_graphed_region_rejects_bad_warmup():
 
 
 # --------------------------------------------------------------- optimizer --
-def _train(world_size, rank, graphs, capture, steps=24, dtype=torch.float32):
-    """OnebitAdam on synthetic gradients with an lr that changes every step,
+# Both stage machines reach their graphed steps after step 4. 0/1 Adam's sync
+# interval grows 1, 2, 4: local steps (graphed) between eager syncs.
+CONFIGS = {"OnebitAdam": dict(freeze_step=4),
+           "ZeroOneAdam": dict(var_freeze_step=4, var_update_scaler=2, local_step_scaler=4,
+                               local_step_clipper=4)}
+GRAPHED = {"OnebitAdam": ("momentum", "update"), "ZeroOneAdam": ("local step",)}
+
+
+def _train(world_size, rank, graphs, capture, steps=24, dtype=torch.float32, kind="emulated",
+           cls_name="OnebitAdam"):
+    """An optimizer on synthetic gradients with an lr that changes every step,
     weight decay on one group, a mask on the other, and one param without grad."""
-    from onebit import OnebitAdam
+    import onebit
     from onebit.accelerator import set_accelerator
 
-    set_accelerator(EmulatedGraphAccelerator() if graphs else None)
+    with_graphs, without, device = graphs_on(kind)
+    set_accelerator(with_graphs if graphs else without)
     try:
         torch.manual_seed(0)
-        a = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in [(7, 5), (13,), (4, 3, 2)]]
-        b = [torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(6))]
-        mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0])
-        opt = OnebitAdam([{"params": a, "weight_decay": 0.01}, {"params": b, "exp_avg_mask": mask}],
-                         lr=1e-2, freeze_step=4, graph_capture=capture)
+        a = [torch.nn.Parameter(torch.randn(s).to(device, dtype)) for s in [(7, 5), (13,), (4, 3, 2)]]
+        b = [torch.nn.Parameter(torch.randn(6, device=device)) for _ in range(2)]
+        mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0], device=device)
+        opt = getattr(onebit, cls_name)(
+            [{"params": a, "weight_decay": 0.01}, {"params": b, "exp_avg_mask": mask}],
+            lr=1e-2, graph_capture=capture, **CONFIGS[cls_name])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
         for t in range(1, steps + 1):
             gen = torch.Generator().manual_seed(1000 * t + rank)
             for p in a + b[:1]:  # b[1] never gets a gradient
-                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype) * (1 + rank)
+                p.grad = torch.randn(p.shape, generator=gen).to(device, p.dtype) * (1 + rank)
             opt.step()
             sched.step()
-        return [p.detach().clone() for p in a + b], opt.graph_stats()
+        return [p.detach().cpu() for p in a + b], opt.graph_stats()
     finally:
         set_accelerator(None)
 
 
-def test_single_process_captured_step_equals_eager_bitwise():
-    captured, stats = _train(1, 0, graphs=True, capture=True)
-    eager, eager_stats = _train(1, 0, graphs=False, capture=True)
-    assert stats["update"]["captures"] == 1 and stats["update"]["replays"] == 24 - 4 - 3
-    assert eager_stats["update"]["captures"] == 0
+@pytest.mark.parametrize("cls_name", list(CONFIGS))
+@pytest.mark.parametrize("kind", ["emulated", on_cuda])
+def test_single_process_captured_step_equals_eager_bitwise(kind, cls_name):
+    captured, stats = _train(1, 0, graphs=True, capture=True, kind=kind, cls_name=cls_name)
+    eager, eager_stats = _train(1, 0, graphs=False, capture=True, kind=kind, cls_name=cls_name)
+    for region in GRAPHED[cls_name]:
+        assert stats[region]["captures"] == 1 and stats[region]["replays"] > 0, stats
+        assert eager_stats[region]["captures"] == 0
+    if cls_name == "OnebitAdam":  # every step after 4 warm-up + 3 eager runs replays
+        assert stats["update"]["replays"] == 24 - 4 - 3
     for c, e in zip(captured, eager):
         assert torch.equal(c, e)
-    plain, _ = _train(1, 0, graphs=False, capture=False)
+    plain, _ = _train(1, 0, graphs=False, capture=False, kind=kind, cls_name=cls_name)
     for c, p in zip(captured, plain):  # graph_capture only changes the rounding
         torch.testing.assert_close(c, p, rtol=1e-5, atol=1e-6)
 
 
-def test_low_precision_params_captured_equals_eager():
-    captured, _ = _train(1, 0, graphs=True, capture=True, dtype=torch.bfloat16)
-    eager, _ = _train(1, 0, graphs=False, capture=True, dtype=torch.bfloat16)
+@pytest.mark.parametrize("cls_name", list(CONFIGS))
+@pytest.mark.parametrize("kind", ["emulated", on_cuda])
+def test_low_precision_params_captured_equals_eager(kind, cls_name):
+    run = dict(capture=True, dtype=torch.bfloat16, kind=kind, cls_name=cls_name)
+    captured, _ = _train(1, 0, graphs=True, **run)
+    eager, _ = _train(1, 0, graphs=False, **run)
     for c, e in zip(captured, eager):
         assert torch.equal(c, e)
 
 
-def _dist_compare(rank, world):
+def _dist_compare(rank, world, cls_name):
     import torch.distributed as dist
 
-    captured, stats = _train(world, rank, graphs=True, capture=True)
-    eager, _ = _train(world, rank, graphs=False, capture=True)
-    plain, _ = _train(world, rank, graphs=False, capture=False)
-    assert stats["momentum"]["replays"] > 0 and stats["update"]["replays"] > 0, stats
+    captured, stats = _train(world, rank, graphs=True, capture=True, cls_name=cls_name)
+    eager, _ = _train(world, rank, graphs=False, capture=True, cls_name=cls_name)
+    plain, _ = _train(world, rank, graphs=False, capture=False, cls_name=cls_name)
+    assert all(stats[r]["replays"] > 0 for r in GRAPHED[cls_name]), stats
     for i, (c, e, p) in enumerate(zip(captured, eager, plain)):
         assert torch.equal(c, e), f"param {i}: captured differs from eager on rank {rank}"
         torch.testing.assert_close(c, p, rtol=1e-5, atol=1e-6)
@@ -144,13 +184,16 @@ def _dist_compare(rank, world):
     return True
 
 
+@pytest.mark.parametrize("cls_name", list(CONFIGS))
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_distributed_captured_step_equals_eager_and_replicas_match(world_size):
-    assert all(run_workers(_dist_compare, world_size, timeout=180))
+def test_distributed_captured_step_equals_eager_and_replicas_match(world_size, cls_name):
+    # 24 steps end on a 0/1 Adam sync (interval 4), so its replicas must match too.
+    assert all(run_workers(_dist_compare, world_size, cls_name, timeout=180))
 
 
-def test_graph_capture_must_be_a_bool():
-    from onebit import OnebitAdam
+@pytest.mark.parametrize("cls_name", list(CONFIGS))
+def test_graph_capture_must_be_a_bool(cls_name):
+    import onebit
 
     with pytest.raises(ValueError, match="graph_capture"):
-        OnebitAdam([torch.nn.Parameter(torch.zeros(2))], graph_capture="yes")
+        getattr(onebit, cls_name)([torch.nn.Parameter(torch.zeros(2))], graph_capture="yes")

@@ -71,27 +71,49 @@ def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
     apply_updates_(params, upd, lr)
 
 
+# For a captured graph (onebit.graphs): every number that changes from step
+# to step (lr, bias corrections) is a 0-dim device tensor, because a Python
+# float would be frozen into the graph at capture. They round differently
+# from the eager functions above (no fused addcdiv), identically on every rank.
+
 def adam_step_from_tensors_(params: Tensors, exp_avgs: Tensors, denoms: Tensors,
-                             step: torch.Tensor, decay: Optional[torch.Tensor]) -> None:
-    """adam_step_ for a captured graph: p <- p * decay + step * (m / denom),
-    with step = -lr / bc1 and decay = 1 - lr * weight_decay (None: no decay)
-    read from 0-dim device tensors, because a Python float would be frozen
-    into the graph at capture. Rounds differently from adam_step_'s fused
-    addcdiv (one more rounding), but identically on every rank."""
+                            step: torch.Tensor, decay: Optional[torch.Tensor]) -> None:
+    """p <- p * decay + step * (m / denom), with step = -lr / bc1 and
+    decay = 1 - lr * weight_decay (None: no weight decay)."""
     u = torch._foreach_div(exp_avgs, denoms)
     torch._foreach_mul_(u, step)
-    fp32 = [(p, ui) for p, ui in zip(params, u) if p.dtype == torch.float32]
+    _add_updates_(params, u, decay)
+
+
+def local_step_from_tensors_(params: Tensors, accumulators: Tensors, exp_avgs: Tensors,
+                             denoms: Tensors, weight_decay: float, inv_bc1: torch.Tensor,
+                             neg_lr: torch.Tensor) -> None:
+    """0/1 Adam's local step: d = -lr * ((m / denom) / bc1 + weight_decay * p);
+    accumulator += d; p += d."""
+    d = torch._foreach_div(exp_avgs, denoms)
+    torch._foreach_mul_(d, inv_bc1)
+    if weight_decay:
+        torch._foreach_add_(d, [p.float() for p in params], alpha=weight_decay)
+    torch._foreach_mul_(d, neg_lr)
+    torch._foreach_add_(accumulators, d)
+    _add_updates_(params, d)
+
+
+def _add_updates_(params: Tensors, updates: Tensors, decay: Optional[torch.Tensor] = None) -> None:
+    """p <- p * decay + u for fp32 updates; low-precision params are computed
+    in fp32 and rounded once."""
+    fp32 = [(p, u) for p, u in zip(params, updates) if p.dtype == torch.float32]
     if fp32:
         ps = [p for p, _ in fp32]
         if decay is not None:
             torch._foreach_mul_(ps, decay)
-        torch._foreach_add_(ps, [ui for _, ui in fp32])
-    for p, ui in zip(params, u):
-        if p.dtype != torch.float32:  # low precision: compute in fp32, round once
+        torch._foreach_add_(ps, [u for _, u in fp32])
+    for p, u in zip(params, updates):
+        if p.dtype != torch.float32:
             w = p.float()
             if decay is not None:
                 w.mul_(decay)
-            p.copy_(w.add_(ui))
+            p.copy_(w.add_(u))
 
 
 def apply_updates_(params: Tensors, updates: Tensors, lr: float,

@@ -1,12 +1,14 @@
 """0/1 Adam (Lu et al., 2022, arXiv 2202.06009)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
 from . import functional as F
-from .base import OnebitOptimizer, adam_defaults, check_positive_int
+from ..graphs import tensor_key
+from .base import OnebitOptimizer, adam_defaults, check_flag, check_positive_int
 
 
 class ZeroOneAdam(OnebitOptimizer):
@@ -26,6 +28,10 @@ class ZeroOneAdam(OnebitOptimizer):
 
     Choosing var_freeze_step: the end of the learning-rate warmup (the paper's
     T_v); it needs no other tuning. Hyper-parameters otherwise as OnebitAdam.
+
+    graph_capture: capture the local steps between syncs (momentum, update,
+    accumulator: no communication at all) into one graph and replay it; see
+    OnebitAdam. The sync steps and the steps before var_freeze_step run eagerly.
     """
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
@@ -35,13 +41,16 @@ class ZeroOneAdam(OnebitOptimizer):
                  local_step_scaler: int = 32678, local_step_clipper: int = 16,
                  amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, process_group=None,
-                 timeout_s: Optional[float] = None, check_replicas_every: int = 0) -> None:
+                 timeout_s: Optional[float] = None, check_replicas_every: int = 0,
+                 graph_capture: bool = False) -> None:
         defaults = adam_defaults("ZeroOneAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("var_freeze_step", var_freeze_step, minimum=0)
         check_positive_int("var_update_scaler", var_update_scaler)
         check_positive_int("local_step_scaler", local_step_scaler)
         check_positive_int("local_step_clipper", local_step_clipper)
+        check_flag("graph_capture", graph_capture)
+        self.graph_capture = graph_capture
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -78,6 +87,10 @@ class ZeroOneAdam(OnebitOptimizer):
         if full:
             c["var_updates"] += 1
         sync = frozen and t % c["local_step_interval"] == 0
+        if frozen and not sync and self.graph_capture:
+            self._graphed_local_step(t, groups, grads)
+            self._advance_intervals(t, frozen)
+            return
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
@@ -105,6 +118,37 @@ class ZeroOneAdam(OnebitOptimizer):
         if sync:
             c["last_sync"] = t
         self._advance_intervals(t, frozen)
+
+    def _graphed_local_step(self, t, groups, grads) -> None:
+        """A local step (frozen, not a sync) as one graphed region. It has no
+        communication, so once the host-side work is done (clipping,
+        fixed-address gradients, the cached denominators, the anchors, this
+        step's scalars) the whole step is element-wise."""
+        c = self.counters
+        plan = []
+        for i, ((group, params), gs) in enumerate(zip(groups, grads)):
+            if not params:
+                continue
+            m, v = self._moments(group, params, gs)
+            bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
+            self._anchors(params)  # the first local step remembers the common point
+            plan.append(SimpleNamespace(
+                group=group, params=params, m=m, grads=self._static_copy(i, gs),
+                u=[self._state_tensor(p, "momentum_accumulator") for p in params],
+                denom=self._denominators(i, group, v, bc2, c["var_updates"]),
+                scalars=self._step_scalars(i, params[0].device, (1.0 / bc1, -group["lr"]))))
+            c["lrs"][i] += group["lr"]
+
+        def local_step():
+            for s in plan:
+                F.update_momentum_(s.m, s.grads, s.group["betas"][0])
+                F.local_step_from_tensors_(s.params, s.u, s.m, s.denom, s.group["weight_decay"],
+                                           s.scalars[0], s.scalars[1])
+
+        # The key names what the graph baked in: addresses, and Python floats.
+        floats = tuple((s.group["betas"][0], s.group["weight_decay"]) for s in plan)
+        self._graphed("local step", (floats, tensor_key(*(x for s in plan for x in (
+            s.params, s.m, s.grads, s.u, s.denom, [s.scalars])))), local_step)
 
     def _anchors(self, params):
         """The last synced point of each param, kept exactly: recomputing it
