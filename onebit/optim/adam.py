@@ -4,6 +4,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
+import torch
+
 
 from . import functional as F
 from ..graphs import tensor_key
@@ -122,11 +124,19 @@ class OnebitAdam(FreezeStepOptimizer):
 
         def update():
             for s in plan:
-                for f in s.flat:
-                    self._unflatten_from(f, s.m)
-                self._mask_(s.group, s.m)
+                # A copy of m for the step to scale in place: the flat buffer
+                # (it holds the averaged m), else the gradients' buffer (the
+                # momentum region is done with it).
+                if s.flat:
+                    scratch = self._views(s.flat[0], s.m)
+                    self._mask_(s.group, scratch)
+                    torch._foreach_copy_(s.m, scratch)
+                else:
+                    scratch = s.grads
+                    self._mask_(s.group, s.m)
+                    torch._foreach_copy_(scratch, s.m)
                 decay = s.scalars[1] if s.group["weight_decay"] else None
-                F.adam_step_from_tensors_(s.params, s.m, s.denom, s.scalars[0], decay)
+                F.adam_step_from_tensors_(s.params, scratch, s.denom, s.scalars[0], decay)
 
         # The keys name what each graph baked in: addresses, and Python floats.
         betas = tuple(s.group["betas"][0] for s in plan)
@@ -137,4 +147,4 @@ class OnebitAdam(FreezeStepOptimizer):
                 self._compressed_allreduce_flat(s.index, f)
         decays = tuple(bool(s.group["weight_decay"]) for s in plan)
         self._graphed("update", (decays, tensor_key(*(x for s in plan for x in (
-            s.params, s.m, s.denom, s.flat, s.mask, [s.scalars])))), update)
+            s.params, s.m, s.grads, s.denom, s.flat, s.mask, [s.scalars])))), update)

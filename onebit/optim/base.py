@@ -207,10 +207,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
             torch.cat([t.reshape(-1) for t in tensors], out=flat)
 
     @staticmethod
-    def _unflatten_from(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
-        views = [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    def _views(flat: torch.Tensor, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """`flat` cut into views shaped like `tensors`."""
+        return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+    def _unflatten_from(self, flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
         if tensors:
-            torch._foreach_copy_(tensors, views)
+            torch._foreach_copy_(tensors, self._views(flat, tensors))
 
     # -------------------------------------------------------- communication --
     def _average_(self, index: int, tensors: List[torch.Tensor]) -> None:

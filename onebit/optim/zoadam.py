@@ -142,7 +142,8 @@ class ZeroOneAdam(OnebitOptimizer):
         def local_step():
             for s in plan:
                 F.update_momentum_(s.m, s.grads, s.group["betas"][0])
-                F.local_step_from_tensors_(s.params, s.u, s.m, s.denom, s.group["weight_decay"],
+                torch._foreach_copy_(s.grads, s.m)  # the gradients' buffer is free now
+                F.local_step_from_tensors_(s.params, s.u, s.grads, s.denom, s.group["weight_decay"],
                                            s.scalars[0], s.scalars[1])
 
         # The key names what the graph baked in: addresses, and Python floats.
