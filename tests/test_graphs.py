@@ -197,3 +197,19 @@ def test_graph_capture_must_be_a_bool(cls_name):
 
     with pytest.raises(ValueError, match="graph_capture"):
         getattr(onebit, cls_name)([torch.nn.Parameter(torch.zeros(2))], graph_capture="yes")
+
+
+def _disagree_on_graph_capture(rank, world):
+    from onebit import OnebitAdam
+
+    try:
+        OnebitAdam([torch.nn.Parameter(torch.zeros(4))], graph_capture=rank == 0)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_must_agree_on_graph_capture():
+    # It changes the rounding of the update, so mixed ranks would drift apart.
+    for message in run_workers(_disagree_on_graph_capture, 2, timeout=120):
+        assert message is not None and "hyper-parameters" in message
