@@ -6,9 +6,8 @@ from typing import Optional
 
 import torch
 
-
-from . import functional as F
 from ..graphs import tensor_key
+from . import functional as F
 from .base import FreezeStepOptimizer, adam_defaults, check_flag, check_positive_int
 
 
