@@ -4,11 +4,13 @@
                               mpirun (MPI rank and size; rank 0 picks a port)
   launched_externally()       whether either launcher started this process
   spawn_local(fn, n, *args)   start n local ranks, each running
-                              fn(rank, world_size, *args) in a gloo group;
+                              fn(rank, world_size, *args) in a gloo group
+                              (or nccl/xccl, one device per rank);
                               returns their results, re-raises a failure,
                               and kills everyone if `timeout` passes
   run_everywhere(fn, n, *args)  under a launcher, fn on this rank; else
                               spawn_local with n ranks
+  local_backend(n)            the best backend for n local ranks
 """
 from __future__ import annotations
 
@@ -76,7 +78,19 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
                             world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads):
+def local_backend(world_size: int) -> str:
+    """The torch.distributed backend for `world_size` local ranks: the
+    accelerator's (nccl, xccl) when each rank can have a device of its own,
+    else gloo on the host (nccl refuses two ranks on one GPU)."""
+    from .accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.name != "cpu" and acc.device_count() >= world_size:
+        return acc.communication_backend_name()
+    return "gloo"
+
+
+def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads, backend):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -86,7 +100,11 @@ def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads):
 
         if threads:
             torch.set_num_threads(threads)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend != "gloo":  # one device per rank, chosen by local rank
+            from .accelerator import get_accelerator
+
+            get_accelerator().set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
             results.put((rank, "ok", fn(rank, world_size, *args)))
@@ -99,13 +117,14 @@ def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads):
 def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
                 timeout: Optional[float] = None, env: Optional[dict] = None,
                 pg_timeout_s: float = 300.0, threads: Optional[int] = None,
-                may_die: Sequence[int] = ()) -> List[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` local gloo ranks.
+                may_die: Sequence[int] = (), backend: str = "gloo") -> List[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` local ranks.
 
     fn must be importable (a module-level function). `threads` sets each
     rank's torch threads (default: cores shared out, at least 1). Ranks in
     `may_die` (fault-injection tests) may exit without reporting; their
-    result is None.
+    result is None. `backend`: gloo (host tensors), or a device backend
+    (see local_backend), in which case rank r uses device r.
     """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -114,7 +133,7 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
     port = free_port()
     procs = [ctx.Process(target=_entry, daemon=True,
                          args=(fn, r, world_size, port, args, results, env or {}, pg_timeout_s,
-                               threads))
+                               threads, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -154,12 +173,13 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
     return [out.get(r) for r in range(world_size)]
 
 
-def run_everywhere(fn: Callable[..., Any], nproc: int, *args: Any) -> tuple:
+def run_everywhere(fn: Callable[..., Any], nproc: int, *args: Any,
+                   backend: str = "gloo") -> tuple:
     """Run fn(rank, world_size, *args) on every rank and return (rank, result).
 
     Under torchrun or mpirun: join their process group and run on this
-    process's rank. Otherwise: start `nproc` local ranks and return rank 0's
-    result as (0, result). fn must be importable (module level).
+    process's rank. Otherwise: start `nproc` local ranks on `backend` and
+    return rank 0's result as (0, result). fn must be importable (module level).
     """
     if launched_externally():
         import torch.distributed as dist
@@ -170,5 +190,5 @@ def run_everywhere(fn: Callable[..., Any], nproc: int, *args: Any) -> tuple:
             return rank, fn(rank, dist.get_world_size(), *args)
         finally:
             dist.destroy_process_group()
-    return 0, spawn_local(fn, nproc, *args)[0]
+    return 0, spawn_local(fn, nproc, *args, backend=backend)[0]
 

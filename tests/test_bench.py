@@ -63,3 +63,21 @@ def test_kernel_bench_json(tmp_path):
     rows = json.loads((tmp_path / "k.json").read_text())["results"]
     assert [r["n"] for r in rows] == [1024, 2048]
     assert all(r["pack_GBs"] > 0 and r["fused_speedup"] > 0 for r in rows)
+
+
+def test_local_ranks_use_gloo_without_a_device_per_rank():
+    from onebit.accelerator import CpuAccelerator, CudaAccelerator, set_accelerator
+    from onebit.launch import local_backend
+
+    class TwoGpus(CudaAccelerator):
+        def device_count(self):
+            return 2
+
+    try:
+        set_accelerator(CpuAccelerator())
+        assert local_backend(4) == "gloo"
+        set_accelerator(TwoGpus())
+        assert local_backend(2) == "nccl"  # a GPU per rank
+        assert local_backend(3) == "gloo"  # nccl refuses two ranks on one GPU
+    finally:
+        set_accelerator(None)

@@ -42,8 +42,16 @@ def _sizes(args) -> List[int]:
     return sizes
 
 
+def _device() -> torch.device:
+    """Where the benchmark's tensors live: gloo moves host tensors; nccl and
+    xccl the device's (one device per rank)."""
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return torch.device(get_accelerator().current_device_name())
+
+
 def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -60,9 +68,11 @@ def _timed(fn, warmup: int, iters: int) -> float:
 
 
 def _gather_to_rank0(t: torch.Tensor) -> List[torch.Tensor]:
+    """Every rank's `t`, on rank 0's host (None elsewhere)."""
+    t = t.contiguous().to(_device())
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-    dist.gather(t.contiguous(), parts, dst=0)
-    return parts
+    dist.gather(t, parts, dst=0)
+    return [p.cpu() for p in parts] if parts is not None else None
 
 
 def _check_compressed(backend, count: int, device) -> int:
@@ -96,7 +106,7 @@ def _check_all_reduce(count: int, dtype, device) -> int:
 
 
 def _broadcast_int(v: int) -> int:
-    t = torch.tensor([v], dtype=torch.int64)
+    t = torch.tensor([v], dtype=torch.int64, device=_device())
     dist.broadcast(t, 0)
     return int(t.item())
 
@@ -115,7 +125,7 @@ def _make_backends(names: List[str]) -> Dict[str, object]:
 
 def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
     """Runs on every rank; rank 0 prints. Returns the rows (rank 0) or []."""
-    device = torch.device(get_accelerator().current_device_name())
+    device = _device()
     backends = _make_backends(args.backend.split(","))
     sizes = _sizes(args)
     table = Table(COLUMNS, out=sys.stdout, quiet=rank != 0)
@@ -178,7 +188,8 @@ def run(args: argparse.Namespace) -> bool:
         raise SystemExit("--backend mpi needs the ranks to be started by mpirun, e.g.\n"
                          "  mpirun -n 4 python -m onebit.bench --backend compressed,mpi\n"
                          "(MPI itself comes with: pip install 'onebit[mpi]')")
-    rank, rows = launch.run_everywhere(sweep, args.nproc, args)
+    rank, rows = launch.run_everywhere(sweep, args.nproc, args,
+                                       backend=launch.local_backend(args.nproc))
     if rank != 0:
         return True
     _footer(rows)
