@@ -210,11 +210,18 @@ def test_lamb_momentum_scales_survive_zero_and_empty_momentum():
 
 
 def test_lamb_frozen_factor_clamps():
-    d, df = torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0])
-    assert F.lamb_frozen_factor(d, df, 1, 1, 0.0, 1.0, 0.5, 4.0, 0.1) == pytest.approx(1.1)
-    assert F.lamb_frozen_factor(d, df, 1, 1, 0.0, 2.0, 0.5, 4.0, 0.1) == pytest.approx(2.0)
-    assert F.lamb_frozen_factor(d * 10, df, 1, 1, 0.0, 3.9, 0.5, 4.0, 0.5) == pytest.approx(4.0)
-    assert F.lamb_frozen_factor(d / 10, df, 1, 1, 0.0, 0.5, 0.5, 4.0, 0.9) == pytest.approx(0.5)
+    assert F.lamb_frozen_factor(2.0, 1, 1, 0.0, 1.0, 0.5, 4.0, 0.1) == pytest.approx(1.1)
+    assert F.lamb_frozen_factor(2.0, 1, 1, 0.0, 2.0, 0.5, 4.0, 0.1) == pytest.approx(2.0)
+    assert F.lamb_frozen_factor(20.0, 1, 1, 0.0, 3.9, 0.5, 4.0, 0.5) == pytest.approx(4.0)
+    assert F.lamb_frozen_factor(0.2, 1, 1, 0.0, 0.5, 0.5, 4.0, 0.9) == pytest.approx(0.5)
+    # the weight-decay share of the update pulls the factor toward 1
+    assert F.lamb_frozen_factor(3.0, 1, 2, 0.01, 2.0, 0.5, 4.0, 0.5) == pytest.approx(2.0)
+
+
+def test_max_ratios_matches_per_tensor_max():
+    a = [torch.tensor([2.0, -1.0]), torch.zeros(0), torch.tensor([[1.0, 6.0], [3.0, 0.5]])]
+    b = [torch.tensor([1.0, 1.0]), torch.zeros(0), torch.tensor([[1.0, 2.0], [1.0, 1.0]])]
+    assert F.max_ratios_(a, b) == [2.0, 1.0, 3.0]
 
 
 def test_grad_scaler_skips_inf_step_and_leaves_state_untouched():

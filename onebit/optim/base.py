@@ -109,7 +109,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._denoms: Dict[int, tuple] = {}  # group index -> (key, cached denominators)
         self._grads_averaged_externally = False  # set by the DDP hook for one step
         self._graph_regions: Dict[str, GraphedRegion] = {}
-        self._static: Dict[tuple, object] = {}  # fixed-address inputs of graphed regions
+        self._static: Dict[tuple, object] = {}  # buffers kept from step to step (see _scratch)
         self.state[STATE_KEY] = self._initial_counters()
 
     # ------------------------------------------------------------ counters --
@@ -266,15 +266,21 @@ class OnebitOptimizer(torch.optim.Optimizer):
         return {name: {"eager_runs": r.eager_runs, "captures": r.captures, "replays": r.replays}
                 for name, r in self._graph_regions.items()}
 
-    def _static_copy(self, index: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """fp32 copies of `tensors` in buffers that keep their addresses from
-        step to step (gradients arrive in new tensors each step; a graph can
-        only read from where it was captured)."""
-        key = ("inputs", index)
+    def _scratch(self, name: str, index: int, like: List[torch.Tensor]) -> List[torch.Tensor]:
+        """fp32 buffers shaped like `like`, kept from step to step: a graph
+        needs fixed addresses, and on the CPU fresh multi-MB tensors cost page
+        faults worth several passes over them."""
+        key = (name, index)
         bufs = self._static.get(key)
-        if bufs is None or [b.shape for b in bufs] != [t.shape for t in tensors]:
+        if bufs is None or [b.shape for b in bufs] != [t.shape for t in like]:
             bufs = self._static[key] = [torch.empty(t.shape, dtype=torch.float32, device=t.device)
-                                        for t in tensors]
+                                        for t in like]
+        return bufs
+
+    def _static_copy(self, index: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """fp32 copies of `tensors` at fixed addresses (gradients arrive in
+        new tensors each step; a graph reads from where it was captured)."""
+        bufs = self._scratch("inputs", index, tensors)
         if bufs:
             torch._foreach_copy_(bufs, tensors)
         return bufs
@@ -484,7 +490,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """
         if version is None:
             self._denoms.pop(index, None)
-            return F.denominators(exp_avg_sqs, group["eps"], group["eps_inside_sqrt"], bc2)
+            return F.denominators(exp_avg_sqs, group["eps"], group["eps_inside_sqrt"], bc2,
+                                  out=self._scratch("denominators", index, exp_avg_sqs))
         key = (version, group["eps"], group["eps_inside_sqrt"], bc2)
         cached = self._denoms.get(index)
         if cached is None or cached[0] != key:

@@ -31,23 +31,40 @@ def update_variance_(exp_avg_sqs: Tensors, grads: Tensors, beta2: float) -> None
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
 
 
-def denominators(exp_avg_sqs: Tensors, eps: float, eps_inside_sqrt: bool, bc2: float) -> Tensors:
-    """sqrt(v / bc2) + eps, or sqrt(v / bc2 + eps) when eps_inside_sqrt."""
+def _into(out: Optional[Tensors], src: Tensors) -> Tensors:
+    """`src` copied into `out` (caller-owned buffers), or a fresh copy."""
+    if out is None:
+        return [t.clone() for t in src]
+    if out:
+        torch._foreach_copy_(out, src)
+    return out
+
+
+def denominators(exp_avg_sqs: Tensors, eps: float, eps_inside_sqrt: bool, bc2: float,
+                 out: Optional[Tensors] = None) -> Tensors:
+    """sqrt(v / bc2) + eps, or sqrt(v / bc2 + eps) when eps_inside_sqrt.
+
+    `out`: buffers to write into. On the CPU a fresh multi-MB tensor costs
+    page faults worth several passes over it, so the optimizers pass buffers
+    they keep from step to step."""
+    d = _into(out, exp_avg_sqs)
     if eps_inside_sqrt:
-        d = torch._foreach_div(exp_avg_sqs, bc2)
+        torch._foreach_div_(d, bc2)
         torch._foreach_add_(d, eps)
         torch._foreach_sqrt_(d)
         return d
-    d = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_sqrt_(d)
     torch._foreach_div_(d, math.sqrt(bc2))
     torch._foreach_add_(d, eps)
     return d
 
 
 def adam_updates(exp_avgs: Tensors, denoms: Tensors, params: Tensors, weight_decay: float,
-                 bc1: float) -> Tensors:
-    """u = (m / bc1) / denom + weight_decay * p   (the direction, before lr)."""
-    u = torch._foreach_div(exp_avgs, denoms)
+                 bc1: float, out: Optional[Tensors] = None) -> Tensors:
+    """u = (m / bc1) / denom + weight_decay * p   (the direction, before lr).
+    `out`: buffers to write into (see denominators)."""
+    u = _into(out, exp_avgs)
+    torch._foreach_div_(u, denoms)
     if bc1 != 1.0:
         torch._foreach_div_(u, bc1)
     if weight_decay:
@@ -131,7 +148,7 @@ def apply_updates_(params: Tensors, updates: Tensors, lr: float,
     """
     if scales is not None:
         torch._foreach_mul_(updates, [-lr * s for s in scales])
-    else:
+    elif lr != -1.0:  # -1: the caller already scaled them (0/1 Adam's displacement)
         torch._foreach_mul_(updates, -lr)
     same = [(p, u) for p, u in zip(params, updates) if p.dtype == u.dtype]
     if same:
@@ -171,14 +188,31 @@ def lamb_momentum_scales(exp_avgs: Tensors) -> List[float]:
     return [united / r if r > 0 else 1.0 for r in rms]
 
 
-def lamb_frozen_factor(denom: torch.Tensor, denom_fresh: torch.Tensor, update_prelim_norm: float,
+def max_ratios_(numerators: Tensors, denominators: Tensors) -> List[float]:
+    """max(a / b) of each pair of tensors (1.0 for empty ones), with one host
+    sync for the whole list instead of one per tensor. Overwrites
+    `denominators` with the ratios (no allocation)."""
+    live = [i for i, a in enumerate(numerators) if a.numel()]
+    out = [1.0] * len(numerators)
+    if live:
+        ratios = [denominators[i] for i in live]
+        torch._foreach_reciprocal_(ratios)
+        torch._foreach_mul_(ratios, [numerators[i] for i in live])
+        maxes = torch._foreach_max(ratios) if hasattr(torch, "_foreach_max") else [r.max() for r in ratios]
+        for i, v in zip(live, torch.stack(maxes).tolist()):
+            out[i] = v
+    return out
+
+
+def lamb_frozen_factor(denom_ratio_max: float, update_prelim_norm: float,
                        update_norm: float, weight_decay: float, last_factor: float,
                        factor_min: float, factor_max: float, threshold: float) -> float:
     """1-bit LAMB's compression-stage scaling factor for one tensor:
-    max(denom / denom_fresh), blended toward 1 by the weight-decay share of the
-    update, clamped to [factor_min, factor_max] and to within `threshold` of
-    the previous step's factor."""
-    factor = float((denom / denom_fresh).max()) if denom.numel() else 1.0
+    max(denom / denom_fresh) (`denom_ratio_max`, see max_ratios_), blended
+    toward 1 by the weight-decay share of the update, clamped to
+    [factor_min, factor_max] and to within `threshold` of the previous
+    step's factor."""
+    factor = denom_ratio_max
     if weight_decay and update_norm > 0:
         ratio = min(1.0, update_prelim_norm / update_norm)
         factor = factor * ratio + (1.0 - ratio)

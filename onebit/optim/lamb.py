@@ -73,9 +73,10 @@ class OnebitLamb(FreezeStepOptimizer):
         F.update_momentum_(m, gs, beta1)
         F.update_variance_(v, gs, beta2)
         bc1, bc2 = self._bias_corrections(group, t, t)
-        denom = F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2)
+        denom = self._denominators(i, group, v, bc2, None)
         pf = [p.float() for p in params]
-        upd = F.adam_updates(m, denom, pf, group["weight_decay"], bc1)
+        upd = F.adam_updates(m, denom, pf, group["weight_decay"], bc1,
+                             out=self._scratch("update", i, m))
         coeffs = F.lamb_trust_ratios(pf, upd, group["min_coeff"], group["max_coeff"])
         for p, coeff in zip(params, coeffs):
             st = self.state[p]
@@ -101,27 +102,35 @@ class OnebitLamb(FreezeStepOptimizer):
             for p, s in zip(params, F.lamb_momentum_scales(m)):
                 self.state[p]["scaling_coeff"] = s
         scaling = [self.state[p]["scaling_coeff"] for p in params]
-        m_last = [x.clone() for x in m]
+        m_last = self._scratch("momentum before this step", i, m)
+        torch._foreach_copy_(m_last, m)
         F.update_momentum_(m, gs, beta1)
         torch._foreach_mul_(m, scaling)
         self._compressed_average_(i, m)  # one fused exchange for the whole group
         torch._foreach_div_(m, scaling)
         self._mask_(group, m)
-        # The gradient implied by the momentum change feeds the fresh variance.
-        g_rec = torch._foreach_sub(m, torch._foreach_mul(m_last, beta1))
-        torch._foreach_div_(g_rec, 1.0 - beta1)
+        # The gradient implied by the momentum change feeds the fresh variance:
+        # g = (m - beta1 * m_last) / (1 - beta1), computed in m_last's buffer.
+        g_rec = m_last
+        torch._foreach_mul_(g_rec, -beta1 / (1.0 - beta1))
+        torch._foreach_add_(g_rec, m, alpha=1.0 / (1.0 - beta1))
         F.update_variance_(fresh, g_rec, beta2)
         bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
         denom = self._denominators(i, group, v, bc2, "frozen")
-        denom_fresh = F.denominators(fresh, group["eps"], group["eps_inside_sqrt"], bc2)
+        denom_fresh = F.denominators(fresh, group["eps"], group["eps_inside_sqrt"], bc2,
+                                     out=self._scratch("fresh denominators", i, fresh))
+        ratio_maxes = F.max_ratios_(denom, denom_fresh)
         pf = [p.float() for p in params]
-        prelim = F.adam_updates(m, denom, pf, 0.0, bc1)
-        upd = F.adam_updates(m, denom, pf, group["weight_decay"], bc1)
-        prelim_norms, upd_norms = F.norms(prelim), F.norms(upd)
+        # The update before weight decay, then after, in the same buffer.
+        upd = F.adam_updates(m, denom, pf, 0.0, bc1, out=self._scratch("update", i, m))
+        prelim_norms = upd_norms = F.norms(upd)
+        if group["weight_decay"]:
+            torch._foreach_add_(upd, pf, alpha=group["weight_decay"])
+            upd_norms = F.norms(upd)
         coeffs = []
-        for p, d, df, pn, un in zip(params, denom, denom_fresh, prelim_norms, upd_norms):
+        for p, rmax, pn, un in zip(params, ratio_maxes, prelim_norms, upd_norms):
             st = self.state[p]
-            factor = F.lamb_frozen_factor(d, df, pn, un, group["weight_decay"],
+            factor = F.lamb_frozen_factor(rmax, pn, un, group["weight_decay"],
                                           st.get("last_factor", 1.0), self.factor_min,
                                           self.factor_max, self.factor_threshold)
             st["last_factor"] = factor

@@ -104,7 +104,8 @@ class ZeroOneAdam(OnebitOptimizer):
             F.update_momentum_(m, gs, beta1)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
             denom = self._denominators(i, group, v, bc2, c["var_updates"])
-            upd = F.adam_updates(m, denom, [p.float() for p in params], group["weight_decay"], bc1)
+            upd = F.adam_updates(m, denom, [p.float() for p in params], group["weight_decay"], bc1,
+                                 out=self._scratch("update", i, m))
             torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
