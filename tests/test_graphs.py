@@ -213,3 +213,40 @@ def test_ranks_must_agree_on_graph_capture():
     # It changes the rounding of the update, so mixed ranks would drift apart.
     for message in run_workers(_disagree_on_graph_capture, 2, timeout=120):
         assert message is not None and "hyper-parameters" in message
+
+
+def _changes_mid_run(graphs):
+    """OnebitAdam whose eps changes at step 12 and which reloads its own
+    checkpoint at step 18: both must re-capture, not replay a stale graph."""
+    from onebit import OnebitAdam
+    from onebit.accelerator import set_accelerator
+
+    set_accelerator(EmulatedGraphAccelerator() if graphs else CpuAccelerator())
+    try:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in [(9, 4), (17,)]]
+        opt = OnebitAdam(params, lr=1e-2, freeze_step=2, graph_capture=True)
+        for t in range(1, 27):
+            gen = torch.Generator().manual_seed(t)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if t == 12:
+                opt.param_groups[0]["eps"] = 1e-3  # new denominators: new addresses
+            if t == 18:
+                before_load = opt.graph_stats()
+                opt.load_state_dict(opt.state_dict())  # new state tensors
+            opt.step()
+        return [p.detach().clone() for p in params], (before_load, opt.graph_stats())
+    finally:
+        set_accelerator(None)
+
+
+def test_changed_hyper_parameters_and_reloaded_state_recapture():
+    captured, (before_load, after_load) = _changes_mid_run(graphs=True)
+    eager, _ = _changes_mid_run(graphs=False)
+    for c, e in zip(captured, eager):
+        assert torch.equal(c, e)
+    # Steps 3-11 and 12-17 each warm up (3 eager runs), capture once and
+    # replay the rest; loading starts the regions afresh for steps 18-26.
+    assert before_load["update"] == {"eager_runs": 6, "captures": 2, "replays": 6 + 3}
+    assert after_load["update"] == {"eager_runs": 3, "captures": 1, "replays": 6}
