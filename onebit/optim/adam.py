@@ -50,10 +50,11 @@ class OnebitAdam(FreezeStepOptimizer):
         before and after the compressed allreduce (momentum, flatten,
         unflatten, mask, update) into two graphs and replay them each step
         (CUDA graphs; XPU graphs where torch has them). Worth it when a step
-        is many small tensors. lr may change freely (it is read from a device
-        tensor); changing betas, eps or weight_decay, or loading a checkpoint,
-        re-captures. On the CPU the same code runs eagerly. All ranks must
-        agree on this flag: it changes the rounding of the update slightly.
+        is many small tensors. lr and weight_decay may change freely (read
+        from a device tensor each step); changing betas or eps, turning
+        weight decay on or off, or loading a checkpoint re-captures. On the
+        CPU the same code runs eagerly (and only costs). All ranks must agree
+        on this flag: it changes the rounding of the update slightly.
     Construction broadcasts rank 0's parameters and checks that every rank
     built the same optimizer (shapes, hyper-parameters, backend, wire format).
     Param groups may carry `exp_avg_mask`: multiplied into m after every
