@@ -216,8 +216,9 @@ def test_ranks_must_agree_on_graph_capture():
 
 
 def _changes_mid_run(graphs):
-    """OnebitAdam whose eps changes at step 12 and which reloads its own
-    checkpoint at step 18: both must re-capture, not replay a stale graph."""
+    """OnebitAdam whose weight decay changes at step 9 (read from a device
+    scalar), whose eps changes at step 12 and which reloads its own checkpoint
+    at step 18: the last two must re-capture, not replay a stale graph."""
     from onebit import OnebitAdam
     from onebit.accelerator import set_accelerator
 
@@ -225,11 +226,13 @@ def _changes_mid_run(graphs):
     try:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s)) for s in [(9, 4), (17,)]]
-        opt = OnebitAdam(params, lr=1e-2, freeze_step=2, graph_capture=True)
+        opt = OnebitAdam(params, lr=1e-2, freeze_step=2, graph_capture=True, weight_decay=0.01)
         for t in range(1, 27):
             gen = torch.Generator().manual_seed(t)
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen)
+            if t == 9:
+                opt.param_groups[0]["weight_decay"] = 0.05  # a device scalar: no re-capture
             if t == 12:
                 opt.param_groups[0]["eps"] = 1e-3  # new denominators: new addresses
             if t == 18:
