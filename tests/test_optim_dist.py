@@ -109,9 +109,10 @@ def simulate_onebit_adam(p0, world, steps, freeze, lr, betas, eps):
     return params
 
 
-def _onebit_adam_run(rank, world, steps, freeze):
+def _synthetic_run(rank, world, cls_name, steps, kw):
+    """`steps` steps of cls_name on synthetic_grad; this rank's final params, flat."""
     params = make_params(seed=0)
-    opt = make("OnebitAdam", params, freeze_step=freeze, lr=1e-2)
+    opt = make(cls_name, params, **kw)
     for t in range(1, steps + 1):
         for p in params:
             p.grad = synthetic_grad(rank, t, p.shape)
@@ -122,7 +123,8 @@ def _onebit_adam_run(rank, world, steps, freeze):
 @pytest.mark.parametrize("world", [2, 3])
 def test_onebit_adam_compression_stage_matches_independent_simulation(world):
     steps, freeze = 12, 5
-    got = run_workers(_onebit_adam_run, world, steps, freeze, timeout=120)
+    got = run_workers(_synthetic_run, world, "OnebitAdam", steps,
+                      dict(freeze_step=freeze, lr=1e-2), timeout=120)
     expected = simulate_onebit_adam(make_params(seed=0), world, steps, freeze, 1e-2,
                                     (0.9, 0.999), 1e-8)
     moved = np.abs(expected - torch.cat([p.detach().reshape(-1) for p in make_params(0)]).numpy())
@@ -205,20 +207,11 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
     return np.concatenate(params)
 
 
-def _onebit_lamb_run(rank, world, steps, freeze):
-    params = make_params(seed=0)
-    opt = make("OnebitLamb", params, freeze_step=freeze, lr=1e-2, weight_decay=0.01)
-    for t in range(1, steps + 1):
-        for p in params:
-            p.grad = synthetic_grad(rank, t, p.shape)
-        opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in params]).double().numpy()
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_onebit_lamb_compression_stage_matches_independent_simulation(world):
     steps, freeze = 14, 5
-    got = run_workers(_onebit_lamb_run, world, steps, freeze, timeout=120)
+    got = run_workers(_synthetic_run, world, "OnebitLamb", steps,
+                      dict(freeze_step=freeze, lr=1e-2, weight_decay=0.01), timeout=120)
     expected = simulate_onebit_lamb(make_params(seed=0), world, steps, freeze, 1e-2,
                                     (0.9, 0.999), 1e-8, 0.01)
     at_freeze = simulate_onebit_lamb(make_params(seed=0), world, freeze, freeze, 1e-2,

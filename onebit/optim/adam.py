@@ -8,7 +8,7 @@ import torch
 
 from ..graphs import tensor_key
 from . import functional as F
-from .base import FreezeStepOptimizer, adam_defaults, check_flag, check_positive_int
+from .base import FreezeStepOptimizer, adam_defaults, check_positive_int
 
 
 class OnebitAdam(FreezeStepOptimizer):
@@ -71,11 +71,9 @@ class OnebitAdam(FreezeStepOptimizer):
         defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("freeze_step", freeze_step, minimum=0)
-        check_flag("graph_capture", graph_capture)
         self.freeze_step = freeze_step
-        self.graph_capture = graph_capture
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every)
+                         timeout_s, check_replicas_every, graph_capture)
 
     def _update(self, t, groups, grads) -> None:
         compress = self.compression_started(t)

@@ -77,11 +77,14 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, comm_backend_name: Optional[str], cuda_aware: bool,
                  process_group=None, timeout_s: Optional[float] = None,
-                 check_replicas_every: int = 0) -> None:
+                 check_replicas_every: int = 0, graph_capture: bool = False) -> None:
         # What the subclass set before calling us: its stage settings
         # (freeze_step, var_update_scaler, ...), part of the rank fingerprint.
         settings = {k: v for k, v in vars(self).items() if isinstance(v, (int, float, str, tuple))}
         check_positive_int("check_replicas_every", check_replicas_every, minimum=0)
+        check_flag("graph_capture", graph_capture)
+        # It changes the rounding of the update, so ranks must agree on it too.
+        self.graph_capture = settings["graph_capture"] = graph_capture
         super().__init__(params, defaults)
         self.timeout_s = timeout_s
         self.check_replicas_every = check_replicas_every

@@ -8,7 +8,7 @@ import torch
 
 from ..graphs import tensor_key
 from . import functional as F
-from .base import OnebitOptimizer, adam_defaults, check_flag, check_positive_int
+from .base import OnebitOptimizer, adam_defaults, check_positive_int
 
 
 class ZeroOneAdam(OnebitOptimizer):
@@ -49,14 +49,12 @@ class ZeroOneAdam(OnebitOptimizer):
         check_positive_int("var_update_scaler", var_update_scaler)
         check_positive_int("local_step_scaler", local_step_scaler)
         check_positive_int("local_step_clipper", local_step_clipper)
-        check_flag("graph_capture", graph_capture)
-        self.graph_capture = graph_capture
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every)
+                         timeout_s, check_replicas_every, graph_capture)
 
     def _initial_counters(self) -> dict:
         return {"step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
