@@ -126,10 +126,12 @@ def local_step_from_tensors_(params: Tensors, accumulators: Tensors, scratch: Te
         torch._foreach_add_(scratch, [p.float() for p in params], alpha=weight_decay)
     torch._foreach_mul_(scratch, neg_lr)
     torch._foreach_add_(accumulators, scratch)
-    _add_updates_(params, scratch)
+    add_updates_(params, scratch)
 
 
-def _add_updates_(params: Tensors, updates: Tensors) -> None:
+# Both the eager and the graphed steps land their updates through these.
+
+def add_updates_(params: Tensors, updates: Tensors) -> None:
     """p <- p + u for fp32 updates; low-precision params are computed in fp32
     and rounded once."""
     fp32 = [(p, u) for p, u in zip(params, updates) if p.dtype == torch.float32]
@@ -148,14 +150,9 @@ def apply_updates_(params: Tensors, updates: Tensors, lr: float,
     """
     if scales is not None:
         torch._foreach_mul_(updates, [-lr * s for s in scales])
-    elif lr != -1.0:  # -1: the caller already scaled them (0/1 Adam's displacement)
+    else:
         torch._foreach_mul_(updates, -lr)
-    same = [(p, u) for p, u in zip(params, updates) if p.dtype == u.dtype]
-    if same:
-        torch._foreach_add_([p for p, _ in same], [u for _, u in same])
-    for p, u in zip(params, updates):
-        if p.dtype != u.dtype:
-            p.add_(u.to(p.dtype))
+    add_updates_(params, updates)
 
 
 def norms(tensors: Tensors) -> List[float]:

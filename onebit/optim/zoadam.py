@@ -110,7 +110,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 anchors = self._anchors(params)
                 torch._foreach_add_(u, upd)
                 c["lrs"][i] += group["lr"]
-            F.apply_updates_(params, upd, -1.0)
+            F.add_updates_(params, upd)
             if sync:
                 self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i])
                 c["lrs"][i] = 0.0
