@@ -2,7 +2,7 @@
 
 Installed as `onebit.builders`. Each builder's `load()` returns a *kernels*
 object with the tensor-level interface of `TorchKernels` (pack, decode,
-compensate_pack), or raises `OpBuilderError` with a message saying what is
+compensate, pack_error), or raises `OpBuilderError` with a message saying what is
 missing; `onebit.ops` then falls back to `TorchKernels` and warns once.
 """
 from .base import OpBuilder, OpBuilderError

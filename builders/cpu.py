@@ -36,16 +36,20 @@ class CpuKernels:
     def pack(self, x: torch.Tensor, out: torch.Tensor) -> None:
         self._m.pack(DTYPE_CODES[x.dtype], x.data_ptr(), x.numel(), out.data_ptr(), self._threads())
 
-    def decode(self, bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.Tensor) -> None:
-        rows = scales.numel()
-        self._m.decode(bits.data_ptr(), bits.stride(0), rows, scales.data_ptr(), cols,
-                       out.data_ptr(), self._threads())
+    def decode(self, bits: torch.Tensor, scales: torch.Tensor, block: int, cols: int,
+               out: torch.Tensor) -> None:
+        self._m.decode(bits.data_ptr(), bits.stride(0), bits.shape[0], scales.data_ptr(), block,
+                       cols, out.data_ptr(), self._threads())
 
-    def compensate_pack(self, buf: torch.Tensor, err: torch.Tensor, out: torch.Tensor,
-                        scale: torch.Tensor) -> None:
-        s = self._m.compensate_pack(buf.data_ptr(), buf.numel(), err.data_ptr(), err.numel(),
-                                    out.data_ptr(), self._threads())
-        scale.fill_(s)
+    def compensate(self, buf: torch.Tensor, err: torch.Tensor, sumsq: torch.Tensor,
+                   block: int) -> None:
+        self._m.compensate(buf.data_ptr(), buf.numel(), err.data_ptr(), err.numel(), block,
+                           sumsq.data_ptr(), self._threads())
+
+    def pack_error(self, err: torch.Tensor, scales: torch.Tensor, block: int,
+                   out: torch.Tensor) -> None:
+        self._m.pack_error(err.data_ptr(), err.numel(), scales.data_ptr(), block, out.data_ptr(),
+                           self._threads())
 
 
 class CPUPackbitsBuilder(OpBuilder):

@@ -55,9 +55,9 @@ class LauncherKernels:
         s = [_P] if stream_first else []
         e = [] if stream_first else [_P]
         self._pack = self._fn(lib, f"{prefix}_pack", s + [_I, _P, _I64, _P] + e)
-        self._decode = self._fn(lib, f"{prefix}_decode", s + [_P, _I64, _I, _P, _I64, _P] + e)
-        self._comp = self._fn(lib, f"{prefix}_compensate_pack", s + [_P, _I64, _P, _I64, _P, _P, _P] + e)
-        self._scratch = {}
+        self._decode = self._fn(lib, f"{prefix}_decode", s + [_P, _I64, _I, _P, _I64, _I64, _P] + e)
+        self._compensate = self._fn(lib, f"{prefix}_compensate", s + [_P, _I64, _P, _I64, _I64, _P] + e)
+        self._pack_error = self._fn(lib, f"{prefix}_pack_error", s + [_P, _I64, _P, _I64, _P] + e)
 
     @staticmethod
     def _fn(lib, name, argtypes):
@@ -74,16 +74,17 @@ class LauncherKernels:
     def pack(self, x: torch.Tensor, out: torch.Tensor) -> None:
         self._call(self._pack, DTYPE_CODES[x.dtype], x.data_ptr(), x.numel(), out.data_ptr())
 
-    def decode(self, bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.Tensor) -> None:
-        rows = scales.numel()
-        self._call(self._decode, bits.data_ptr(), bits.stride(0), rows, scales.data_ptr(),
-                   cols, out.data_ptr())
+    def decode(self, bits: torch.Tensor, scales: torch.Tensor, block: int, cols: int,
+               out: torch.Tensor) -> None:
+        self._call(self._decode, bits.data_ptr(), bits.stride(0), bits.shape[0], scales.data_ptr(),
+                   block, cols, out.data_ptr())
 
-    def compensate_pack(self, buf: torch.Tensor, err: torch.Tensor, out: torch.Tensor,
-                        scale: torch.Tensor) -> None:
-        scratch = self._scratch.get(err.device)
-        if scratch is None:  # reduction partials; allocated once per device
-            scratch = self._scratch[err.device] = torch.empty(1024, dtype=torch.float64,
-                                                              device=err.device)
-        self._call(self._comp, buf.data_ptr(), buf.numel(), err.data_ptr(), err.numel(),
-                   out.data_ptr(), scale.data_ptr(), scratch.data_ptr())
+    def compensate(self, buf: torch.Tensor, err: torch.Tensor, sumsq: torch.Tensor,
+                   block: int) -> None:
+        self._call(self._compensate, buf.data_ptr(), buf.numel(), err.data_ptr(), err.numel(),
+                   block, sumsq.data_ptr())
+
+    def pack_error(self, err: torch.Tensor, scales: torch.Tensor, block: int,
+                   out: torch.Tensor) -> None:
+        self._call(self._pack_error, err.data_ptr(), err.numel(), scales.data_ptr(), block,
+                   out.data_ptr())

@@ -1,17 +1,19 @@
 """The sign-bit kernels in plain torch: the fallback on any device, and the
 readable statement of what every native kernel must compute.
 
-Interface shared by every kernels object (all tensors contiguous, one device):
+Interface shared by every kernels object (all tensors contiguous, one device;
+`block` is a positive multiple of 8, and for the last two it divides n):
   pack(x, out)                          out[i] = packed signs of x, uint8[ceil(n/8)]
-  decode(bits, scales, cols, out)       out[j] = mean_r scales[r] * sign(bits[r], j);
-                                        bits [rows, >= cols/8] may have a row stride
-  compensate_pack(buf, err, out, scale) err <- x = buf (zero-padded) + err;
-                                        scale[0] = ||x|| / sqrt(n); out = pack(x);
-                                        err <- x - scale * sign(x)
+  decode(bits, scales, block, cols, out)
+                                        out[j] = mean_r scales[r, j // block] * sign(bits[r], j);
+                                        bits [rows, >= cols/8] may have a row stride;
+                                        scales float32 [rows, ceil(cols/block)]
+  compensate(buf, err, sumsq, block)    err <- x = buf (zero-padded to n) + err;
+                                        sumsq[k] = sum of x^2 over block k (float64)
+  pack_error(err, scales, block, out)   out = pack(err); err <- err - scales[k] * sign(err)
+                                        (float32 scales, one per block)
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -42,17 +44,20 @@ class TorchKernels:
         b = (rows.unsqueeze(-1) & _bit_weights(bits.device)) != 0
         return b.reshape(rows.shape[0], -1)[:, :cols].to(torch.float32) * 2 - 1
 
-    def decode(self, bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.Tensor) -> None:
+    def decode(self, bits: torch.Tensor, scales: torch.Tensor, block: int, cols: int,
+               out: torch.Tensor) -> None:
         signs = self.signs(bits, cols)
-        acc = (signs * scales.view(-1, 1)).sum(0)
+        per_element = scales.reshape(signs.shape[0], -1).repeat_interleave(block, dim=1)[:, :cols]
+        acc = (signs * per_element).sum(0)
         out.copy_(acc * (1.0 / signs.shape[0]))
 
-    def compensate_pack(self, buf: torch.Tensor, err: torch.Tensor, out: torch.Tensor,
-                        scale: torch.Tensor) -> None:
-        n = err.numel()
+    def compensate(self, buf: torch.Tensor, err: torch.Tensor, sumsq: torch.Tensor,
+                   block: int) -> None:
         err[: buf.numel()].add_(buf.reshape(-1))
-        norm = torch.linalg.vector_norm(err, dtype=torch.float64)
-        scale.copy_((norm / math.sqrt(n)).to(torch.float32) if n else norm.new_zeros(()))
+        sumsq.copy_(err.view(-1, block).double().square().sum(1))
+
+    def pack_error(self, err: torch.Tensor, scales: torch.Tensor, block: int,
+                   out: torch.Tensor) -> None:
         self.pack(err, out)
-        s = scale.to(err.dtype)
+        s = scales.to(err.dtype).repeat_interleave(block)
         err.sub_(torch.where(err >= 0, s, -s))

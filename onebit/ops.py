@@ -3,9 +3,10 @@
 Public API:
   packbits(x)              -> uint8[ceil(n/8)]  (x: any float dtype, any shape)
   unpackbits(packed, n)    -> float32[n] of +-1
-Used by the compressed backends:
-  compensate_pack(...)     fused worker/server error-feedback step
-  decode_mean(...)         mean over rows of scale * sign
+Used by the compressed backends (one scale per block of `block` elements):
+  compensate(...)          error feedback, pass 1: x = buf + err, sum of x^2 per block
+  pack_error(...)          error feedback, pass 2: pack sign(x), err = x - scale * sign(x)
+  decode_mean(...)         mean over rows of the block's scale * sign
 
 Wire format (DESIGN.md): bit = 1 iff x >= 0, element 8*i + j in bit j of
 byte i, identical to numpy.packbits(x >= 0, bitorder="little").
@@ -79,35 +80,51 @@ def unpackbits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     if numel:
         one = torch.ones(1, dtype=torch.float32, device=packed.device)
-        decode_mean(packed.contiguous().reshape(1, -1), one, numel, out)
+        block = (numel + 7) // 8 * 8  # one block, one scale of 1
+        decode_mean(packed.contiguous().reshape(1, -1), one, numel, out, block)
     return out
 
 
 def decode_mean(bits: torch.Tensor, scales: torch.Tensor, cols: int,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """out[j] = mean over rows r of scales[r] * sign(bits[r], j), for j < cols.
+                out: Optional[torch.Tensor], block: int) -> torch.Tensor:
+    """out[j] = mean over rows r of scales[r, j // block] * sign(bits[r], j), j < cols.
 
     bits: uint8 [rows, >= ceil(cols/8)], rows may be strided (message rows
-    carry a trailing scale); scales: float32 [rows], contiguous.
+    carry trailing scales); scales: float32 [rows, ceil(cols/block)],
+    contiguous; block: a positive multiple of 8.
     """
     if bits.dim() != 2 or bits.stride(1) != 1 or bits.shape[1] * 8 < cols:
         raise ValueError(f"decode_mean: bits must be uint8 [rows, >= {(cols + 7) // 8}] with "
                          f"unit inner stride, got shape {tuple(bits.shape)} stride {bits.stride()}")
+    _check_block(block)
+    want = bits.shape[0] * ((cols + block - 1) // block)
+    if scales.dtype != torch.float32 or not scales.is_contiguous() or scales.numel() != want:
+        raise ValueError(f"decode_mean: scales must be contiguous float32 with {want} elements "
+                         f"(rows x ceil(cols/block)), got {scales.dtype} {tuple(scales.shape)}")
     if out is None:
         out = torch.empty(cols, dtype=torch.float32, device=bits.device)
     if cols:
-        kernels_for(bits.device).decode(bits, scales, cols, out)
+        kernels_for(bits.device).decode(bits, scales, block, cols, out)
     return out
 
 
-def compensate_pack(buf: torch.Tensor, err: torch.Tensor, out: torch.Tensor,
-                    scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The error-feedback step, fused where the kernel can:
+def _check_block(block: int) -> None:
+    if not isinstance(block, int) or block <= 0 or block % 8:
+        raise ValueError(f"block must be a positive multiple of 8, got {block!r}")
 
-    x = buf zero-padded to err.numel() + err;  scale = ||x|| / sqrt(n)
-    out = packbits(x);  err <- x - scale * sign(x)      (sign(0) = +1)
 
-    buf, err: float32, contiguous; out: uint8[n/8]; scale: float32[1].
-    """
-    kernels_for(err.device).compensate_pack(buf, err, out, scale)
-    return out, scale
+def compensate(buf: torch.Tensor, err: torch.Tensor, sumsq: torch.Tensor, block: int) -> None:
+    """Error feedback, pass 1: err <- x = buf (zero-padded to err.numel()) + err,
+    and sumsq[k] = sum of x^2 over block k (float64, one fixed order per
+    block, so a block's sum never depends on where the block sits).
+
+    buf, err: float32, contiguous; block divides err.numel()."""
+    _check_block(block)
+    kernels_for(err.device).compensate(buf, err, sumsq, block)
+
+
+def pack_error(err: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:
+    """Error feedback, pass 2: out = packbits(err); err <- err - scales[k] *
+    sign(err) on block k (sign(0) = +1). scales: float32, one per block."""
+    _check_block(block)
+    kernels_for(err.device).pack_error(err, scales, block, out)

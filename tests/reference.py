@@ -1,6 +1,18 @@
-"""Independent float64 reference of the compressed allreduce, written from the
-1-bit Adam paper (Tang et al., 2021, Alg. 1) and DESIGN.md -- it imports
-nothing from onebit, so a bug there cannot hide here."""
+"""Independent float64 reference of the compressed allreduce (wire format v2),
+written from the 1-bit Adam paper (Tang et al., 2021, Alg. 1) and DESIGN.md's
+block-scale contract -- it imports nothing from onebit, so a bug there cannot
+hide here.
+
+The maths, for p ranks, tensors t_1..t_m and block size B:
+- place each tensor at the next multiple of B; N = the smallest multiple of
+  B*p that holds them all (at least B*p); every other position is "not real";
+- worker i: x = its tensors + worker error; for each block b of B positions,
+  s_b = sqrt(sum of x^2 over b's real positions / their count) (0 if none);
+  q = s_b * sign(x) on real positions, 0 elsewhere; new error = x - q;
+- rank k serves positions [k*N/p, (k+1)*N/p): c = mean_i q_i + server error,
+  compressed the same way (per block, real positions only);
+- every rank's output is the concatenation of the p compressed chunks.
+"""
 import numpy as np
 
 
@@ -9,33 +21,62 @@ def sign(x):
     return np.where(x >= 0, 1.0, -1.0)
 
 
-def reference_round(buffers, worker_errors, server_errors):
+def placement(sizes, block, p):
+    """(offsets, N, real mask[N]) of tensors of `sizes` elements."""
+    offsets, pos = [], 0
+    for s in sizes:
+        offsets.append(pos)
+        pos += -(-s // block) * block
+    unit = block * p
+    n = max(unit, -(-pos // unit) * unit)
+    real = np.zeros(n, dtype=bool)
+    for o, s in zip(offsets, sizes):
+        real[o:o + s] = True
+    return offsets, n, real
+
+
+def compress(x, real, block, round_scale):
+    """(q, new error, scales) of x, one scale per block over its real positions."""
+    xb, rb = x.reshape(-1, block), real.reshape(-1, block)
+    count = rb.sum(1)
+    s = np.sqrt((np.where(rb, xb, 0.0) ** 2).sum(1) / np.maximum(count, 1))
+    s = round_scale(s)
+    q = np.where(rb, s[:, None] * sign(xb), 0.0).reshape(-1)
+    return q, np.where(real, x - q, 0.0), s
+
+
+def reference_round(tensors, worker_errors, server_errors, block, round_scale=lambda s: s):
     """One compressed allreduce across p simulated ranks.
 
-    buffers: p arrays of numel values (rank i's momentum).
+    tensors: p lists (one per rank) of 1-D arrays, the same sizes on every rank.
     worker_errors: p arrays of N; server_errors: p arrays of N/p.
-    Returns (output[numel], new worker_errors, new server_errors, server_values)
-    where server_values[N] holds each chunk's compensated server value c
-    (used by the tests to skip positions whose sign is a coin toss).
+    round_scale: what the wire does to a scale (identity for fp32 within the
+    tests' tolerance; bf16 rounding for 16-bit scales).
+    Returns (outputs: one array per tensor, new worker_errors, new
+    server_errors, server_values[N]) where server_values holds each chunk's
+    compensated value c (the tests skip positions whose sign is a coin toss).
     """
-    p = len(buffers)
-    n = len(worker_errors[0])
+    p = len(tensors)
+    sizes = [len(t) for t in tensors[0]]
+    offsets, n, real = placement(sizes, block, p)
+    assert len(worker_errors[0]) == n, (len(worker_errors[0]), n)
     chunk = n // p
-    numel = len(buffers[0])
-    w_scaled, new_w = [], []
+    qs, new_w = [], []
     for i in range(p):
-        x = np.zeros(n)
-        x[:numel] = buffers[i]
-        x = x + worker_errors[i]
-        s = np.linalg.norm(x) / np.sqrt(n)
-        w_scaled.append(s * sign(x))
-        new_w.append(x - s * sign(x))
+        x = worker_errors[i].copy()
+        for o, t in zip(offsets, tensors[i]):
+            x[o:o + len(t)] += t
+        q, err, _ = compress(x, real, block, round_scale)
+        qs.append(q)
+        new_w.append(err)
     out, new_s, server_values = np.zeros(n), [], np.zeros(n)
     for k in range(p):
         part = slice(k * chunk, (k + 1) * chunk)
-        c = np.mean([w_scaled[i][part] for i in range(p)], axis=0) + server_errors[k]
-        s = np.linalg.norm(c) / np.sqrt(chunk)
-        new_s.append(c - s * sign(c))
-        out[part] = s * sign(c)
+        c = np.mean([q[part] for q in qs], axis=0) + server_errors[k]
+        c = np.where(real[part], c, 0.0)
+        q, err, _ = compress(c, real[part], block, round_scale)
+        new_s.append(err)
+        out[part] = q
         server_values[part] = c
-    return out[:numel], new_w, new_s, server_values
+    outputs = [out[o:o + s] for o, s in zip(offsets, sizes)]
+    return outputs, new_w, new_s, server_values

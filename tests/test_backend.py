@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from allreduce_checks import SIZES, check_rounds, make_inputs
+from allreduce_checks import SIZES, check_fused_rounds, check_rounds, make_inputs
 from distributed import run_workers
 from reference import reference_round
 
@@ -23,12 +23,37 @@ def _gloo_rounds(rank, p):
 
     for numel in SIZES:
         check_rounds(backend, rank, p, numel, gather)
+    check_fused_rounds(backend, rank, p, gather)
     return True
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_matches_reference_and_is_identical_on_every_rank(p):
     assert run_workers(_gloo_rounds, p, timeout=240) == [True] * p
+
+
+def _bf16_scales(rank, p):
+    import torch.distributed as dist
+
+    from onebit.backends import CompressedBackend
+
+    def gather(t):
+        out = [torch.empty_like(t) for _ in range(p)]
+        dist.all_gather(out, t.contiguous())
+        return out
+
+    def to_bf16(s):  # what the wire does to a scale
+        return torch.from_numpy(s).to(torch.bfloat16).double().numpy()
+
+    for block in (64, 128):
+        b = CompressedBackend(block_size=block, scale_dtype=torch.bfloat16)
+        check_fused_rounds(b, rank, p, gather, round_scale=to_bf16)
+    return True
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_bf16_scales_and_other_block_sizes_match_reference(p):
+    assert run_workers(_bf16_scales, p, timeout=120) == [True] * p
 
 
 def _dtypes_and_shapes(rank, p):
@@ -92,7 +117,7 @@ def _bad_inputs(rank, p):
         assert torch.equal(w, w0)
     # Empty buffer: errors zeroed, nothing sent.
     e = torch.empty(0)
-    w, s = torch.ones(8 * p), torch.ones(8)
+    w, s = torch.ones(b.block_size * p), torch.ones(b.block_size)
     assert b.compressed_allreduce(e, w, s) is e and not w.any() and not s.any()
     # The backend still works after all that.
     out = b.compressed_allreduce(m.clone(), good_w, good_s)
@@ -110,7 +135,7 @@ def _disagree(rank, p):
     b = CompressedBackend()
     numel = 100 if rank == 0 else 1000  # rank 1 has a different N
     n, ns = b.error_sizes(numel)
-    with pytest.raises(ValueError, match="ranks disagree on the padded size"):
+    with pytest.raises(ValueError, match="ranks disagree on the compressed buffer"):
         b.compressed_allreduce(torch.randn(numel), torch.zeros(n), torch.zeros(ns))
     return True
 
@@ -126,9 +151,10 @@ def _buffers_reused(rank, p):
     n, ns = b.error_sizes(5000)
     w, s = torch.zeros(n), torch.zeros(ns)
     b.compressed_allreduce(torch.randn(5000), w, s)
-    first = {k: id(v) for k, v in vars(b._buffers[(n, torch.device("cpu"))]).items()}
+    (key,) = b._buffers
+    first = {k: id(v) for k, v in vars(b._buffers[key]).items()}
     b.compressed_allreduce(torch.randn(5000), w, s)
-    assert {k: id(v) for k, v in vars(b._buffers[(n, torch.device("cpu"))]).items()} == first
+    assert {k: id(v) for k, v in vars(b._buffers[key]).items()} == first
     assert len(b._buffers) == 1
     return True
 
@@ -151,7 +177,8 @@ def _alone(rank, p):
     m = torch.randn(77)
     n, ns = b.error_sizes(77)
     w, s = torch.zeros(n), torch.zeros(ns)
-    ref_out, ref_w, ref_s, _ = reference_round([m.double().numpy()], [np.zeros(n)], [np.zeros(ns)])
+    (ref_out,), ref_w, ref_s, _ = reference_round([[m.double().numpy()]], [np.zeros(n)],
+                                                  [np.zeros(ns)], b.block_size)
     out = b.compressed_allreduce(m.clone(), w, s)
     np.testing.assert_allclose(out.double().numpy(), ref_out, atol=1e-5)
     np.testing.assert_allclose(w.double().numpy(), ref_w[0], atol=1e-5)

@@ -63,24 +63,35 @@ def test_cuda_kernels_bit_exact_against_cpu(n, dtype):
     assert torch.equal(out_g.cpu(), out_c)
     dec_c, dec_g = torch.empty(n), torch.empty(n, device="cuda")
     one = torch.ones(1)
-    cpu.decode(out_c.view(1, -1), one, n, dec_c)
-    gpu.decode(out_g.view(1, -1), one.cuda(), n, dec_g)
+    block = (n + 7) // 8 * 8
+    cpu.decode(out_c.view(1, -1), one, block, n, dec_c)
+    gpu.decode(out_g.view(1, -1), one.cuda(), block, n, dec_g)
     assert torch.equal(dec_g.cpu(), dec_c)
 
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_fused_compensate_pack_matches_cpu():
+@pytest.mark.parametrize("block", [8, 256])
+def test_cuda_block_compensate_and_pack_error_match_cpu(block):
     gpu, cpu = CUDAPackbitsBuilder().load(), CPUPackbitsBuilder().load()
-    n, n_buf = 8 * 4 * 10007, 8 * 4 * 10007 - 13
-    buf, err0 = torch.randn(n_buf), torch.randn(n) * 0.1
+    n = block * 4 * 1001
+    n_buf = n - 13 - block
+    buf, err0 = torch.randn(n_buf) * torch.logspace(-4, 2, n_buf), torch.randn(n) * 0.1
+    scales = torch.rand(n // block) + 0.5
     res = []
     for k, dev in ((cpu, "cpu"), (gpu, "cuda")):
         err = err0.clone().to(dev)
+        sumsq = torch.empty(n // block, dtype=torch.float64, device=dev)
         bits = torch.empty(n // 8, dtype=torch.uint8, device=dev)
-        scale = torch.empty(1, device=dev)
-        k.compensate_pack(buf.to(dev), err, bits, scale)
-        res.append((err.cpu(), bits.cpu(), scale.cpu()))
-    assert abs(res[0][2].item() - res[1][2].item()) <= 1e-6 * res[0][2].item()
-    assert np.mean((res[0][1] == res[1][1]).numpy()) == 1.0
-    assert torch.allclose(res[0][0], res[1][0], atol=1e-5 * res[0][2].item(), rtol=0)
+        k.compensate(buf.to(dev), err, sumsq, block)
+        k.pack_error(err, scales.to(dev), block, bits)
+        res.append((err.cpu(), bits.cpu(), sumsq.cpu()))
+    assert torch.allclose(res[0][2], res[1][2], rtol=1e-9, atol=0)
+    assert torch.equal(res[0][1], res[1][1])
+    assert torch.equal(res[0][0], res[1][0])  # x and x -/+ s round the same on both
+    decoded = []
+    for k, dev, bits in ((cpu, "cpu", res[0][1]), (gpu, "cuda", res[1][1])):
+        out = torch.empty(n, device=dev)
+        k.decode(bits.to(dev).view(1, -1), scales.to(dev), block, n, out)
+        decoded.append(out.cpu())
+    assert torch.equal(decoded[0], decoded[1])

@@ -103,8 +103,10 @@ print(k.name)
 torch.manual_seed(0)
 x = torch.randn(2**20 + 13); x[::97] = 0.0; x[5::101] = -0.0
 out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8); k.pack(x, out)
-dec = torch.empty(x.numel()); k.decode(out.view(1, -1), torch.ones(1), x.numel(), dec)
-np.save("{path}", np.concatenate([out.numpy().astype(np.float32), dec.numpy()]))
+dec = torch.empty(x.numel()); k.decode(out.view(1, -1), torch.ones(1), (x.numel() + 7) // 8 * 8, x.numel(), dec)
+blocks = torch.rand(3, (x.numel() + 63) // 64) + 0.5
+dec3 = torch.empty(x.numel()); k.decode(out.view(1, -1).expand(3, -1), blocks, 64, x.numel(), dec3)
+np.save("{path}", np.concatenate([out.numpy().astype(np.float32), dec.numpy(), dec3.numpy()]))
 """
 
 
@@ -119,38 +121,47 @@ def test_avx2_and_portable_paths_agree(tmp_path):
     assert np.array_equal(results["default"][1], results["portable"][1])
 
 
-def test_fused_compensate_pack_matches_torch_path():
+@pytest.mark.parametrize("block", [8, 64, 256])
+def test_block_compensate_and_pack_error_match_numpy(block):
+    """Pass 1 leaves x = buf (zero-padded) + err and each block's sum of
+    squares; pass 2 packs x's signs and subtracts each block's scale."""
     torch.manual_seed(3)
-    n, n_buf = 8 * 3 * 4001, 8 * 3 * 4001 - 29  # padding in the tail
-    buf = torch.randn(n_buf)
+    n = block * 3 * 401
+    n_buf = n - 29 - block  # padding in the tail, across a block boundary
+    buf = torch.randn(n_buf) * torch.logspace(-6, 2, n_buf)  # blocks of very different scales
     err0 = torch.randn(n) * 0.1
-    results = []
+    err0[block:2 * block] = 0.0
+    buf[block:2 * block] = 0.0  # an all-zero block
+    x = np.concatenate([buf.double().numpy(), np.zeros(n - n_buf)]) + err0.double().numpy()
+    sumsq_ref = (x.reshape(-1, block) ** 2).sum(1)
+    scales = torch.from_numpy(np.sqrt(sumsq_ref / block)).float()
+    s_ref = np.repeat(scales.double().numpy(), block)
+    e_ref = x - s_ref * np.where(x >= 0, 1.0, -1.0)
     for k in (native_kernels(), TorchKernels()):
-        err, bits, scale = err0.clone(), torch.empty(n // 8, dtype=torch.uint8), torch.empty(1)
-        k.compensate_pack(buf, err, bits, scale)
-        results.append((err, bits, scale))
-    (e1, b1, s1), (e2, b2, s2) = results
-    x = torch.cat([buf, torch.zeros(n - n_buf)]).double() + err0.double()
-    s_ref = x.norm() / n ** 0.5
-    assert abs(s1.item() - s_ref.item()) <= 1e-6 * s_ref.item()
-    assert abs(s2.item() - s_ref.item()) <= 1e-6 * s_ref.item()
-    assert torch.equal(b1, b2)
-    assert np.array_equal(b1.numpy(), np.packbits(x.numpy() >= 0, bitorder="little"))
-    e_ref = x - s_ref * torch.where(x >= 0, 1.0, -1.0).double()
-    assert torch.allclose(e1.double(), e_ref, atol=1e-5 * s_ref.item(), rtol=0)
-    assert torch.allclose(e2.double(), e_ref, atol=1e-5 * s_ref.item(), rtol=0)
+        err, sumsq = err0.clone(), torch.empty(n // block, dtype=torch.float64)
+        k.compensate(buf, err, sumsq, block)
+        np.testing.assert_allclose(err.double().numpy(), x, rtol=1e-6, atol=0)
+        np.testing.assert_allclose(sumsq.numpy(), sumsq_ref, rtol=1e-6, atol=0)
+        bits = torch.empty(n // 8, dtype=torch.uint8)
+        k.pack_error(err, scales, block, bits)
+        assert np.array_equal(bits.numpy(), np.packbits(x >= 0, bitorder="little")), k.name
+        # Each block within float32 rounding of its own scale.
+        assert np.all(np.abs(err.double().numpy() - e_ref) <= 1e-6 * (s_ref + np.abs(x))), k.name
+        assert not err[block:2 * block].any(), "an all-zero block keeps zero error"
 
 
 def test_decode_mean_matches_numpy():
     rng = np.random.default_rng(1)
-    rows, cols = 3, 8 * 1000 - 5
+    rows, cols, block = 3, 8 * 1000 - 5, 64
     signs = rng.choice([-1.0, 1.0], size=(rows, cols))
-    scales = rng.uniform(0.5, 2.0, size=rows).astype(np.float32)
+    nblocks = -(-cols // block)
+    scales = rng.uniform(0.5, 2.0, size=(rows, nblocks)).astype(np.float32)
     bits = torch.from_numpy(np.stack([np.packbits(s >= 0, bitorder="little") for s in signs]))
-    expected = (signs * scales[:, None].astype(np.float64)).mean(0)
+    per_element = np.repeat(scales.astype(np.float64), block, axis=1)[:, :cols]
+    expected = (signs * per_element).mean(0)
     for k in (native_kernels(), TorchKernels()):
         out = torch.empty(cols)
-        k.decode(bits, torch.from_numpy(scales), cols, out)
+        k.decode(bits, torch.from_numpy(scales), block, cols, out)
         assert np.allclose(out.numpy(), expected, rtol=1e-6, atol=1e-6)
 
 

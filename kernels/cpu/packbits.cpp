@@ -150,28 +150,30 @@ void pack(int dtype, uintptr_t src, int64_t n, uintptr_t dst, int threads) {
 
 // ---------------------------------------------------------------- decode --
 //
-// out[j] = scale_of_row_sum, for j in [0, cols): the mean over `rows` rows of
-// scales[r] * sign(row r, bit j). With rows == 1 and scale 1 this is plain
-// unpackbits; with rows == p it is the server's average of the workers' signs.
+// out[j] = the mean over `rows` rows of scales[r, j / block] * sign(row r,
+// bit j), for j in [0, cols): scales is [rows, ceil(cols / block)] floats.
+// With rows == 1 and one scale of 1 this is plain unpackbits; with
+// rows == p it is the server's average of the workers' signs.
 
-void decode_portable(const uint8_t* bits, int64_t row_bytes, int rows,
-                     const float* scales, int64_t b, int64_t e, float* out) {
+void decode_portable(const uint8_t* bits, int64_t row_bytes, int rows, const float* scales,
+                     int64_t nblocks, int64_t block, int64_t b, int64_t e, float* out) {
   const float inv = 1.0f / float(rows);
   for (int64_t j = b; j < e; ++j) {
     float acc = 0.0f;
     for (int r = 0; r < rows; ++r) {
       bool one = (bits[r * row_bytes + j / 8] >> (j % 8)) & 1;
-      acc += one ? scales[r] : -scales[r];
+      float s = scales[r * nblocks + j / block];
+      acc += one ? s : -s;
     }
     out[j] = acc * inv;
   }
 }
 
 #ifdef ONEBIT_X86
-__attribute__((target("avx2"))) void decode_avx2(const uint8_t* bits,
-                                                 int64_t row_bytes, int rows,
-                                                 const float* scales, int64_t b,
-                                                 int64_t e, float* out) {
+// `block` is a multiple of 8, so the 8 lanes of a step share one scale.
+__attribute__((target("avx2"))) void decode_avx2(const uint8_t* bits, int64_t row_bytes, int rows,
+                                                 const float* scales, int64_t nblocks,
+                                                 int64_t block, int64_t b, int64_t e, float* out) {
   // Lane j of `lane_bit` selects bit j of a broadcast byte.
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
@@ -184,41 +186,44 @@ __attribute__((target("avx2"))) void decode_avx2(const uint8_t* bits,
       __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
       // A 0 bit flips the sign of the scale: xor with the sign bit where unset.
       __m256 flip = _mm256_andnot_ps(_mm256_castsi256_ps(set), sign_mask);
-      acc = _mm256_add_ps(acc, _mm256_xor_ps(_mm256_set1_ps(scales[r]), flip));
+      __m256 s = _mm256_set1_ps(scales[r * nblocks + j / block]);
+      acc = _mm256_add_ps(acc, _mm256_xor_ps(s, flip));
     }
     _mm256_storeu_ps(out + j, _mm256_mul_ps(acc, inv));
   }
-  if (j < e) decode_portable(bits, row_bytes, rows, scales, j, e, out);
+  if (j < e) decode_portable(bits, row_bytes, rows, scales, nblocks, block, j, e, out);
 }
 #endif
 
-void decode(uintptr_t src, int64_t row_bytes, int rows, uintptr_t scales_ptr,
+void decode(uintptr_t src, int64_t row_bytes, int rows, uintptr_t scales_ptr, int64_t block,
             int64_t cols, uintptr_t dst, int threads) {
   const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
   const float* scales = reinterpret_cast<const float*>(scales_ptr);
   float* out = reinterpret_cast<float*>(dst);
+  if (block <= 0 || block % 8) throw py::value_error("decode: block must be a positive multiple of 8");
+  const int64_t nblocks = (cols + block - 1) / block;
   py::gil_scoped_release nogil;
   parallel_for(cols, threads, 8, [&](int, int64_t b, int64_t e) {
 #ifdef ONEBIT_X86
-    if (has_avx2()) return decode_avx2(bits, row_bytes, rows, scales, b, e, out);
+    if (has_avx2()) return decode_avx2(bits, row_bytes, rows, scales, nblocks, block, b, e, out);
 #endif
-    decode_portable(bits, row_bytes, rows, scales, b, e, out);
+    decode_portable(bits, row_bytes, rows, scales, nblocks, block, b, e, out);
   });
 }
 
 // ------------------------------------------------- compensate and pack --
 //
-// The worker's (and the server's) error-feedback step, fused:
-//   x = buf + err                 (buf is zero past n_buf: the padding)
-//   s = ||x|| / sqrt(n)
-//   bits = pack(x >= 0); err = x - s * sign(x)
-// Pass 1 writes x into err and sums squares (in double, one partial per
-// piece, added in piece order so the result does not depend on timing).
-// Pass 2 reads x back, packs it and writes the new error: two passes over
-// memory instead of the five that separate torch ops take.
+// The worker's (and the server's) error-feedback step, in two passes over
+// memory instead of the five that separate torch ops take:
+//   compensate:  x = buf + err (buf is zero past n_buf: the padding), kept in
+//                err; sumsq[k] = sum of x^2 over block k, in double
+//   (the caller turns sumsq into one scale per block)
+//   pack_error:  bits = pack(x >= 0); err = x - scales[k] * sign(x)
+// Each block's sum runs in one fixed order from the block's start, whatever
+// the threading and wherever the block sits in the buffer: the same block
+// gives the same scale in a fused buffer, a bucket or a pipelined piece.
 
-// Pass 1 over [b, e): err <- buf + err (buf only below n_buf); returns sum x^2.
-double compensate_portable(const float* buf, int64_t n_buf, float* err, int64_t b, int64_t e) {
+double block_sumsq_portable(const float* buf, int64_t n_buf, float* err, int64_t b, int64_t e) {
   double sum = 0.0;
   for (int64_t i = b; i < e; ++i) {
     float x = i < n_buf ? buf[i] + err[i] : err[i];
@@ -228,7 +233,6 @@ double compensate_portable(const float* buf, int64_t n_buf, float* err, int64_t 
   return sum;
 }
 
-// Pass 2 over [b, e), b a multiple of 8: pack x >= 0 and leave x -/+ s.
 void pack_error_portable(float* err, float s, int64_t b, int64_t e, uint8_t* out) {
   for (int64_t i = b; i < e; i += 8) {
     int64_t m = std::min<int64_t>(8, e - i);
@@ -244,20 +248,18 @@ void pack_error_portable(float* err, float s, int64_t b, int64_t e, uint8_t* out
 }
 
 #ifdef ONEBIT_X86
-__attribute__((target("avx2,fma"))) double compensate_avx2(const float* buf, int64_t n_buf,
-                                                           float* err, int64_t b, int64_t e) {
+// One block [b, e), e - b a multiple of 8.
+__attribute__((target("avx2,fma"))) double block_sumsq_avx2(const float* buf, int64_t n_buf,
+                                                            float* err, int64_t b, int64_t e) {
+  if (e > n_buf && b < n_buf) return block_sumsq_portable(buf, n_buf, err, b, e);  // straddles the end
+  const bool padding = b >= n_buf;  // x is err itself
   __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-  int64_t i = b, stop = std::min(e, std::max(b, n_buf));
-  for (; i + 8 <= stop; i += 8) {
-    __m256 x = _mm256_add_ps(_mm256_loadu_ps(buf + i), _mm256_loadu_ps(err + i));
-    _mm256_storeu_ps(err + i, x);
-    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-    __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-    acc0 = _mm256_fmadd_pd(lo, lo, acc0);
-    acc1 = _mm256_fmadd_pd(hi, hi, acc1);
-  }
-  for (; i + 8 <= e && i >= n_buf; i += 8) {  // padding: x is err itself
+  for (int64_t i = b; i < e; i += 8) {
     __m256 x = _mm256_loadu_ps(err + i);
+    if (!padding) {
+      x = _mm256_add_ps(_mm256_loadu_ps(buf + i), x);
+      _mm256_storeu_ps(err + i, x);
+    }
     __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
     __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
     acc0 = _mm256_fmadd_pd(lo, lo, acc0);
@@ -265,7 +267,7 @@ __attribute__((target("avx2,fma"))) double compensate_avx2(const float* buf, int
   }
   double lanes[4];
   _mm256_storeu_pd(lanes, _mm256_add_pd(acc0, acc1));
-  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + compensate_portable(buf, n_buf, err, i, e);
+  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
 __attribute__((target("avx2"))) void pack_error_avx2(float* err, float s, int64_t b, int64_t e,
@@ -284,32 +286,45 @@ __attribute__((target("avx2"))) void pack_error_avx2(float* err, float s, int64_
 }
 #endif
 
-double compensate_pack(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr,
-                       int64_t n, uintptr_t dst, int threads) {
+void check_blocks(int64_t n, int64_t block) {
+  if (block <= 0 || block % 8 || n % block)
+    throw py::value_error("block must be a positive multiple of 8 that divides n");
+}
+
+void compensate(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, int64_t block,
+                uintptr_t sumsq_ptr, int threads) {
+  check_blocks(n, block);
   const float* buf = reinterpret_cast<const float*>(buf_ptr);
   float* err = reinterpret_cast<float*>(err_ptr);
+  double* sumsq = reinterpret_cast<double*>(sumsq_ptr);
+  py::gil_scoped_release nogil;
+  const bool avx2 = has_avx2();
+  parallel_for(n, threads, block, [&](int, int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; k += block) {
+#ifdef ONEBIT_X86
+      if (avx2) { sumsq[k / block] = block_sumsq_avx2(buf, n_buf, err, k, k + block); continue; }
+#endif
+      sumsq[k / block] = block_sumsq_portable(buf, n_buf, err, k, k + block);
+    }
+  });
+}
+
+void pack_error(uintptr_t err_ptr, int64_t n, uintptr_t scales_ptr, int64_t block, uintptr_t dst,
+                int threads) {
+  check_blocks(n, block);
+  float* err = reinterpret_cast<float*>(err_ptr);
+  const float* scales = reinterpret_cast<const float*>(scales_ptr);
   uint8_t* out = reinterpret_cast<uint8_t*>(dst);
   py::gil_scoped_release nogil;
   const bool avx2 = has_avx2();
-
-  std::vector<double> partial(size_t(std::max(threads, 1)) * 8, 0.0);  // 8 apart: no false sharing
-  parallel_for(n, threads, 32, [&](int k, int64_t b, int64_t e) {
+  parallel_for(n, threads, block, [&](int, int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; k += block) {
 #ifdef ONEBIT_X86
-    if (avx2) { partial[size_t(k) * 8] = compensate_avx2(buf, n_buf, err, b, e); return; }
+      if (avx2) { pack_error_avx2(err, scales[k / block], k, k + block, out); continue; }
 #endif
-    partial[size_t(k) * 8] = compensate_portable(buf, n_buf, err, b, e);
+      pack_error_portable(err, scales[k / block], k, k + block, out);
+    }
   });
-  double total = 0.0;
-  for (size_t k = 0; k < partial.size(); k += 8) total += partial[k];
-  const float s = n > 0 ? float(std::sqrt(total / double(n))) : 0.0f;
-
-  parallel_for(n, threads, 32, [&](int, int64_t b, int64_t e) {
-#ifdef ONEBIT_X86
-    if (avx2) return pack_error_avx2(err, s, b, e, out);
-#endif
-    pack_error_portable(err, s, b, e, out);
-  });
-  return double(s);
 }
 
 }  // namespace
@@ -317,8 +332,8 @@ double compensate_pack(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr,
 PYBIND11_MODULE(_packbits_cpu, m) {
   m.doc() = "onebit CPU sign-bit kernels (raw pointers; see onebit/ops.py)";
   m.def("pack", &pack, "pack signs of n elements of dtype code into ceil(n/8) bytes");
-  m.def("decode", &decode, "mean over rows of scale * sign, for cols elements");
-  m.def("compensate_pack", &compensate_pack,
-        "fused error feedback: err <- buf + err, pack signs, err -= s*sign; returns s");
+  m.def("decode", &decode, "mean over rows of the block's scale * sign, for cols elements");
+  m.def("compensate", &compensate, "err <- buf + err; sum of squares of each block");
+  m.def("pack_error", &pack_error, "pack signs of err; err -= the block's scale * sign");
   m.def("has_avx2", &has_avx2, "whether the AVX2 paths are in use");
 }

@@ -16,7 +16,7 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 1024;  // also the size of the reduction scratch
+constexpr int kMaxBlocks = 1024;
 
 __device__ __forceinline__ bool nonneg(float x) { return x >= 0.0f; }
 __device__ __forceinline__ bool nonneg(double x) { return x >= 0.0; }
@@ -61,66 +61,59 @@ __global__ void pack_kernel(const T* __restrict__ x, int64_t n, uint8_t* __restr
   }
 }
 
-// out[j] = (1/rows) * sum_r (bit(r, j) ? scales[r] : -scales[r]), j < cols.
+// out[j] = (1/rows) * sum_r (bit(r, j) ? s : -s), s = scales[r, j / block], j < cols.
 __global__ void decode_kernel(const uint8_t* __restrict__ bits, int64_t row_bytes, int rows,
-                              const float* __restrict__ scales, int64_t cols,
+                              const float* __restrict__ scales, int64_t block, int64_t cols,
                               float* __restrict__ out) {
   const float inv = 1.0f / float(rows);
+  const int64_t nblocks = (cols + block - 1) / block;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < cols; j += stride) {
     float acc = 0.0f;
     for (int r = 0; r < rows; ++r) {
       bool one = (bits[r * row_bytes + j / 8] >> (j % 8)) & 1;
-      acc += one ? scales[r] : -scales[r];
+      float s = scales[r * nblocks + j / block];
+      acc += one ? s : -s;
     }
     out[j] = acc * inv;
   }
 }
 
-// Pass 1 of compensate_pack: err <- buf (zero past n_buf) + err, and one
-// partial sum of squares per block, in double.
+// Pass 1: err <- buf (zero past n_buf) + err, and the sum of squares of each
+// onebit block, in double. One warp per onebit block: lane l adds elements
+// l, l + 32, ... and the warp reduces in a fixed order, so a block's sum
+// never depends on the launch shape or on where the block sits.
 __global__ void compensate_kernel(const float* __restrict__ buf, int64_t n_buf,
-                                  float* __restrict__ err, int64_t n,
-                                  double* __restrict__ partial) {
-  __shared__ double sums[kThreads];
-  double sum = 0.0;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
-    err[i] = x;
-    sum += double(x) * double(x);
-  }
-  sums[threadIdx.x] = sum;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) sums[threadIdx.x] += sums[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partial[blockIdx.x] = sums[0];
-}
-
-// Adds the per-block partials in a fixed order (so the scale is reproducible)
-// and writes scale = sqrt(sum / n).
-__global__ void scale_kernel(const double* __restrict__ partial, int parts, int64_t n,
-                             float* __restrict__ scale) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) {
-    double total = 0.0;
-    for (int k = 0; k < parts; ++k) total += partial[k];
-    scale[0] = n > 0 ? float(sqrt(total / double(n))) : 0.0f;
+                                  float* __restrict__ err, int64_t n, int64_t block,
+                                  double* __restrict__ sumsq) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int64_t nblocks = n / block;
+  for (int64_t k = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; k < nblocks;
+       k += warps) {
+    double sum = 0.0;
+    for (int64_t i = k * block + lane; i < (k + 1) * block; i += 32) {
+      float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
+      err[i] = x;
+      sum += double(x) * double(x);
+    }
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
+    if (lane == 0) sumsq[k] = sum;
   }
 }
 
-// Pass 2: pack sign(x) with a ballot and leave err = x - scale * sign(x).
+// Pass 2: pack sign(x) with a ballot and leave err = x - s * sign(x), s the
+// scale of x's block.
 __global__ void pack_error_kernel(float* __restrict__ err, int64_t n,
-                                  const float* __restrict__ scale, uint8_t* __restrict__ out) {
-  const float s = scale[0];
+                                  const float* __restrict__ scales, int64_t block,
+                                  uint8_t* __restrict__ out) {
   const int64_t nbytes = (n + 7) / 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i - (threadIdx.x & 31) < n;
        i += stride) {
     bool bit = false;
     if (i < n) {
-      float x = err[i];
+      float x = err[i], s = scales[i / block];
       bit = x >= 0.0f;
       err[i] = bit ? x - s : x + s;
     }
@@ -148,23 +141,30 @@ int onebit_cuda_pack(int dtype, const void* x, int64_t n, uint8_t* out, cudaStre
 }
 
 int onebit_cuda_decode(const uint8_t* bits, int64_t row_bytes, int rows, const float* scales,
-                       int64_t cols, float* out, cudaStream_t stream) {
+                       int64_t block, int64_t cols, float* out, cudaStream_t stream) {
   if (cols == 0) return 0;
-  decode_kernel<<<blocks_for(cols), kThreads, 0, stream>>>(bits, row_bytes, rows, scales, cols, out);
+  if (block <= 0 || block % 8) return int(cudaErrorInvalidValue);
+  decode_kernel<<<blocks_for(cols), kThreads, 0, stream>>>(bits, row_bytes, rows, scales, block,
+                                                           cols, out);
   return int(cudaGetLastError());
 }
 
-// `scratch` holds at least onebit_cuda_scratch_doubles() doubles.
-int onebit_cuda_compensate_pack(const float* buf, int64_t n_buf, float* err, int64_t n,
-                                uint8_t* out, float* scale, double* scratch,
-                                cudaStream_t stream) {
-  int blocks = blocks_for(n);
-  compensate_kernel<<<blocks, kThreads, 0, stream>>>(buf, n_buf, err, n, scratch);
-  scale_kernel<<<1, 32, 0, stream>>>(scratch, blocks, n, scale);
-  if (n > 0) pack_error_kernel<<<blocks, kThreads, 0, stream>>>(err, n, scale, out);
+// `block` is a multiple of 8 that divides n; sumsq holds n / block doubles.
+int onebit_cuda_compensate(const float* buf, int64_t n_buf, float* err, int64_t n, int64_t block,
+                           double* sumsq, cudaStream_t stream) {
+  if (block <= 0 || block % 8 || n % block) return int(cudaErrorInvalidValue);
+  if (n == 0) return 0;
+  compensate_kernel<<<blocks_for(n / block * 32), kThreads, 0, stream>>>(buf, n_buf, err, n, block,
+                                                                         sumsq);
   return int(cudaGetLastError());
 }
 
-int onebit_cuda_scratch_doubles(void) { return kMaxBlocks; }
+int onebit_cuda_pack_error(float* err, int64_t n, const float* scales, int64_t block,
+                           uint8_t* out, cudaStream_t stream) {
+  if (block <= 0 || block % 8 || n % block) return int(cudaErrorInvalidValue);
+  if (n == 0) return 0;
+  pack_error_kernel<<<blocks_for(n), kThreads, 0, stream>>>(err, n, scales, block, out);
+  return int(cudaGetLastError());
+}
 
 }  // extern "C"

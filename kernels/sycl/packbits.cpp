@@ -65,18 +65,21 @@ int onebit_sycl_pack(void* queue, int dtype, const void* x, int64_t n, uint8_t* 
   }
 }
 
-// out[j] = (1/rows) * sum_r (bit(r, j) ? scales[r] : -scales[r]), j < cols.
+// out[j] = (1/rows) * sum_r (bit(r, j) ? s : -s), s = scales[r, j / block], j < cols.
 int onebit_sycl_decode(void* queue, const uint8_t* bits, int64_t row_bytes, int rows,
-                       const float* scales, int64_t cols, float* out) {
+                       const float* scales, int64_t block, int64_t cols, float* out) {
   try {
     auto& q = *static_cast<sycl::queue*>(queue);
     if (cols == 0) return 0;
+    if (block <= 0 || block % 8) return 1;
+    const int64_t nblocks = (cols + block - 1) / block;
     q.parallel_for(sycl::range<1>(size_t(cols)), [=](sycl::id<1> id) {
       int64_t j = int64_t(id[0]);
       float acc = 0.0f;
       for (int r = 0; r < rows; ++r) {
         bool one = (bits[r * row_bytes + j / 8] >> (j % 8)) & 1;
-        acc += one ? scales[r] : -scales[r];
+        float s = scales[r * nblocks + j / block];
+        acc += one ? s : -s;
       }
       out[j] = acc * (1.0f / float(rows));
     });
@@ -86,40 +89,51 @@ int onebit_sycl_decode(void* queue, const uint8_t* bits, int64_t row_bytes, int 
   }
 }
 
-// err <- x = buf (zero past n_buf) + err; scale = ||x|| / sqrt(n);
-// out = pack(x >= 0); err <- x - scale * sign(x). `scratch` holds one double.
-int onebit_sycl_compensate_pack(void* queue, const float* buf, int64_t n_buf, float* err,
-                                int64_t n, uint8_t* out, float* scale, double* scratch) {
+// err <- x = buf (zero past n_buf) + err; sumsq[k] = sum of x^2 over onebit
+// block k. One work-item per block, adding in index order: a block's sum does
+// not depend on the launch or on where the block sits.
+int onebit_sycl_compensate(void* queue, const float* buf, int64_t n_buf, float* err, int64_t n,
+                           int64_t block, double* sumsq) {
   try {
     auto& q = *static_cast<sycl::queue*>(queue);
-    q.fill(scratch, 0.0, 1);
-    q.parallel_for(sycl::range<1>(size_t(n > 0 ? n : 1)),
-                   sycl::reduction(scratch, sycl::plus<double>()),
-                   [=](sycl::id<1> id, auto& sum) {
-                     int64_t i = int64_t(id[0]);
-                     if (i >= n) return;
-                     float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
-                     err[i] = x;
-                     sum += double(x) * double(x);
-                   });
-    q.single_task([=] { scale[0] = n > 0 ? float(sycl::sqrt(scratch[0] / double(n))) : 0.0f; });
-    const int64_t nbytes = (n + 7) / 8;
-    if (nbytes > 0) {
-      q.parallel_for(sycl::range<1>(size_t(nbytes)), [=](sycl::id<1> id) {
-        const float s = scale[0];
-        int64_t byte = int64_t(id[0]);
-        uint8_t v = 0;
-        for (int j = 0; j < 8; ++j) {
-          int64_t i = byte * 8 + j;
-          if (i >= n) break;
-          float x = err[i];
-          bool bit = x >= 0.0f;
-          v |= uint8_t(bit) << j;
-          err[i] = bit ? x - s : x + s;
-        }
-        out[byte] = v;
-      });
-    }
+    if (block <= 0 || block % 8 || n % block) return 1;
+    if (n == 0) return 0;
+    q.parallel_for(sycl::range<1>(size_t(n / block)), [=](sycl::id<1> id) {
+      int64_t k = int64_t(id[0]);
+      double sum = 0.0;
+      for (int64_t i = k * block; i < (k + 1) * block; ++i) {
+        float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
+        err[i] = x;
+        sum += double(x) * double(x);
+      }
+      sumsq[k] = sum;
+    });
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+// out = pack(err >= 0); err <- err - s * sign(err), s the scale of the block.
+int onebit_sycl_pack_error(void* queue, float* err, int64_t n, const float* scales,
+                           int64_t block, uint8_t* out) {
+  try {
+    auto& q = *static_cast<sycl::queue*>(queue);
+    if (block <= 0 || block % 8 || n % block) return 1;
+    if (n == 0) return 0;
+    q.parallel_for(sycl::range<1>(size_t(n / 8)), [=](sycl::id<1> id) {
+      int64_t byte = int64_t(id[0]);
+      const float s = scales[byte * 8 / block];  // a byte never straddles two blocks
+      uint8_t v = 0;
+      for (int j = 0; j < 8; ++j) {
+        int64_t i = byte * 8 + j;
+        float x = err[i];
+        bool bit = x >= 0.0f;
+        v |= uint8_t(bit) << j;
+        err[i] = bit ? x - s : x + s;
+      }
+      out[byte] = v;
+    });
     return 0;
   } catch (...) {
     return 1;

@@ -11,39 +11,52 @@ Everything else -- padding, validation, error feedback, the wire layout --
 lives here, so the maths cannot drift between torch.distributed, MPI or a
 vendor's library.
 
-Wire layout. Each message row is `chunk/8` bytes of packed signs followed by
-the sender's fp32 scale (4 bytes), so the signs and their scale travel in one
-collective per phase instead of two.
+Scales (wire format v2). The padded buffer of N elements is cut into blocks
+of B = block_size elements (see layout.py: every tensor of a fused buffer
+starts on a block boundary), and each block has its own scale in both
+phases: s = ||x_block|| / sqrt(real elements of the block). A block that is
+all zero therefore stays exactly zero, with zero error, and every sign and
+scale decision is local to its block.
+
+Wire layout. Chunk k (elements [k*N/p, (k+1)*N/p)) travels as one message
+row: N/(8p) bytes of packed signs (DESIGN.md's bit order), then the scales of
+its N/(pB) blocks in block order, each a little-endian fp32 (4 bytes) or
+bf16 (2 bytes, the top half of the fp32) per `scale_dtype`. The signs and
+their scales travel in one collective per phase.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .. import ops
+from .layout import BlockLayout, check_block_size
 
-WIRE_FORMAT_VERSION = 1
-_SCALE_BYTES = 4
+WIRE_FORMAT_VERSION = 2
+DEFAULT_BLOCK_SIZE = 256
+DEFAULT_SCALE_DTYPE = torch.float32
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def padded_size(numel: int, world_size: int) -> int:
-    """N: the smallest multiple of 8 * world_size that holds `numel` elements.
+def padded_size(numel: int, world_size: int, block: int = DEFAULT_BLOCK_SIZE) -> int:
+    """N: the smallest multiple of block * world_size that holds `numel` elements.
 
     worker_error needs N elements and server_error N / world_size.
     """
-    unit = 8 * world_size
+    unit = block * world_size
     return max(unit, (numel + unit - 1) // unit * unit)
 
 
 class _Buffers:
-    """Scratch for one padded size N, allocated once and reused every call."""
+    """Scratch for one layout, allocated once and reused every call."""
 
-    def __init__(self, n: int, p: int, device: torch.device) -> None:
-        chunk = n // p
+    def __init__(self, layout: BlockLayout, scale_dtype: torch.dtype, device: torch.device) -> None:
+        n, p, chunk = layout.padded, layout.world_size, layout.chunk
         self.chunk_bytes = chunk // 8
-        row = self.chunk_bytes + _SCALE_BYTES
+        self.chunk_blocks = chunk // layout.block
+        row = self.chunk_bytes + self.chunk_blocks * scale_dtype.itemsize
         u8 = dict(dtype=torch.uint8, device=device)
         self.worker_bits = torch.empty(n // 8, **u8)
         self.send = torch.empty(p, row, **u8)
@@ -51,29 +64,35 @@ class _Buffers:
         self.server_x = torch.empty(chunk, dtype=torch.float32, device=device)
         self.server_msg = torch.empty(row, **u8)
         self.gathered = torch.empty(p, row, **u8)
-        self.scale = torch.empty(1, dtype=torch.float32, device=device)
-
-
-def _scales(rows: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
-    """The fp32 scale at the end of each message row, as a [p] tensor."""
-    fresh = rows[:, chunk_bytes:].clone(memory_format=torch.contiguous_format)  # 4-byte aligned
-    return fresh.view(torch.float32).view(-1)
+        self.sumsq = torch.empty(n // layout.block, dtype=torch.float64, device=device)
 
 
 class CompressedAllreduceBase:
     """`compressed_allreduce` over `exchange` and `gather` (see module doc).
 
     Args:
+      block_size: B, elements per scale (a multiple of 8). Smaller blocks
+        follow the data more closely and cost more scale bytes: the wire
+        carries 1/8 + scale_bytes/B bytes per element.
+      scale_dtype: torch.float32 or torch.bfloat16, the scales on the wire.
+        A rounded scale is what the error feedback uses, so rounding is
+        compensated like the signs are.
       check_finite: reject NaN/Inf in the buffer before any communication
         (one min/max reduction). Turn off only if the caller already checks.
     """
 
     name = "base"
 
-    def __init__(self, check_finite: bool = True) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
+                 scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE, check_finite: bool = True) -> None:
+        check_block_size(block_size)
+        if scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
+        self.block_size, self.scale_dtype = block_size, scale_dtype
         self.check_finite = check_finite
-        self._buffers: Dict[Tuple[int, torch.device], _Buffers] = {}
-        self._agreed_sizes: set = set()
+        self._buffers: Dict[tuple, _Buffers] = {}
+        self._layouts: Dict[Tuple[int, int], BlockLayout] = {}
+        self._agreed: set = set()
 
     # -------------------------------------------------- transport (subclass) --
     @property
@@ -92,11 +111,18 @@ class CompressedAllreduceBase:
 
     # ------------------------------------------------------------- helpers --
     def error_sizes(self, numel: int) -> Tuple[int, int]:
-        """(N, N/p): the sizes worker_error and server_error need for `numel`."""
-        n = padded_size(numel, self.size)
+        """(N, N/p): the sizes worker_error and server_error need for a
+        buffer of `numel` elements (for a fused buffer: `layout(sizes).padded`)."""
+        n = padded_size(numel, self.size, self.block_size)
         return n, n // self.size
 
-    def _validate(self, buffer_m, worker_error, server_error) -> None:
+    def layout(self, sizes) -> BlockLayout:
+        """The tensor-aligned layout of a fused buffer holding tensors of
+        `sizes` elements: flatten into `layout.views(flat, shapes)` of a
+        zeroed buffer of `layout.numel`, size the errors by `layout.padded`."""
+        return BlockLayout(sizes, self.block_size, self.size)
+
+    def _validate(self, buffer_m, worker_error, server_error, layout) -> None:
         if not isinstance(buffer_m, torch.Tensor) or not buffer_m.is_floating_point():
             raise ValueError(f"buffer_m must be a floating-point tensor, got "
                              f"{getattr(buffer_m, 'dtype', type(buffer_m).__name__)}")
@@ -110,15 +136,22 @@ class CompressedAllreduceBase:
                 raise ValueError(f"{name} is on {t.device} but buffer_m is on {buffer_m.device}")
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous (it is updated in place)")
-        n = worker_error.numel()
-        if n % (8 * p) or n < numel or (n == 0 and numel):
+        n, unit = worker_error.numel(), self.block_size * p
+        if n % unit or n < numel or (n == 0 and numel):
             raise ValueError(
-                f"worker_error has {n} elements; it needs a multiple of 8*world_size={8 * p} "
-                f"that is at least buffer_m.numel()={numel} (error_sizes({numel}) gives "
+                f"worker_error has {n} elements; it needs a multiple of block_size*world_size="
+                f"{unit} that is at least buffer_m.numel()={numel} (error_sizes({numel}) gives "
                 f"{self.error_sizes(numel)[0]})")
         if server_error.numel() != n // p:
             raise ValueError(f"server_error has {server_error.numel()} elements; with "
                              f"worker_error of {n} and world_size {p} it needs {n // p}")
+        if layout is not None:
+            if (layout.block, layout.world_size) != (self.block_size, p):
+                raise ValueError(f"layout was made for block_size {layout.block} and world size "
+                                 f"{layout.world_size}; this backend has {self.block_size} and {p}")
+            if numel != layout.numel or n != layout.padded:
+                raise ValueError(f"buffer_m has {numel} elements and worker_error {n}; the layout "
+                                 f"needs {layout.numel} and {layout.padded}")
 
     def _check_finite(self, buffer_m: torch.Tensor) -> None:
         lo, hi = torch.aminmax(buffer_m.detach().reshape(-1))  # NaN and +-inf all surface here
@@ -126,68 +159,120 @@ class CompressedAllreduceBase:
             raise ValueError("buffer_m contains NaN or Inf; skip this step (e.g. with a "
                              "GradScaler) instead of compressing it")
 
-    def _agree_on_size(self, n: int, device: torch.device) -> None:
-        """The first time a size is seen, every rank checks that all ranks
-        passed the same N; otherwise the collectives below would mismatch."""
-        if n in self._agreed_sizes or self.size == 1:
+    def _agree(self, layout: BlockLayout, device: torch.device) -> None:
+        """The first time a layout is seen, every rank checks that all ranks
+        use the same one (N, block size, scale dtype, tensor sizes);
+        otherwise the collectives below would mismatch or mean different
+        things."""
+        key = (layout.key, self.scale_dtype)
+        if key in self._agreed or self.size == 1:
             return
-        mine = torch.tensor([n], dtype=torch.int64, device=device).view(torch.uint8)
-        all_n = torch.empty(self.size, 8, dtype=torch.uint8, device=device)
-        self.gather(mine, all_n)
-        sizes = all_n.view(torch.int64).view(-1).tolist()
-        if len(set(sizes)) != 1:
-            raise ValueError(f"ranks disagree on the padded size N (worker_error.numel()): "
-                             f"{dict(enumerate(sizes))}; every rank must pass the same sizes")
-        self._agreed_sizes.add(n)
+        mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
+                             _stable_hash(layout.sizes)], dtype=torch.int64, device=device)
+        every = torch.empty(self.size, 4, dtype=torch.int64, device=device)
+        self.gather(mine.view(torch.uint8), every.view(torch.uint8).view(self.size, -1))
+        rows = [tuple(r) for r in every.tolist()]
+        if len(set(rows)) != 1:
+            raise ValueError("ranks disagree on the compressed buffer (padded size N, block size, "
+                             "scale bytes, tensor sizes): " + ", ".join(
+                                 f"rank {r}: N={v[0]} B={v[1]} scale bytes={v[2]}"
+                                 for r, v in enumerate(rows)) + "; every rank must pass the same")
+        self._agreed.add(key)
+
+    def _layout_for(self, numel: int, n: int, layout: Optional[BlockLayout]) -> BlockLayout:
+        if layout is not None:
+            return layout
+        cached = self._layouts.get((numel, n))
+        if cached is None:
+            cached = self._layouts[(numel, n)] = BlockLayout([numel], self.block_size, self.size, n)
+        return cached
+
+    def _scales(self, sumsq: torch.Tensor, counts: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
+        """Each block's scale sqrt(sum x^2 / real elements), written into the
+        message bytes `wire` in scale_dtype; returns the fp32 value of what
+        was sent, which is what the error feedback must subtract."""
+        scales = sumsq.div(counts).sqrt_().to(self.scale_dtype)
+        wire.copy_(scales.view(torch.uint8).view(wire.shape))
+        return scales.float()
+
+    def _received_scales(self, rows: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+        """The fp32 scales at the end of each message row, [rows, blocks]."""
+        raw = rows[:, chunk_bytes:].contiguous()
+        return raw.view(self.scale_dtype).float()
 
     # ----------------------------------------------------------- algorithm --
     def compressed_allreduce(self, buffer_m: torch.Tensor, worker_error: torch.Tensor,
-                             server_error: torch.Tensor, local_rank=None) -> torch.Tensor:
-        """Average `buffer_m` across ranks with 1-bit error-compensated compression.
+                             server_error: torch.Tensor, local_rank=None,
+                             layout: Optional[BlockLayout] = None) -> torch.Tensor:
+        """Average `buffer_m` across ranks with 1-bit error-compensated
+        compression, one scale per block of `block_size` elements.
 
         buffer_m: any float dtype and shape, numel <= N. worker_error: fp32 [N],
-        N = error_sizes(numel)[0] (a multiple of 8p). server_error: fp32 [N/p].
-        Both errors are updated in place. The result is written into
-        `buffer_m` (and returned): the same bits on every rank.
+        N = error_sizes(numel)[0] (a multiple of block_size * p). server_error:
+        fp32 [N/p]. Both errors are updated in place. The result is written
+        into `buffer_m` (and returned): the same bits on every rank.
+        layout: for a fused buffer of several tensors, `self.layout(sizes)`;
+        buffer_m then has layout.numel elements, its pad positions are
+        ignored and come back zero. Default: one tensor of buffer_m.numel().
         `local_rank` is accepted for DeepSpeed compatibility and unused: the
         device is the one buffer_m lives on.
         """
-        self._validate(buffer_m, worker_error, server_error)
+        self._validate(buffer_m, worker_error, server_error, layout)
         if buffer_m.numel() == 0:
             worker_error.zero_()
             server_error.zero_()
             return buffer_m
         if self.check_finite:
             self._check_finite(buffer_m)
-        p, n = self.size, worker_error.numel()
-        self._agree_on_size(n, buffer_m.device)
-        buf = self._buffers.get((n, buffer_m.device))
+        p, rank, device = self.size, self.rank, buffer_m.device
+        layout = self._layout_for(buffer_m.numel(), worker_error.numel(), layout)
+        self._agree(layout, device)
+        key = (layout.key, device)
+        buf = self._buffers.get(key)
         if buf is None:
-            buf = self._buffers[(n, buffer_m.device)] = _Buffers(n, p, buffer_m.device)
-        cb, chunk = buf.chunk_bytes, n // p
+            buf = self._buffers[key] = _Buffers(layout, self.scale_dtype, device)
+        cb, chunk, block = buf.chunk_bytes, layout.chunk, layout.block
+        pads = layout.pads(device)
 
-        # Worker: compensate, compress, send chunk k (+ my scale) to rank k.
-        # `src` is buffer_m itself when it is contiguous fp32, else one fp32
-        # copy; either way it is free once packed, and receives the result.
+        # Worker: compensate, compress each block, send chunk k (+ its block
+        # scales) to rank k. `src` is buffer_m itself when it is contiguous
+        # fp32, else one fp32 copy; either way it receives the result.
         inplace = buffer_m.dtype == torch.float32 and buffer_m.is_contiguous()
         src = buffer_m.detach().view(-1) if inplace else buffer_m.detach().reshape(-1).float()
-        ops.compensate_pack(src, worker_error, buf.worker_bits, buf.scale)
+        inner_pads = pads[:layout.inner_pads]  # the gaps between tensors
+        src.index_fill_(0, inner_pads, 0.0)
+        ops.compensate(src, worker_error, buf.sumsq, block)
+        scales = self._scales(buf.sumsq, layout.counts(device), buf.send[:, cb:])
+        ops.pack_error(worker_error, scales, block, buf.worker_bits)
+        worker_error.index_fill_(0, pads, 0.0)
         buf.send[:, :cb].copy_(buf.worker_bits.view(p, cb))
-        buf.send[:, cb:].copy_(buf.scale.view(torch.uint8).expand(p, _SCALE_BYTES))
         self.exchange(buf.send, buf.recv)
 
         # Server for chunk `rank`: average the p decoded chunks, compensate, compress.
-        ops.decode_mean(buf.recv, _scales(buf.recv, cb), chunk, buf.server_x)
-        ops.compensate_pack(buf.server_x, server_error, buf.server_msg[:cb], buf.scale)
-        buf.server_msg[cb:].copy_(buf.scale.view(torch.uint8))
+        my_pads, sumsq = layout.pads(device, rank), buf.sumsq[:buf.chunk_blocks]
+        ops.decode_mean(buf.recv, self._received_scales(buf.recv, cb), chunk, buf.server_x, block)
+        buf.server_x.index_fill_(0, my_pads, 0.0)
+        ops.compensate(buf.server_x, server_error, sumsq, block)
+        scales = self._scales(sumsq, layout.counts(device, rank), buf.server_msg[cb:])
+        ops.pack_error(server_error, scales, block, buf.server_msg[:cb])
+        server_error.index_fill_(0, my_pads, 0.0)
         self.gather(buf.server_msg, buf.gathered)
 
         # Everyone decodes the same gathered bits and scales: identical output.
-        scales, numel = _scales(buf.gathered, cb), src.numel()
+        scales, numel = self._received_scales(buf.gathered, cb), src.numel()
         for k in range(p):
             lo, hi = k * chunk, min((k + 1) * chunk, numel)
             if lo < hi:
-                ops.decode_mean(buf.gathered[k:k + 1], scales[k:k + 1], hi - lo, src[lo:hi])
+                ops.decode_mean(buf.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
+                                hi - lo, src[lo:hi], block)
+        src.index_fill_(0, inner_pads, 0.0)
         if not inplace:
             buffer_m.detach().copy_(src.view(buffer_m.shape))
         return buffer_m
+
+
+def _stable_hash(sizes) -> int:
+    """A hash of the tensor sizes that is the same in every process."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(repr(list(sizes)).encode()).digest()[:7], "little")

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from .base import CompressedAllreduceBase
+from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase
 
 
 class CompressedBackend(CompressedAllreduceBase):
@@ -17,7 +17,7 @@ class CompressedBackend(CompressedAllreduceBase):
     Args:
       group: the data-parallel process group (default: the world). Chunk k of
         the buffer is served by rank k *of this group*.
-      check_finite: see CompressedAllreduceBase.
+      block_size, scale_dtype, check_finite: see CompressedAllreduceBase.
       timeout_s: deadline of each collective (default $ONEBIT_TIMEOUT_S or
         300 s); past it, or when a peer dies, CommunicationError names the phase.
     """
@@ -25,8 +25,9 @@ class CompressedBackend(CompressedAllreduceBase):
     name = "compressed"
 
     def __init__(self, group=None, check_finite: bool = True,
-                 timeout_s: Optional[float] = None) -> None:
-        super().__init__(check_finite=check_finite)
+                 timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE) -> None:
+        super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite)
         self.timeout_s = timeout_s
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CompressedBackend needs torch.distributed initialised "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CompressedAllreduceBase
+from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase
 
 INSTALL_HINT = "install it with: pip install 'onebit[mpi]'  (mpi4py + MPICH from PyPI)"
 
@@ -24,13 +24,15 @@ class MpiBackend(CompressedAllreduceBase):
         Otherwise device tensors are staged through host memory.
       comm: the communicator (default MPI.COMM_WORLD). Chunk k is served by
         rank k of this communicator.
-      check_finite: see CompressedAllreduceBase.
+      block_size, scale_dtype, check_finite: see CompressedAllreduceBase.
     """
 
     name = "mpi"
 
-    def __init__(self, cuda_aware: bool = False, comm=None, check_finite: bool = True) -> None:
-        super().__init__(check_finite=check_finite)
+    def __init__(self, cuda_aware: bool = False, comm=None, check_finite: bool = True,
+                 block_size: int = DEFAULT_BLOCK_SIZE,
+                 scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE) -> None:
+        super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite)
         MPI = _mpi()
         self._byte = MPI.BYTE
         self.comm = comm if comm is not None else MPI.COMM_WORLD

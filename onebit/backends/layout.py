@@ -1,0 +1,100 @@
+"""Where tensors sit in the flat buffer of a compressed allreduce (wire format v2).
+
+The buffer is cut into blocks of `block` elements and every block carries its
+own scale, in both phases. Each tensor starts on a block boundary, so no block
+mixes two tensors: a LayerNorm gain is never scaled by its neighbouring
+embedding, and a block whose input is all zero stays exactly zero.
+
+  layout = BlockLayout([t.numel() for t in tensors], block=256, world_size=p)
+  layout.offsets[i]   where tensor i starts (a multiple of block)
+  layout.numel        where the last tensor ends: the fused buffer's length
+  layout.padded       N: a multiple of block * p, the worker error's size
+  layout.counts       real elements in each of the N / block blocks
+
+The positions of a partial block past its tensor's end (`pads`) hold no
+element: the allreduce ignores them on input, keeps no error there and
+writes zeros there, so a block's scale is ||x|| / sqrt(real elements).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+def check_block_size(block: int) -> None:
+    if not isinstance(block, int) or isinstance(block, bool) or block < 8 or block % 8:
+        raise ValueError(f"block_size must be a positive multiple of 8 (whole bytes of signs), "
+                         f"got {block!r}")
+
+
+class BlockLayout:
+    """Tensor-aligned blocks of a flat buffer (see the module docstring).
+
+    sizes: numel of each tensor, in buffer order. padded: N, if the caller
+    already has error buffers of that size (a multiple of block * world_size,
+    at least `numel`); default the smallest such N.
+    """
+
+    def __init__(self, sizes: Sequence[int], block: int, world_size: int,
+                 padded: Optional[int] = None) -> None:
+        check_block_size(block)
+        self.sizes = [int(s) for s in sizes]
+        self.block, self.world_size = block, world_size
+        self.offsets: List[int] = []
+        end = 0
+        for s in self.sizes:
+            self.offsets.append(end)
+            end += -(-s // block) * block
+        self.numel = self.offsets[-1] + self.sizes[-1] if self.sizes else 0
+        unit = block * world_size
+        self.padded = max(unit, -(-end // unit) * unit) if padded is None else padded
+        if self.padded % unit or self.padded < end:
+            raise ValueError(f"a padded size of {self.padded} does not fit this layout: it needs "
+                             f"a multiple of block_size*world_size={unit} that is at least {end}")
+        self.chunk = self.padded // world_size
+        counts = torch.zeros(self.padded // block, dtype=torch.float64)
+        pads = []
+        for off, s in zip(self.offsets, self.sizes):
+            first, full = off // block, s // block
+            counts[first:first + full] = block
+            if s % block:
+                counts[first + full] = s % block
+                pads.append(torch.arange(off + s, off + (full + 1) * block))
+        self._counts = counts.clamp_min_(1.0)  # an empty block has sum 0: any divisor gives 0
+        self._pads = torch.cat(pads) if pads else torch.empty(0, dtype=torch.int64)
+        self.inner_pads = int((self._pads < self.numel).sum())  # a prefix: pads ascend
+        self._on: Dict[Tuple[str, torch.device, int], torch.Tensor] = {}
+
+    @property
+    def key(self) -> tuple:
+        """What two ranks must agree on for their messages to line up."""
+        return (self.padded, self.block, tuple(self.sizes))
+
+    def _cached(self, name: str, device: torch.device, k: int, make) -> torch.Tensor:
+        t = self._on.get((name, device, k))
+        if t is None:
+            t = self._on[(name, device, k)] = make().to(device)
+        return t
+
+    def counts(self, device: torch.device, chunk: Optional[int] = None) -> torch.Tensor:
+        """float64 real-element counts (at least 1) per block: all N / block,
+        or those of chunk `chunk` (the blocks rank `chunk` serves)."""
+        if chunk is None:
+            return self._cached("counts", device, -1, lambda: self._counts)
+        per = self.chunk // self.block
+        return self._cached("counts", device, chunk,
+                            lambda: self._counts[chunk * per:(chunk + 1) * per].clone())
+
+    def pads(self, device: torch.device, chunk: Optional[int] = None) -> torch.Tensor:
+        """int64 pad positions: in the whole buffer, or within chunk `chunk`
+        (relative to its start)."""
+        if chunk is None:
+            return self._cached("pads", device, -1, lambda: self._pads)
+        lo = chunk * self.chunk
+        return self._cached("pads", device, chunk, lambda: self._pads[
+            (self._pads >= lo) & (self._pads < lo + self.chunk)] - lo)
+
+    def views(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+        """Each tensor's place in `flat`, shaped like it."""
+        return [flat[o:o + s].view(shape) for o, s, shape in zip(self.offsets, self.sizes, shapes)]
