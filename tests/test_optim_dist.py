@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from distributed import run_workers
-from reference import reference_round
+from reference import placement, reference_round
+
+BLOCK = 256  # the optimizers' default block_size
 
 SHAPES = [(7, 5), (13,), (0,), (4, 3, 2)]
 
@@ -85,9 +87,10 @@ def simulate_onebit_adam(p0, world, steps, freeze, lr, betas, eps):
     momentum gets its local gradient, and the compressed allreduce of
     reference.py averages the momenta. Bias correction as documented."""
     shapes = [p.shape for p in p0]
-    numel = sum(p.numel() for p in p0)
-    unit = 8 * world
-    n = max(unit, -(-numel // unit) * unit)
+    sizes = [p.numel() for p in p0]
+    numel = sum(sizes)
+    _, n, _ = placement(sizes, BLOCK, world)
+    cuts = np.cumsum(sizes)[:-1]
     params = np.concatenate([p.detach().double().reshape(-1).numpy() for p in p0])
     m, v = np.zeros(numel), np.zeros(numel)
     werrs, serrs = [np.zeros(n) for _ in range(world)], [np.zeros(n // world) for _ in range(world)]
@@ -102,8 +105,9 @@ def simulate_onebit_adam(p0, world, steps, freeze, lr, betas, eps):
             m = betas[0] * m + (1 - betas[0]) * g
             v = betas[1] * v + (1 - betas[1]) * g * g
         else:
-            local = [betas[0] * m + (1 - betas[0]) * g for g in grads]
-            m, werrs, serrs, _ = reference_round(local, werrs, serrs)
+            local = [np.split(betas[0] * m + (1 - betas[0]) * g, cuts) for g in grads]
+            outs, werrs, serrs, _ = reference_round(local, werrs, serrs, BLOCK)
+            m = np.concatenate(outs)
         bc1, bc2 = 1 - betas[0] ** t, 1 - betas[1] ** min(t, freeze)
         params = params - lr * (m / bc1) / (np.sqrt(v / bc2) + eps)
     return params
@@ -150,11 +154,8 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
     v = [np.zeros(k) for k in sizes]
     coeff_freeze, last_factor = [0.0] * len(sizes), [1.0] * len(sizes)
     fresh, scaling = None, None
-    numel = sum(sizes)
-    unit = 8 * world
-    n = max(unit, -(-numel // unit) * unit)
+    _, n, _ = placement(sizes, BLOCK, world)
     werrs, serrs = [np.zeros(n) for _ in range(world)], [np.zeros(n // world) for _ in range(world)]
-    cuts = np.cumsum(sizes)[:-1]
 
     def grads(rank, t):
         return [synthetic_grad(rank, t, sh).double().reshape(-1).numpy() for sh in shapes]
@@ -184,10 +185,10 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
             united = sum(live) / len(live)
             scaling = [united / r if r > 0 else 1.0 for r in rms]
         m_last = m
-        local = [np.concatenate([(b1 * m[i] + (1 - b1) * gi[i]) * scaling[i]
-                                 for i in range(len(sizes))]) for gi in (grads(r, t) for r in range(world))]
-        avg, werrs, serrs, _ = reference_round(local, werrs, serrs)
-        m = [x / scaling[i] for i, x in enumerate(np.split(avg, cuts))]
+        local = [[(b1 * m[i] + (1 - b1) * gi[i]) * scaling[i] for i in range(len(sizes))]
+                 for gi in (grads(r, t) for r in range(world))]
+        avg, werrs, serrs, _ = reference_round(local, werrs, serrs, BLOCK)
+        m = [x / scaling[i] for i, x in enumerate(avg)]
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** freeze
         for i in range(len(sizes)):
             g_rec = (m[i] - b1 * m_last[i]) / (1 - b1)
@@ -297,7 +298,9 @@ def test_checkpoint_in_compression_stage_resumes_at_other_world_sizes(cls_name, 
                                                                       resumed_on, tmp_path):
     path = str(tmp_path / "ckpt.pt")
     before = run_workers(_train_and_save, saved_on, cls_name, 40, path, timeout=120)[0]
-    typical = max(abs(a - b) for a, b in zip(before[-6:], before[-5:]))
+    # The largest step change of the last 10 steps (the loss still falls fast here, so
+    # a shorter window can miss a normal step's size).
+    typical = max(abs(a - b) for a, b in zip(before[-11:], before[-10:]))
     for world in resumed_on:
         (after, step), *_ = run_workers(_resume, world, cls_name, 10, path, timeout=120)
         assert step == 50  # the stage (step count) came back with the checkpoint

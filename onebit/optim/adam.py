@@ -8,6 +8,8 @@ import torch
 
 from ..graphs import tensor_key
 from . import functional as F
+from .guards import mask_unseen_, only_seen
+from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer, adam_defaults, check_positive_int
 
 
@@ -67,13 +69,15 @@ class OnebitAdam(FreezeStepOptimizer):
                  max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, process_group=None,
                  timeout_s: Optional[float] = None, check_replicas_every: int = 0,
-                 graph_capture: bool = False) -> None:
+                 graph_capture: bool = False,
+                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32") -> None:
         defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("freeze_step", freeze_step, minimum=0)
         self.freeze_step = freeze_step
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every, graph_capture)
+                         timeout_s, check_replicas_every, graph_capture,
+                         block_size=block_size, scale_dtype=scale_dtype)
 
     def _update(self, t, groups, grads) -> None:
         compress = self.compression_started(t)
@@ -86,14 +90,17 @@ class OnebitAdam(FreezeStepOptimizer):
             beta1, beta2 = group["betas"]
             m, v = self._moments(group, params, gs)
             F.update_momentum_(m, gs, beta1)
+            if not compress:
+                F.update_variance_(v, gs, beta2)
+            version = "frozen" if compress else None
+            seen, masks = self._seen(i, group, v, version)
             if compress:
                 self._compressed_average_(i, m)
                 self._mask_(group, m)
-            else:
-                F.update_variance_(v, gs, beta2)
+                mask_unseen_(m, masks, seen)
             bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))
-            denom = self._denominators(i, group, v, bc2, "frozen" if compress else None)
-            F.adam_step_(params, m, denom, group["lr"], group["weight_decay"], bc1)
+            denom = self._denominators(i, group, v, bc2, version)
+            F.adam_step_(*only_seen(seen, params, m, denom), group["lr"], group["weight_decay"], bc1)
 
     def _graphed_compression_step(self, t, groups, grads) -> None:
         """The compression-stage step as two graphed regions around the
@@ -107,7 +114,8 @@ class OnebitAdam(FreezeStepOptimizer):
             m, v = self._moments(group, params, gs)
             bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
             lr, wd = group["lr"], group["weight_decay"]
-            plan.append(SimpleNamespace(
+            seen, masks = self._seen(i, group, v, "frozen")
+            plan.append(SimpleNamespace(seen=seen, masks=masks,
                 index=i, group=group, params=params, m=m, grads=self._static_copy(i, gs),
                 denom=self._denominators(i, group, v, bc2, "frozen"),
                 scalars=self._step_scalars(i, params[0].device, (-lr / bc1, 1.0 - lr * wd)),
@@ -118,7 +126,7 @@ class OnebitAdam(FreezeStepOptimizer):
             for s in plan:
                 F.update_momentum_(s.m, s.grads, s.group["betas"][0])
                 for f in s.flat:
-                    self._flatten_into(f, s.m)
+                    self._flatten_into(s.index, s.m)
 
         def update():
             for s in plan:
@@ -126,23 +134,27 @@ class OnebitAdam(FreezeStepOptimizer):
                 # (it holds the averaged m), else the gradients' buffer (the
                 # momentum region is done with it).
                 if s.flat:
-                    scratch = self._views(s.flat[0], s.m)
+                    scratch = self._views(s.index, s.m)
                     self._mask_(s.group, scratch)
+                    mask_unseen_(scratch, s.masks, s.seen)
                     torch._foreach_copy_(s.m, scratch)
                 else:
                     scratch = s.grads
                     self._mask_(s.group, s.m)
+                    mask_unseen_(s.m, s.masks, s.seen)
                     torch._foreach_copy_(scratch, s.m)
                 decay = s.scalars[1] if s.group["weight_decay"] else None
-                F.adam_step_from_tensors_(s.params, scratch, s.denom, s.scalars[0], decay)
+                F.adam_step_from_tensors_(*only_seen(s.seen, s.params, scratch, s.denom),
+                                          s.scalars[0], decay)
 
         # The keys name what each graph baked in: addresses, and Python floats.
         betas = tuple(s.group["betas"][0] for s in plan)
         self._graphed("momentum", (betas, tensor_key(*(x for s in plan for x in (s.m, s.grads, s.flat)))),
                       momentum)
         for s in plan:
-            for f in s.flat:
-                self._compressed_allreduce_flat(s.index, f)
-        decays = tuple(bool(s.group["weight_decay"]) for s in plan)
+            if s.flat:
+                self._compressed_allreduce_flat(s.index)
+        decays = tuple((bool(s.group["weight_decay"]), tuple(s.seen)) for s in plan)
         self._graphed("update", (decays, tensor_key(*(x for s in plan for x in (
-            s.params, s.m, s.grads, s.denom, s.flat, s.mask, [s.scalars])))), update)
+            s.params, s.m, s.grads, s.denom, s.flat, s.mask, [k for k in s.masks if k is not None],
+            [s.scalars])))), update)

@@ -7,16 +7,18 @@ optimizer classes.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
 from ..accelerator import get_accelerator
-from ..backends.base import WIRE_FORMAT_VERSION
+from ..backends.base import DEFAULT_BLOCK_SIZE, SCALE_DTYPES, WIRE_FORMAT_VERSION
+from ..backends.layout import BlockLayout, check_block_size
 from ..graphs import GraphedRegion
 from . import functional as F
+from .guards import ZeroVarianceGuard
 
 STATE_KEY = "onebit"  # self.state[STATE_KEY]: the counters that decide the stage
 
@@ -55,6 +57,16 @@ def adam_defaults(cls_name, lr, betas, eps, weight_decay, max_grad_norm, amsgrad
                 max_grad_norm=max_grad_norm, **extra)
 
 
+def scale_dtype_from(value) -> torch.dtype:
+    """torch.float32 / torch.bfloat16, or their names ("float32", "bf16", ...)."""
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16}
+    dtype = names.get(value.lower()) if isinstance(value, str) else value
+    if dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be float32 or bfloat16, got {value!r}")
+    return dtype
+
+
 def check_flag(name: str, value) -> None:
     _check(name, value, isinstance(value, bool), "True or False")
 
@@ -77,7 +89,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, comm_backend_name: Optional[str], cuda_aware: bool,
                  process_group=None, timeout_s: Optional[float] = None,
-                 check_replicas_every: int = 0, graph_capture: bool = False) -> None:
+                 check_replicas_every: int = 0, graph_capture: bool = False,
+                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32") -> None:
         # What the subclass set before calling us: its stage settings
         # (freeze_step, var_update_scaler, ...), part of the rank fingerprint.
         settings = {k: v for k, v in vars(self).items() if isinstance(v, (int, float, str, tuple))}
@@ -85,6 +98,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
         check_flag("graph_capture", graph_capture)
         # It changes the rounding of the update, so ranks must agree on it too.
         self.graph_capture = settings["graph_capture"] = graph_capture
+        check_block_size(block_size)
+        self.block_size = settings["block_size"] = block_size
+        self.scale_dtype = scale_dtype_from(scale_dtype)
+        settings["scale_dtype"] = str(self.scale_dtype)
         super().__init__(params, defaults)
         self.timeout_s = timeout_s
         self.check_replicas_every = check_replicas_every
@@ -104,11 +121,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
             group = None if mpi else process_group
             # The optimizer checks gradients (and agrees across ranks) itself.
             self.backend = get_backend(self.comm_backend_name, group=group, check_finite=False,
+                                       block_size=block_size, scale_dtype=self.scale_dtype,
                                        **kwargs)
             self._check_ranks_agree(settings)
             self._broadcast_parameters()
         self._errors: Dict[int, tuple] = {}  # group index -> (worker_error, server_error)
-        self._flat: Dict[int, torch.Tensor] = {}
+        self._flat: Dict[int, Tuple[torch.Tensor, BlockLayout]] = {}  # group index -> (buffer, layout)
+        self._zero_variance = ZeroVarianceGuard()
         self._denoms: Dict[int, tuple] = {}  # group index -> (key, cached denominators)
         self._grads_averaged_externally = False  # set by the DDP hook for one step
         self._graph_regions: Dict[str, GraphedRegion] = {}
@@ -198,25 +217,28 @@ class OnebitOptimizer(torch.optim.Optimizer):
         return grads
 
     def _flat_buffer(self, index: int, tensors: List[torch.Tensor]) -> torch.Tensor:
-        total = sum(t.numel() for t in tensors)
-        flat = self._flat.get(index)
-        if flat is None or flat.numel() != total:
+        """Group `index`'s fused buffer: the tensors at block boundaries (the
+        backend's BlockLayout), zeros in between that stay zero."""
+        sizes = [t.numel() for t in tensors]
+        cached = self._flat.get(index)
+        if cached is None or cached[1].sizes != sizes:
+            layout = self.backend.layout(sizes)
             device = tensors[0].device if tensors else torch.device("cpu")
-            flat = self._flat[index] = torch.empty(total, dtype=torch.float32, device=device)
-        return flat
+            cached = self._flat[index] = (torch.zeros(layout.numel, device=device), layout)
+        return cached[0]
 
-    def _flatten_into(self, flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    def _views(self, index: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Group `index`'s fused buffer cut into views shaped like `tensors`."""
+        flat, layout = self._flat[index]
+        return layout.views(flat, [t.shape for t in tensors])
+
+    def _flatten_into(self, index: int, tensors: List[torch.Tensor]) -> None:
         if tensors:
-            torch.cat([t.reshape(-1) for t in tensors], out=flat)
+            torch._foreach_copy_(self._views(index, tensors), tensors)
 
-    @staticmethod
-    def _views(flat: torch.Tensor, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """`flat` cut into views shaped like `tensors`."""
-        return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
-    def _unflatten_from(self, flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    def _unflatten_from(self, index: int, tensors: List[torch.Tensor]) -> None:
         if tensors:
-            torch._foreach_copy_(tensors, self._views(flat, tensors))
+            torch._foreach_copy_(tensors, self._views(index, tensors))
 
     # -------------------------------------------------------- communication --
     def _average_(self, index: int, tensors: List[torch.Tensor]) -> None:
@@ -224,31 +246,32 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if self.world_size == 1 or self._grads_averaged_externally or not tensors:
             return
         flat = self._flat_buffer(index, tensors)
-        self._flatten_into(flat, tensors)
+        self._flatten_into(index, tensors)
         self._collective("gradient averaging (full-precision all-reduce)",
                          lambda: dist.all_reduce(flat, group=self.process_group, async_op=True))
         flat.div_(self.world_size)
-        self._unflatten_from(flat, tensors)
+        self._unflatten_from(index, tensors)
 
     def _compressed_average_(self, index: int, tensors: List[torch.Tensor]) -> None:
-        """1-bit error-compensated mean across ranks of the concatenation of
-        `tensors` (one compressed_allreduce; one scale per rank per group)."""
+        """1-bit error-compensated mean across ranks of `tensors`, fused into
+        one compressed_allreduce (each tensor on its own blocks)."""
         if self.world_size == 1 or not tensors:
             return
-        flat = self._flat_buffer(index, tensors)
-        self._flatten_into(flat, tensors)
-        self._compressed_allreduce_flat(index, flat)
-        self._unflatten_from(flat, tensors)
+        self._flat_buffer(index, tensors)
+        self._flatten_into(index, tensors)
+        self._compressed_allreduce_flat(index)
+        self._unflatten_from(index, tensors)
 
-    def _compressed_allreduce_flat(self, index: int, flat: torch.Tensor) -> None:
+    def _compressed_allreduce_flat(self, index: int) -> None:
         """The compressed allreduce of group `index`'s flat buffer, in place,
         with that group's error-feedback buffers."""
+        flat, layout = self._flat[index]
         errors = self._errors.get(index)
-        if errors is None or errors[0].numel() != self.backend.error_sizes(flat.numel())[0]:
-            n, ns = self.backend.error_sizes(flat.numel())
+        if errors is None or errors[0].numel() != layout.padded:
+            n = layout.padded
             errors = self._errors[index] = (torch.zeros(n, device=flat.device),
-                                            torch.zeros(ns, device=flat.device))
-        self.backend.compressed_allreduce(flat, *errors)
+                                            torch.zeros(n // self.world_size, device=flat.device))
+        self.backend.compressed_allreduce(flat, *errors, layout=layout)
 
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
@@ -447,6 +470,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self.state[STATE_KEY] = {**self._initial_counters(), **self.state.get(STATE_KEY, {})}
         self.reset_compression_errors()
         self._flat.clear()
+        self._zero_variance.clear()
         self._denoms.clear()
         self._graph_regions.clear()
         self._static.clear()
@@ -462,6 +486,15 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Whether the coming step averages gradients in full precision (the
         DDP hook asks this during backward)."""
         raise NotImplementedError
+
+    def _seen(self, index: int, group, exp_avg_sqs: List[torch.Tensor], version):
+        """The zero-variance guard's (seen, masks) for group `index` (see
+        guards.py); `version` names v as in `_denominators`. Where v changes
+        every step and there is no weight decay, nothing can move an unseen
+        element (its m is 0 too), so nothing is checked."""
+        if version is None and not group["weight_decay"]:
+            return [True] * len(exp_avg_sqs), [None] * len(exp_avg_sqs)
+        return self._zero_variance.check(index, exp_avg_sqs, version)
 
     @staticmethod
     def _mask_(group, tensors: List[torch.Tensor]) -> None:

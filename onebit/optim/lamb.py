@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 
 from . import functional as F
+from .guards import mask_unseen_, only_seen
+from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer, adam_defaults, check_positive_int
 
 
@@ -36,7 +38,8 @@ class OnebitLamb(FreezeStepOptimizer):
                  comm_backend_name: Optional[str] = None, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                  process_group=None, timeout_s: Optional[float] = None,
-                 check_replicas_every: int = 0) -> None:
+                 check_replicas_every: int = 0,
+                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32") -> None:
         defaults = adam_defaults("OnebitLamb", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt, max_coeff=max_coeff,
                                  min_coeff=min_coeff)
@@ -57,7 +60,8 @@ class OnebitLamb(FreezeStepOptimizer):
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every)
+                         timeout_s, check_replicas_every,
+                         block_size=block_size, scale_dtype=scale_dtype)
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
 
     def _update(self, t, groups, grads) -> None:
@@ -72,6 +76,8 @@ class OnebitLamb(FreezeStepOptimizer):
         m, v = self._moments(group, params, gs)
         F.update_momentum_(m, gs, beta1)
         F.update_variance_(v, gs, beta2)
+        seen, _ = self._seen(i, group, v, None)
+        params, m, v = only_seen(seen, params, m, v)  # never-seen tensors stay as they are
         bc1, bc2 = self._bias_corrections(group, t, t)
         denom = self._denominators(i, group, v, bc2, None)
         pf = [p.float() for p in params]
@@ -109,6 +115,9 @@ class OnebitLamb(FreezeStepOptimizer):
         self._compressed_average_(i, m)  # one fused exchange for the whole group
         torch._foreach_div_(m, scaling)
         self._mask_(group, m)
+        seen, masks = self._seen(i, group, v, "frozen")
+        mask_unseen_(m, masks, seen)
+        params, m, v, m_last, fresh = only_seen(seen, params, m, v, m_last, fresh)
         # The gradient implied by the momentum change feeds the fresh variance:
         # g = (m - beta1 * m_last) / (1 - beta1), computed in m_last's buffer.
         g_rec = m_last

@@ -8,6 +8,8 @@ import torch
 
 from ..graphs import tensor_key
 from . import functional as F
+from .guards import mask_unseen_, only_seen
+from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer, adam_defaults, check_positive_int
 
 
@@ -42,7 +44,8 @@ class ZeroOneAdam(OnebitOptimizer):
                  amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, process_group=None,
                  timeout_s: Optional[float] = None, check_replicas_every: int = 0,
-                 graph_capture: bool = False) -> None:
+                 graph_capture: bool = False,
+                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32") -> None:
         defaults = adam_defaults("ZeroOneAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("var_freeze_step", var_freeze_step, minimum=0)
@@ -54,7 +57,8 @@ class ZeroOneAdam(OnebitOptimizer):
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every, graph_capture)
+                         timeout_s, check_replicas_every, graph_capture,
+                         block_size=block_size, scale_dtype=scale_dtype)
 
     def _initial_counters(self) -> dict:
         return {"step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
@@ -96,23 +100,28 @@ class ZeroOneAdam(OnebitOptimizer):
             m, v = self._moments(group, params, gs)
             if full:
                 F.update_variance_(v, gs, beta2)
-            elif not frozen:
+            seen, masks = self._seen(i, group, v, c["var_updates"])
+            if not full and not frozen:
                 self._compressed_average_(i, gs)
                 self._mask_(group, gs)
+                mask_unseen_(gs, masks, seen)
             F.update_momentum_(m, gs, beta1)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
             denom = self._denominators(i, group, v, bc2, c["var_updates"])
-            upd = F.adam_updates(m, denom, [p.float() for p in params], group["weight_decay"], bc1,
-                                 out=self._scratch("update", i, m))
+            # Tensors that never saw a gradient do not move (guards.py).
+            ps, ms, ds = only_seen(seen, params, m, denom)
+            upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
+                                 out=self._scratch("update", i, ms))
             torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
                 anchors = self._anchors(params)
-                torch._foreach_add_(u, upd)
+                torch._foreach_add_(only_seen(seen, u)[0], upd)
                 c["lrs"][i] += group["lr"]
-            F.add_updates_(params, upd)
+            F.add_updates_(ps, upd)
             if sync:
-                self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i])
+                self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i],
+                                       seen, masks)
                 c["lrs"][i] = 0.0
         if sync:
             c["last_sync"] = t
@@ -131,7 +140,8 @@ class ZeroOneAdam(OnebitOptimizer):
             m, v = self._moments(group, params, gs)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
             self._anchors(params)  # the first local step remembers the common point
-            plan.append(SimpleNamespace(
+            seen, _ = self._seen(i, group, v, c["var_updates"])
+            plan.append(SimpleNamespace(seen=seen,
                 group=group, params=params, m=m, grads=self._static_copy(i, gs),
                 u=[self._state_tensor(p, "momentum_accumulator") for p in params],
                 denom=self._denominators(i, group, v, bc2, c["var_updates"]),
@@ -142,11 +152,11 @@ class ZeroOneAdam(OnebitOptimizer):
             for s in plan:
                 F.update_momentum_(s.m, s.grads, s.group["betas"][0])
                 torch._foreach_copy_(s.grads, s.m)  # the gradients' buffer is free now
-                F.local_step_from_tensors_(s.params, s.u, s.grads, s.denom, s.group["weight_decay"],
-                                           s.scalars[0], s.scalars[1])
+                F.local_step_from_tensors_(*only_seen(s.seen, s.params, s.u, s.grads, s.denom),
+                                           s.group["weight_decay"], s.scalars[0], s.scalars[1])
 
         # The key names what the graph baked in: addresses, and Python floats.
-        floats = tuple((s.group["betas"][0], s.group["weight_decay"]) for s in plan)
+        floats = tuple((s.group["betas"][0], s.group["weight_decay"], tuple(s.seen)) for s in plan)
         self._graphed("local step", (floats, tensor_key(*(x for s in plan for x in (
             s.params, s.m, s.grads, s.u, s.denom, [s.scalars])))), local_step)
 
@@ -162,21 +172,34 @@ class ZeroOneAdam(OnebitOptimizer):
             out.append(st["sync_point"])
         return out
 
-    def _sync_local_steps(self, i, group, params, anchors, m, u, denom, bc1, lrs) -> None:
+    def _sync_local_steps(self, i, group, params, anchors, m, u, denom, bc1, lrs, seen,
+                          masks) -> None:
         """Replace the local steps since the last sync with their 1-bit average.
 
         u holds this rank's displacement since the anchor (the last synced
         point). In momentum units (u * denom) the ranks' u are averaged, the
         momentum is re-derived from it (m = -avg / sum(lr) * bc1) and every
         rank lands on anchor + avg / denom: the same bits everywhere.
+
+        With sum(lr) = 0 since the last sync (a schedule that reached 0, a
+        group at lr 0) no rank moved and u is 0 everywhere, so there is
+        nothing to re-derive m from: the ranks average m itself instead (the
+        limit of the re-derivation as lr -> 0: the lr-weighted mean of m over
+        the interval) and stay at the anchor.
         """
+        if lrs == 0:
+            self._compressed_average_(i, m)
+            self._mask_(group, m)
+            mask_unseen_(m, masks, seen)
+            return
         torch._foreach_mul_(u, denom)
         self._compressed_average_(i, u)
         self._mask_(group, u)
+        mask_unseen_(u, masks, seen)
         for mi, ui in zip(m, u):
             mi.copy_(ui).mul_(-bc1 / lrs)
         torch._foreach_div_(u, denom)
-        for p, a, ui in zip(params, anchors, u):
+        for p, a, ui in zip(*only_seen(seen, params, anchors, u)):
             a.add_(ui.to(a.dtype))
             p.copy_(a)
         torch._foreach_zero_(u)

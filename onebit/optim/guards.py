@@ -1,0 +1,72 @@
+"""The zero-variance guard: what a 1-bit exchange must not move.
+
+An element whose second moment v is exactly 0 has never seen a gradient that
+reached the variance estimate: an embedding row whose token never came up, a
+head or an expert that got no tokens, a parameter whose .grad was always None.
+Its true momentum is 0, but a 1-bit exchange gives it +-scale, and the update
+m / (sqrt(0) + eps) is then about scale / 1e-8: the model blows up. So:
+
+- after every compressed exchange, m (0/1 Adam: the gradient, or the local
+  displacement) is zeroed where v == 0 (DeepSpeed's `exp_avg_mask`, derived
+  automatically);
+- a tensor whose v is 0 everywhere is not updated at all, weight decay
+  included, exactly as torch.optim.Adam skips a parameter without a gradient.
+
+v is identical on every rank (it only ever sees averaged gradients), so every
+rank makes the same decisions. While v is frozen the masks are computed once.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+Tensors = List[torch.Tensor]
+
+
+class ZeroVarianceGuard:
+    """Per param group: which tensors have seen a gradient (`seen`), and a
+    bool mask of the elements that have, for the tensors that are only
+    partly seen (None for tensors seen everywhere or nowhere)."""
+
+    def __init__(self) -> None:
+        self._cache: Dict[int, tuple] = {}
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def check(self, index: int, exp_avg_sqs: Tensors,
+              version) -> Tuple[List[bool], List[Optional[torch.Tensor]]]:
+        """(seen, masks) for group `index`. `version` names the current v
+        (None: v changes every step, so nothing is cached). One host sync
+        per group when it is (re)computed."""
+        cached = self._cache.get(index)
+        if version is not None and cached is not None and cached[0] == version:
+            return cached[1], cached[2]
+        counts = (torch.stack([torch.count_nonzero(v) for v in exp_avg_sqs]).tolist()
+                  if exp_avg_sqs else [])
+        seen = [c > 0 for c in counts]
+        masks = [(v != 0) if 0 < c < v.numel() else None for c, v in zip(counts, exp_avg_sqs)]
+        if version is not None:
+            self._cache[index] = (version, seen, masks)
+        else:
+            self._cache.pop(index, None)
+        return seen, masks
+
+
+def mask_unseen_(tensors: Tensors, masks: Sequence[Optional[torch.Tensor]],
+                 seen: Sequence[bool]) -> None:
+    """Zero `tensors` where v == 0: the elements of partly seen tensors, and
+    all of a tensor never seen."""
+    for t, mask, ok in zip(tensors, masks, seen):
+        if not ok:
+            t.zero_()
+        elif mask is not None:
+            t.mul_(mask)
+
+
+def only_seen(seen: Sequence[bool], *lists: Sequence) -> Tuple[list, ...]:
+    """Each list without the entries of tensors that never saw a gradient."""
+    if all(seen):
+        return tuple(list(xs) for xs in lists)
+    return tuple([x for x, ok in zip(xs, seen) if ok] for xs in lists)
