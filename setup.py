@@ -48,7 +48,8 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["onebit", "onebit.*"]) + ["onebit.builders", "onebit.kernels"],
     package_dir={"onebit.builders": "builders", "onebit.kernels": "kernels"},
-    package_data={"onebit.kernels": ["cpu/*.cpp", "cuda/*.cu", "sycl/*.cpp"]},
+    package_data={"onebit.kernels": ["cpu/*.cpp", "cuda/*.cu", "sycl/*.cpp"],
+                  "onebit.bench": ["data/*.txt.gz"]},
     include_package_data=True,
     # pybind11: headers for the just-in-time build; tqdm: the bench progress bar.
     install_requires=["torch>=2.1,<3", "numpy>=1.22", "pybind11>=2.10", "tqdm"],

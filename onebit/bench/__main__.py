@@ -1,12 +1,12 @@
-"""python -m onebit.bench [allreduce|kernels|convergence|optim|soak] ...  (allreduce is the default)."""
+"""python -m onebit.bench [allreduce|kernels|lm|convergence|optim|soak] ...  (allreduce is the default)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import allreduce, convergence, kernels, optim, soak
+from . import allreduce, convergence, kernels, lm, optim, soak
 
-COMMANDS = {"allreduce": allreduce, "kernels": kernels, "convergence": convergence,
+COMMANDS = {"allreduce": allreduce, "kernels": kernels, "lm": lm, "convergence": convergence,
             "optim": optim, "soak": soak}
 
 

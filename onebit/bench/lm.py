@@ -1,0 +1,228 @@
+"""`python -m onebit.bench lm`: the headline convergence figure -- a small
+GPT-style language model on real text, 1-bit optimizers against their
+full-precision baselines at equal steps.
+
+Model: token + position embeddings, --layers pre-LN transformer blocks
+(causal self-attention, GELU MLP), a final LayerNorm and an output head tied
+to the token embedding. Text: onebit/bench/data/pydocs.txt.gz (CPython's
+docstrings and reference topics, see benchmarks/make_lm_corpus.py), split
+into words and punctuation; the --vocab most frequent words are the
+vocabulary (the rest map to <unk>), so most embedding rows are absent from
+any one batch. The last 10% of the text is held out.
+
+Pairs (equal steps, the same seeds, --nproc local gloo ranks; the baselines
+average gradients in full precision):
+  OnebitAdam  vs torch.optim.Adam           freeze_step = --freeze * steps
+  ZeroOneAdam vs torch.optim.Adam           var_freeze_step = --freeze * steps
+  OnebitLamb  vs LAMB (OnebitLamb kept in warmup: the same code, uncompressed)
+Everything else is at its default. Reports held-out loss every --every steps
+and the final gap; --plot writes the curves.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import math
+import os
+import re
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .. import launch
+
+PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam")]
+GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0}  # held-out loss gap, %
+CORPUS = os.path.join(os.path.dirname(__file__), "data", "pydocs.txt.gz")
+
+
+def load_tokens(vocab: int):
+    """(train ids, held-out ids, vocabulary size including <unk>)."""
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        words = re.findall(r"[a-z]+|[0-9]+|[^\sa-z0-9]", f.read().lower())
+    common = [w for w, _ in collections.Counter(words).most_common(vocab)]
+    index = {w: i + 1 for i, w in enumerate(common)}  # 0 is <unk>
+    ids = torch.tensor([index.get(w, 0) for w in words], dtype=torch.int64)
+    cut = int(0.9 * len(ids))
+    return ids[:cut], ids[cut:], len(common) + 1
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.attn = torch.nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(torch.nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(context, dim)
+        torch.nn.init.normal_(self.tok.weight, std=0.02)
+        torch.nn.init.normal_(self.pos.weight, std=0.02)
+        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(dim)
+        mask = torch.triu(torch.ones(context, context, dtype=torch.bool), 1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        x = self.tok(ids) + self.pos.weight[:t]
+        for b in self.blocks:
+            x = b(x, self.mask[:t, :t])
+        return self.ln(x) @ self.tok.weight.t()  # tied output head
+
+
+def _optimizer(name: str, params, steps: int, freeze: float, lr: float):
+    import onebit
+
+    f = max(1, int(freeze * steps))
+    if name == "Adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "OnebitAdam":
+        return onebit.OnebitAdam(params, lr=lr, freeze_step=f)
+    if name == "ZeroOneAdam":
+        return onebit.ZeroOneAdam(params, lr=lr, var_freeze_step=f)
+    if name == "OnebitLamb":
+        return onebit.OnebitLamb(params, lr=lr * 10, freeze_step=f)
+    if name == "Lamb":  # the same code, kept in warmup
+        return onebit.OnebitLamb(params, lr=lr * 10, freeze_step=10 * steps)
+    raise ValueError(name)
+
+
+def _batch(ids: torch.Tensor, gen: torch.Generator, batch: int, context: int) -> torch.Tensor:
+    starts = torch.randint(len(ids) - context - 1, (batch,), generator=gen)
+    return torch.stack([ids[s:s + context + 1] for s in starts.tolist()])
+
+
+def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
+    """One run; returns rank 0's held-out loss curve and whether every step was finite."""
+    train_ids, held_ids, vocab = load_tokens(a["vocab"])
+    torch.manual_seed(seed)
+    model = TinyGPT(vocab, a["dim"], a["layers"], a["heads"], a["context"])
+    for p in model.parameters():  # torch.optim.Adam does not broadcast: start equal anyway
+        dist.broadcast(p.data, 0)
+    opt = _optimizer(name, model.parameters(), a["steps"], a["freeze"], a["lr"])
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    held = _batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
+    curve, finite = [], True
+
+    def held_out_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            out = model(held[:, :-1])
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, vocab), held[:, 1:].reshape(-1))
+        model.train()
+        return loss.item()
+
+    for t in range(1, a["steps"] + 1):
+        x = _batch(train_ids, gen, a["batch"], a["context"])
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, vocab),
+                                                 x[:, 1:].reshape(-1))
+        loss.backward()
+        if isinstance(opt, torch.optim.Adam):  # the baseline averages in full precision
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+        opt.step()
+        finite = finite and math.isfinite(loss.item()) and all(
+            bool(torch.isfinite(p).all()) for p in model.parameters())
+        if t % a["every"] == 0 or t == a["steps"]:
+            curve.append((t, held_out_loss()))
+    return {"optimizer": name, "seed": seed, "curve": curve, "final": curve[-1][1], "finite": finite}
+
+
+def _all_runs(rank: int, world: int, names: List[str], seeds: List[int], a: dict):
+    return [train(rank, world, n, s, a) for s in seeds for n in names]
+
+
+def compare(a: dict) -> tuple:
+    """(rows: one per pair, averaged over seeds; runs: every run)."""
+    names = list(dict.fromkeys(n for pair in PAIRS for n in pair))
+    runs = launch.spawn_local(_all_runs, a["nproc"], names, a["seeds"], a, threads=1)[0]
+    by = collections.defaultdict(list)
+    for r in runs:
+        by[r["optimizer"]].append(r)
+    rows = []
+    for onebit_name, base_name in PAIRS:
+        mine = sum(r["final"] for r in by[onebit_name]) / len(by[onebit_name])
+        base = sum(r["final"] for r in by[base_name]) / len(by[base_name])
+        gaps = [(x["final"] - y["final"]) / y["final"] * 100
+                for x, y in zip(by[onebit_name], by[base_name])]
+        finite = all(r["finite"] for r in by[onebit_name] + by[base_name])
+        gap = (mine - base) / base * 100
+        rows.append({"optimizer": onebit_name, "baseline": base_name, "loss": mine,
+                     "baseline_loss": base, "gap_pct": gap, "worst_seed_gap_pct": max(gaps),
+                     "finite": finite, "ok": finite and gap <= GOALS[onebit_name]})
+    return rows, runs
+
+
+def plot(runs: List[Dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
+    for ax, (onebit_name, base_name) in zip(axes, PAIRS):
+        for name, style in ((base_name, "--"), (onebit_name, "-")):
+            for r in (r for r in runs if r["optimizer"] == name):
+                steps, losses = zip(*r["curve"])
+                ax.plot(steps, losses, style, label=f"{name} seed {r['seed']}", linewidth=1)
+        ax.set_title(f"{onebit_name} vs {base_name}")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=6)
+    axes[0].set_ylabel("held-out loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> bool:
+    a = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+    print(f"# onebit.bench lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
+          f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
+          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x10) seeds={a['seeds']}")
+    print(f"#{'optimizer':>12} {'baseline':>9} {'held-out':>9} {'base':>8} {'gap%':>6} "
+          f"{'worst%':>7} {'goal%':>6} finite ok")
+    rows, runs = compare(a)
+    for r in rows:
+        print(f" {r['optimizer']:>12} {r['baseline']:>9} {r['loss']:9.4f} {r['baseline_loss']:8.4f} "
+              f"{r['gap_pct']:6.2f} {r['worst_seed_gap_pct']:7.2f} {GOALS[r['optimizer']]:6.1f} "
+              f"{'yes' if r['finite'] else 'NO':>6} {'yes' if r['ok'] else 'NO'}")
+    if args.plot:
+        plot(runs, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "lm", "config": a, "results": rows, "runs": runs}, f, indent=1)
+    return all(r["ok"] for r in rows)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--freeze", type=float, default=0.2, help="freeze point, fraction of steps")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam lr (LAMB uses 10x)")
+    p.add_argument("--vocab", type=int, default=4096, help="words in the vocabulary (+ <unk>)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--eval-batch", dest="eval_batch", type=int, default=256)
+    p.add_argument("--every", type=int, default=50, help="held-out loss every N steps")
+    p.add_argument("--json")
+    p.add_argument("--plot", help="write the held-out loss curves to this PNG")
