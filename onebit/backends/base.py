@@ -241,6 +241,7 @@ class CompressedAllreduceBase:
         src = buffer_m.detach().view(-1) if inplace else buffer_m.detach().reshape(-1).float()
         inner_pads = pads[:layout.inner_pads]  # the gaps between tensors
         src.index_fill_(0, inner_pads, 0.0)
+        worker_error.index_fill_(0, pads, 0.0)  # errors a caller left there would skew the scales
         ops.compensate(src, worker_error, buf.sumsq, block)
         scales = self._scales(buf.sumsq, layout.counts(device), buf.send[:, cb:])
         ops.pack_error(worker_error, scales, block, buf.worker_bits)
@@ -252,6 +253,7 @@ class CompressedAllreduceBase:
         my_pads, sumsq = layout.pads(device, rank), buf.sumsq[:buf.chunk_blocks]
         ops.decode_mean(buf.recv, self._received_scales(buf.recv, cb), chunk, buf.server_x, block)
         buf.server_x.index_fill_(0, my_pads, 0.0)
+        server_error.index_fill_(0, my_pads, 0.0)
         ops.compensate(buf.server_x, server_error, sumsq, block)
         scales = self._scales(sumsq, layout.counts(device, rank), buf.server_msg[cb:])
         ops.pack_error(server_error, scales, block, buf.server_msg[:cb])

@@ -11,9 +11,9 @@ embedding, and a block whose input is all zero stays exactly zero.
   layout.padded       N: a multiple of block * p, the worker error's size
   layout.counts       real elements in each of the N / block blocks
 
-The positions of a partial block past its tensor's end (`pads`) hold no
-element: the allreduce ignores them on input, keeps no error there and
-writes zeros there, so a block's scale is ||x|| / sqrt(real elements).
+The positions that hold no element (`pads`: past a tensor's end up to the
+next block boundary, and the padding up to N) are ignored on input, keep no
+error and come back zero, so a block's scale is ||x|| / sqrt(real elements).
 """
 from __future__ import annotations
 
@@ -53,16 +53,12 @@ class BlockLayout:
             raise ValueError(f"a padded size of {self.padded} does not fit this layout: it needs "
                              f"a multiple of block_size*world_size={unit} that is at least {end}")
         self.chunk = self.padded // world_size
-        counts = torch.zeros(self.padded // block, dtype=torch.float64)
-        pads = []
+        real = torch.zeros(self.padded, dtype=torch.bool)
         for off, s in zip(self.offsets, self.sizes):
-            first, full = off // block, s // block
-            counts[first:first + full] = block
-            if s % block:
-                counts[first + full] = s % block
-                pads.append(torch.arange(off + s, off + (full + 1) * block))
+            real[off:off + s] = True
+        counts = real.view(-1, block).sum(1, dtype=torch.float64)
         self._counts = counts.clamp_min_(1.0)  # an empty block has sum 0: any divisor gives 0
-        self._pads = torch.cat(pads) if pads else torch.empty(0, dtype=torch.int64)
+        self._pads = (~real).nonzero().view(-1)  # ascending
         self.inner_pads = int((self._pads < self.numel).sum())  # a prefix: pads ascend
         self._on: Dict[Tuple[str, torch.device, int], torch.Tensor] = {}
 

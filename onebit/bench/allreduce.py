@@ -86,7 +86,7 @@ def _check_compressed(backend, count: int, device) -> int:
     backend.compressed_allreduce(m, werr, serr)
     wrong = 0
     if dist.get_rank() == 0:
-        expected, c = simulate(*inputs)
+        expected, c = simulate(*inputs, backend.block_size)
         wrong = count_wrong(m.cpu(), expected, c)
     return _broadcast_int(wrong)
 
@@ -151,7 +151,8 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
             m = torch.randn(count).to(device)
             werr, serr = torch.zeros(n, device=device), torch.zeros(ns, device=device)
             t = _timed(lambda: backend.compressed_allreduce(m, werr, serr), args.warmup, args.iters)
-            wire = 2 * (world - 1) * (ns // 8 + 4)  # sign bytes + fp32 scale per message
+            # Per message: the chunk's sign bytes and its block scales (wire format v2).
+            wire = 2 * (world - 1) * (ns // 8 + ns // backend.block_size * backend.scale_dtype.itemsize)
             rows.append(dict(type="fp32", backend=name, time=t, wire=wire,
                              wrong=_check_compressed(backend, count, device)))
         base = rows[0]["time"]

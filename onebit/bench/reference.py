@@ -1,6 +1,8 @@
 """A float64 simulation of the compressed allreduce for the benchmark's
 #wrong column: p ranks' inputs in, the exact output out. Deliberately plain
-torch, sharing no code with onebit.backends."""
+torch, sharing no code with onebit.backends, written from the wire format v2
+rules: one scale per block of B elements over its real elements (the first
+numel of the buffer), no error and no value at the padding."""
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -12,21 +14,30 @@ def _sign(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
 
 
+def _compress(x: torch.Tensor, real: torch.Tensor, block: int) -> torch.Tensor:
+    """s_b * sign(x) on the real elements of each block, 0 elsewhere."""
+    xb, rb = (x * real).view(-1, block), real.view(-1, block)
+    s = (xb.square().sum(1) / rb.sum(1).clamp_min(1)).sqrt()
+    return (s[:, None] * _sign(xb) * rb).reshape(-1)
+
+
 def simulate(buffers: List[torch.Tensor], worker_errors: List[torch.Tensor],
-             server_errors: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+             server_errors: List[torch.Tensor], block: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(output[numel], server values c[N]) for one compressed allreduce."""
     p, n, numel = len(buffers), worker_errors[0].numel(), buffers[0].numel()
     chunk = n // p
+    real = torch.zeros(n, dtype=torch.float64)
+    real[:numel] = 1.0
     compressed = []
     for b, e in zip(buffers, worker_errors):
-        x = e.double().clone()
+        x = e.double() * real
         x[:numel] += b.double().reshape(-1)
-        compressed.append(x.norm() / n ** 0.5 * _sign(x))
+        compressed.append(_compress(x, real, block))
     out, c_all = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
     for k in range(p):
         part = slice(k * chunk, (k + 1) * chunk)
-        c = torch.stack([w[part] for w in compressed]).mean(0) + server_errors[k].double()
-        out[part] = c.norm() / chunk ** 0.5 * _sign(c)
+        c = (torch.stack([w[part] for w in compressed]).mean(0) + server_errors[k].double()) * real[part]
+        out[part] = _compress(c, real[part], block)
         c_all[part] = c
     return out[:numel], c_all
 

@@ -57,6 +57,13 @@ class OnebitAdam(FreezeStepOptimizer):
         weight decay on or off, or loading a checkpoint re-captures. On the
         CPU the same code runs eagerly (and only costs). All ranks must agree
         on this flag: it changes the rounding of the update slightly.
+      block_size: elements per scale in the compressed exchange (a multiple
+        of 8; default 256). Each tensor starts on its own blocks. Smaller
+        blocks follow the data more closely and send more scale bytes.
+      scale_dtype: "float32" (default) or "bfloat16": the scales on the wire.
+    Elements whose v is exactly 0 are not moved by the 1-bit momentum, and a
+    tensor whose v is 0 everywhere is not updated at all (see
+    onebit.optim.guards).
     Construction broadcasts rank 0's parameters and checks that every rank
     built the same optimizer (shapes, hyper-parameters, backend, wire format).
     Param groups may carry `exp_avg_mask`: multiplied into m after every
