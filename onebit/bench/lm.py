@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import launch
+from ..backends.base import DEFAULT_BLOCK_SIZE
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam")]
 GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0}  # held-out loss gap, %
@@ -84,18 +85,20 @@ class TinyGPT(torch.nn.Module):
         return self.ln(x) @ self.tok.weight.t()  # tied output head
 
 
-def _optimizer(name: str, params, steps: int, freeze: float, lr: float):
+def _optimizer(name: str, params, a: dict):
     import onebit
 
-    f = max(1, int(freeze * steps))
+    steps, lr = a["steps"], a["lr"]
+    f = max(1, int(a["freeze"] * steps))
+    wire = dict(block_size=a["block_size"], scale_dtype=a["scale_dtype"])
     if name == "Adam":
         return torch.optim.Adam(params, lr=lr)
     if name == "OnebitAdam":
-        return onebit.OnebitAdam(params, lr=lr, freeze_step=f)
+        return onebit.OnebitAdam(params, lr=lr, freeze_step=f, **wire)
     if name == "ZeroOneAdam":
-        return onebit.ZeroOneAdam(params, lr=lr, var_freeze_step=f)
+        return onebit.ZeroOneAdam(params, lr=lr, var_freeze_step=f, **wire)
     if name == "OnebitLamb":
-        return onebit.OnebitLamb(params, lr=lr * 10, freeze_step=f)
+        return onebit.OnebitLamb(params, lr=lr * 10, freeze_step=f, **wire)
     if name == "Lamb":  # the same code, kept in warmup
         return onebit.OnebitLamb(params, lr=lr * 10, freeze_step=10 * steps)
     raise ValueError(name)
@@ -113,7 +116,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     model = TinyGPT(vocab, a["dim"], a["layers"], a["heads"], a["context"])
     for p in model.parameters():  # torch.optim.Adam does not broadcast: start equal anyway
         dist.broadcast(p.data, 0)
-    opt = _optimizer(name, model.parameters(), a["steps"], a["freeze"], a["lr"])
+    opt = _optimizer(name, model.parameters(), a)
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     held = _batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
     curve, finite = [], True
@@ -151,13 +154,14 @@ def _all_runs(rank: int, world: int, names: List[str], seeds: List[int], a: dict
 
 def compare(a: dict) -> tuple:
     """(rows: one per pair, averaged over seeds; runs: every run)."""
-    names = list(dict.fromkeys(n for pair in PAIRS for n in pair))
+    pairs = [p for p in PAIRS if p[0] in a.get("only", [p[0]])]
+    names = list(dict.fromkeys(n for pair in pairs for n in pair))
     runs = launch.spawn_local(_all_runs, a["nproc"], names, a["seeds"], a, threads=1)[0]
     by = collections.defaultdict(list)
     for r in runs:
         by[r["optimizer"]].append(r)
     rows = []
-    for onebit_name, base_name in PAIRS:
+    for onebit_name, base_name in pairs:
         mine = sum(r["final"] for r in by[onebit_name]) / len(by[onebit_name])
         base = sum(r["final"] for r in by[base_name]) / len(by[base_name])
         gaps = [(x["final"] - y["final"]) / y["final"] * 100
@@ -176,8 +180,11 @@ def plot(runs: List[Dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-    for ax, (onebit_name, base_name) in zip(axes, PAIRS):
+    pairs = [p for p in PAIRS if any(r["optimizer"] == p[0] for r in runs)]
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.4 * len(pairs), 3.8), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
+    for ax, (onebit_name, base_name) in zip(axes, pairs):
         for name, style in ((base_name, "--"), (onebit_name, "-")):
             for r in (r for r in runs if r["optimizer"] == name):
                 steps, losses = zip(*r["curve"])
@@ -194,7 +201,8 @@ def run(args: argparse.Namespace) -> bool:
     a = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     print(f"# onebit.bench lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
           f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
-          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x10) seeds={a['seeds']}")
+          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x10) seeds={a['seeds']} "
+          f"block_size={a['block_size']} scale_dtype={a['scale_dtype']}")
     print(f"#{'optimizer':>12} {'baseline':>9} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} finite ok")
     rows, runs = compare(a)
@@ -224,5 +232,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--eval-batch", dest="eval_batch", type=int, default=256)
     p.add_argument("--every", type=int, default=50, help="held-out loss every N steps")
+    p.add_argument("--block-size", dest="block_size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--scale-dtype", dest="scale_dtype", default="float32",
+                   choices=["float32", "bfloat16"])
+    p.add_argument("--only", nargs="+", default=[p[0] for p in PAIRS],
+                   choices=[p[0] for p in PAIRS], help="run only these pairs")
     p.add_argument("--json")
     p.add_argument("--plot", help="write the held-out loss curves to this PNG")

@@ -1,5 +1,6 @@
-"""What the three 1-bit optimizers share: hyper-parameter checks, the
-process group and compressed backend, gradient averaging, the fused
+"""What the three 1-bit optimizers share: the process group and compressed
+backend (hyper-parameter checks are in checks.py, the zero-variance guard in
+guards.py), gradient averaging, the fused
 compressed allreduce of a list of tensors, GradScaler support, and
 checkpoints. The maths lives in `functional.py`; the stage machines in the
 optimizer classes.
@@ -14,10 +15,11 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..accelerator import get_accelerator
-from ..backends.base import DEFAULT_BLOCK_SIZE, SCALE_DTYPES, WIRE_FORMAT_VERSION
-from ..backends.layout import BlockLayout, check_block_size
+from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION
+from ..backends.layout import BlockLayout
 from ..graphs import GraphedRegion
 from . import functional as F
+from .checks import check_block_size, check_flag, check_positive_int, scale_dtype_from
 from .guards import ZeroVarianceGuard
 
 STATE_KEY = "onebit"  # self.state[STATE_KEY]: the counters that decide the stage
@@ -25,55 +27,6 @@ STATE_KEY = "onebit"  # self.state[STATE_KEY]: the counters that decide the stag
 
 class ReplicaDivergenceError(RuntimeError):
     """The divergence guard found ranks whose parameters or state differ."""
-
-
-def _check(name: str, value, ok: bool, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-
-
-def check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name) -> None:
-    _check("lr", lr, isinstance(lr, (int, float)) and lr >= 0, "a number >= 0")
-    _check("betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
-           and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
-           "a pair of numbers in [0, 1)")
-    _check("eps", eps, isinstance(eps, (int, float)) and eps >= 0, "a number >= 0")
-    _check("weight_decay", weight_decay, isinstance(weight_decay, (int, float))
-           and weight_decay >= 0, "a number >= 0")
-    _check("max_grad_norm", max_grad_norm, isinstance(max_grad_norm, (int, float))
-           and max_grad_norm >= 0, "a number >= 0 (0 disables clipping)")
-    if amsgrad:
-        raise ValueError(f"{cls_name} does not support amsgrad=True: its variance is frozen "
-                         "(or updated rarely), which is what the AMSGrad maximum would track")
-
-
-def adam_defaults(cls_name, lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
-                  bias_correction, eps_inside_sqrt, **extra) -> dict:
-    """Check the hyper-parameters every onebit optimizer shares and return
-    them as param-group defaults (plus `extra`, already checked by the caller)."""
-    check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name)
-    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
-                max_grad_norm=max_grad_norm, **extra)
-
-
-def scale_dtype_from(value) -> torch.dtype:
-    """torch.float32 / torch.bfloat16, or their names ("float32", "bf16", ...)."""
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16}
-    dtype = names.get(value.lower()) if isinstance(value, str) else value
-    if dtype not in SCALE_DTYPES:
-        raise ValueError(f"scale_dtype must be float32 or bfloat16, got {value!r}")
-    return dtype
-
-
-def check_flag(name: str, value) -> None:
-    _check(name, value, isinstance(value, bool), "True or False")
-
-
-def check_positive_int(name: str, value, minimum: int = 1) -> None:
-    _check(name, value, isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-           f"an integer >= {minimum}")
 
 
 class OnebitOptimizer(torch.optim.Optimizer):

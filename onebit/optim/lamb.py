@@ -8,7 +8,8 @@ import torch
 from . import functional as F
 from .guards import mask_unseen_, only_seen
 from ..backends.base import DEFAULT_BLOCK_SIZE
-from .base import FreezeStepOptimizer, adam_defaults, check_positive_int
+from .base import FreezeStepOptimizer
+from .checks import adam_defaults, check_positive_int
 
 
 class OnebitLamb(FreezeStepOptimizer):
