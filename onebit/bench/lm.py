@@ -98,9 +98,9 @@ def _optimizer(name: str, params, a: dict):
     if name == "ZeroOneAdam":
         return onebit.ZeroOneAdam(params, lr=lr, var_freeze_step=f, **wire)
     if name == "OnebitLamb":
-        return onebit.OnebitLamb(params, lr=lr * 10, freeze_step=f, **wire)
+        return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=f, **wire)
     if name == "Lamb":  # the same code, kept in warmup
-        return onebit.OnebitLamb(params, lr=lr * 10, freeze_step=10 * steps)
+        return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=10 * steps)
     raise ValueError(name)
 
 
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> bool:
     a = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     print(f"# onebit.bench lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
           f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
-          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x10) seeds={a['seeds']} "
+          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}) seeds={a['seeds']} "
           f"block_size={a['block_size']} scale_dtype={a['scale_dtype']}")
     print(f"#{'optimizer':>12} {'baseline':>9} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} finite ok")
@@ -223,7 +223,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freeze", type=float, default=0.2, help="freeze point, fraction of steps")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam lr (LAMB uses 10x)")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam lr")
+    p.add_argument("--lamb-lr-scale", dest="lamb_lr_scale", type=float, default=3.0,
+                   help="LAMB's lr is this times --lr")
     p.add_argument("--vocab", type=int, default=4096, help="words in the vocabulary (+ <unk>)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
