@@ -31,8 +31,8 @@ def test_bench_two_local_ranks_small_sizes(tmp_path):
     assert all(r["wrong"] == 0 for r in rows)
     comp = [r for r in rows if r["backend"] == "compressed"]
     assert [r["count"] for r in comp] == [1024, 4096, 16384]
-    # wire bytes: 2(p-1) messages of N/(8p) sign bytes + a 4-byte scale
-    assert comp[-1]["wire"] == 2 * 1 * (16384 // 2 // 8 + 4)
+    # wire bytes: 2(p-1) messages of N/(8p) sign bytes + one 4-byte scale per block of 256
+    assert comp[-1]["wire"] == 2 * 1 * (16384 // 2 // 8 + 16384 // 2 // 256 * 4)
     for r in rows:
         assert abs(r["busbw"] - r["algbw"] * 2 * (2 - 1) / 2) < 1e-9
 

@@ -33,12 +33,16 @@ class TinyLM(torch.nn.Module):
         return self.out(self.emb(tokens) * (1.0 + self.gain))
 
 
-def _train(rank, world, cls_name, steps, lr_lambda):
+def _train(rank, world, cls_name, steps, lr_lambda, unused_group=False):
     import onebit
 
     model = TinyLM()
-    opt = getattr(onebit, cls_name)(model.parameters(), lr=1e-2, weight_decay=0.01,
-                                    **STAGES[cls_name])
+    params = model.parameters()
+    if unused_group:  # a param group none of whose tensors ever gets a gradient
+        unused = list(model.unused.parameters())
+        params = [{"params": [p for p in model.parameters() if all(p is not u for u in unused)]},
+                  {"params": unused}]
+    opt = getattr(onebit, cls_name)(params, lr=1e-2, weight_decay=0.01, **STAGES[cls_name])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
     unused0 = [p.detach().clone() for p in model.unused.parameters()]
     rare0 = model.emb.weight[48:].detach().clone()
@@ -61,13 +65,14 @@ def _train(rank, world, cls_name, steps, lr_lambda):
     return [p.detach().numpy().copy() for p in model.parameters()], loss.item(), rare_moved
 
 
+@pytest.mark.parametrize("unused_group", [False, True])
 @pytest.mark.parametrize("cls_name", ALL)
-def test_unused_params_and_absent_rows_stay_put_and_replicas_match(cls_name):
+def test_unused_params_and_absent_rows_stay_put_and_replicas_match(cls_name, unused_group):
     """A parameter without a gradient is bitwise unchanged (weight decay
     included); rows never seen move only by weight decay (v = 0: the 1-bit
     momentum may not move them); no NaN; identical replicas after a sync."""
     steps = 24  # a sync step for ZeroOneAdam's interval of 4
-    outs = run_workers(_train, 3, cls_name, steps, None, timeout=180)
+    outs = run_workers(_train, 3, cls_name, steps, None, unused_group, timeout=180)
     params0, loss, rare_moved = outs[0]
     assert math.isfinite(loss)
     # Weight decay alone moves an unseen row by lr * wd * |w| (LAMB: times a trust

@@ -64,6 +64,8 @@ def adam_updates(exp_avgs: Tensors, denoms: Tensors, params: Tensors, weight_dec
     """u = (m / bc1) / denom + weight_decay * p   (the direction, before lr).
     `out`: buffers to write into (see denominators)."""
     u = _into(out, exp_avgs)
+    if not u:  # every tensor skipped (guards.py): nothing to compute
+        return u
     torch._foreach_div_(u, denoms)
     if bc1 != 1.0:
         torch._foreach_div_(u, bc1)
@@ -77,6 +79,8 @@ def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
     """p <- p - lr * ((m / bc1) / denom + weight_decay * p), without
     materialising the update: decay in place, then one addcdiv (what keeps
     this as cheap as torch.optim.Adam's foreach step)."""
+    if not params:
+        return
     fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
     if len(fp32) == len(params):
         if weight_decay:
@@ -99,6 +103,8 @@ def adam_step_from_tensors_(params: Tensors, scratch: Tensors, denoms: Tensors,
     decay = 1 - lr * weight_decay (None: no weight decay). `scratch` holds a
     copy of m and is overwritten: scaling it in place keeps the fused
     addcdiv and allocates nothing."""
+    if not params:
+        return
     torch._foreach_mul_(scratch, step)
     fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
     if fp32:
@@ -120,6 +126,8 @@ def local_step_from_tensors_(params: Tensors, accumulators: Tensors, scratch: Te
     """0/1 Adam's local step: d = -lr * ((m / denom) / bc1 + weight_decay * p);
     accumulator += d; p += d. `scratch` holds a copy of m and becomes d, so
     nothing is allocated."""
+    if not params:
+        return
     torch._foreach_div_(scratch, denoms)
     torch._foreach_mul_(scratch, inv_bc1)
     if weight_decay:
@@ -148,6 +156,8 @@ def apply_updates_(params: Tensors, updates: Tensors, lr: float,
 
     Params of another dtype (bf16, fp16) receive the fp32 update rounded once.
     """
+    if not updates:
+        return
     if scales is not None:
         torch._foreach_mul_(updates, [-lr * s for s in scales])
     else:

@@ -79,6 +79,8 @@ class OnebitLamb(FreezeStepOptimizer):
         F.update_variance_(v, gs, beta2)
         seen, _ = self._seen(i, group, v, None)
         params, m, v = only_seen(seen, params, m, v)  # never-seen tensors stay as they are
+        if not params:
+            return
         bc1, bc2 = self._bias_corrections(group, t, t)
         denom = self._denominators(i, group, v, bc2, None)
         pf = [p.float() for p in params]
@@ -119,6 +121,8 @@ class OnebitLamb(FreezeStepOptimizer):
         seen, masks = self._seen(i, group, v, "frozen")
         mask_unseen_(m, masks, seen)
         params, m, v, m_last, fresh = only_seen(seen, params, m, v, m_last, fresh)
+        if not params:
+            return
         # The gradient implied by the momentum change feeds the fresh variance:
         # g = (m - beta1 * m_last) / (1 - beta1), computed in m_last's buffer.
         g_rec = m_last

@@ -113,11 +113,13 @@ class ZeroOneAdam(OnebitOptimizer):
             ps, ms, ds = only_seen(seen, params, m, denom)
             upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
                                  out=self._scratch("update", i, ms))
-            torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
+            if upd:  # (empty when no tensor of the group has seen a gradient)
+                torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
                 anchors = self._anchors(params)
-                torch._foreach_add_(only_seen(seen, u)[0], upd)
+                if upd:
+                    torch._foreach_add_(only_seen(seen, u)[0], upd)
                 c["lrs"][i] += group["lr"]
             F.add_updates_(ps, upd)
             if sync:

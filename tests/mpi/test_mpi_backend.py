@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from allreduce_checks import SIZES, check_rounds, make_inputs
+from allreduce_checks import SIZES, check_fused_rounds, check_rounds, make_inputs
 
 COMM = MPI.COMM_WORLD
 
@@ -27,6 +27,10 @@ def backend():
 @pytest.mark.parametrize("numel", SIZES)
 def test_mpi_matches_reference_and_is_identical_on_every_rank(backend, numel):
     check_rounds(backend, COMM.Get_rank(), COMM.Get_size(), numel, mpi_gather)
+
+
+def test_mpi_fused_tensor_aligned_blocks_match_reference(backend):
+    check_fused_rounds(backend, COMM.Get_rank(), COMM.Get_size(), mpi_gather)
 
 
 def test_mpi_bad_inputs_raise_and_change_nothing(backend):
