@@ -168,7 +168,7 @@ class CompressedAllreduceBase:
         if key in self._agreed or self.size == 1:
             return
         mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
-                             _stable_hash(layout.sizes)], dtype=torch.int64, device=device)
+                             stable_digest(list(layout.sizes))], dtype=torch.int64, device=device)
         every = torch.empty(self.size, 4, dtype=torch.int64, device=device)
         self.gather(mine.view(torch.uint8), every.view(torch.uint8).view(self.size, -1))
         rows = [tuple(r) for r in every.tolist()]
@@ -273,8 +273,9 @@ class CompressedAllreduceBase:
         return buffer_m
 
 
-def _stable_hash(sizes) -> int:
-    """A hash of the tensor sizes that is the same in every process."""
+def stable_digest(value) -> int:
+    """A non-negative int64 digest of repr(value), the same in every process
+    (Python's own hash of a str is salted per process)."""
     import hashlib
 
-    return int.from_bytes(hashlib.sha256(repr(list(sizes)).encode()).digest()[:7], "little")
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little")

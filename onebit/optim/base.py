@@ -7,7 +7,6 @@ optimizer classes.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..accelerator import get_accelerator
-from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION
+from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, stable_digest
 from ..backends.layout import BlockLayout
 from ..graphs import GraphedRegion
 from . import functional as F
@@ -365,8 +364,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             "compressed backend": self.comm_backend_name,
             "wire format version": WIRE_FORMAT_VERSION,
         }
-        digest = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:8], "little", signed=True)
-                  for v in fields.values()]
+        digest = [stable_digest(v) for v in fields.values()]
         table = self._gather_int64("construction fingerprint", digest)
         bad = [name for j, name in enumerate(fields) if len(set(table[:, j].tolist())) > 1]
         if bad:
