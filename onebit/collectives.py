@@ -10,6 +10,8 @@ $ONEBIT_TIMEOUT_S, else 300 s; backends and optimizers take `timeout_s`.
 from __future__ import annotations
 
 import datetime
+import math
+import numbers
 import os
 from typing import Callable, Optional
 
@@ -24,8 +26,24 @@ class CommunicationError(RuntimeError):
     """A collective failed or timed out; the message names the phase."""
 
 
+def check_timeout(timeout_s) -> Optional[float]:
+    """None (the default deadline) or a finite number of seconds > 0, checked
+    where it is given rather than at the first collective."""
+    if timeout_s is None:
+        return None
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+            or not math.isfinite(timeout_s) or timeout_s <= 0):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0 (or None for "
+                         f"$ONEBIT_TIMEOUT_S, else 300), got {timeout_s!r}")
+    return float(timeout_s)
+
+
 def default_timeout_s() -> float:
-    return float(os.environ.get("ONEBIT_TIMEOUT_S", "300"))
+    raw = os.environ.get("ONEBIT_TIMEOUT_S", "300")
+    try:
+        return check_timeout(float(raw))
+    except ValueError:
+        raise ValueError(f"$ONEBIT_TIMEOUT_S must be a number of seconds > 0, got {raw!r}") from None
 
 
 def run(phase: str, start: Callable[[], "dist.Work"], timeout_s: Optional[float] = None,

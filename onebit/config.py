@@ -42,11 +42,27 @@ def _load(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
             config = json.load(f)
     if not isinstance(config, dict):
         raise ValueError(f"config must be a dict or a JSON file path, got {type(config).__name__}")
+    # Beside "optimizer" a DeepSpeed config has other sections (batch sizes,
+    # fp16, ...) that are not ours to check; inside it, every key is ours.
     section = config.get("optimizer", config)
     if not isinstance(section, dict) or "type" not in section:
         raise ValueError('config needs {"optimizer": {"type": ..., "params": {...}}} '
                          'or {"type": ..., "params": {...}}')
+    unknown = sorted(set(section) - {"type", "params"})
+    if unknown:
+        hint = ' (did you mean "params"?)' if any(_close(k, "params") for k in unknown) else ""
+        raise ValueError(f"unknown key(s) {unknown} in the optimizer section{hint}; it takes "
+                         '"type" and "params" only, so these settings would be ignored')
+    if not isinstance(section.get("params", {}), dict):
+        raise ValueError(f'"params" must be a JSON object of keyword arguments, got '
+                         f'{section["params"]!r}')
     return section
+
+
+def _close(a: str, b: str) -> bool:
+    import difflib
+
+    return difflib.SequenceMatcher(None, a.lower(), b).ratio() >= 0.7
 
 
 def build_optimizer(params, config) -> torch.optim.Optimizer:
@@ -66,5 +82,12 @@ def build_optimizer(params, config) -> torch.optim.Optimizer:
     if unknown:
         raise ValueError(f"{kind}: unknown parameter(s) {unknown}; valid: {sorted(accepted)}")
     if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    return factory(params, **kwargs)
+        betas = kwargs["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ValueError(f"{kind}: betas must be a list of two numbers, e.g. [0.9, 0.999], "
+                             f"got {betas!r}")
+        kwargs["betas"] = tuple(betas)
+    try:
+        return factory(params, **kwargs)
+    except TypeError as exc:  # torch's own optimizers check types with TypeError
+        raise ValueError(f"{kind}: {exc}") from exc

@@ -54,3 +54,41 @@ def test_command_line_validates_a_config(tmp_path):
     assert ok.returncode == 0 and "ZeroOneAdam(" in ok.stdout and "var_freeze_step = 7" in ok.stdout
     no = subprocess.run([sys.executable, "-m", "onebit", str(bad)], capture_output=True, text=True, timeout=60)
     assert no.returncode == 1 and "unknown parameter" in no.stderr
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"type": "OneBitAdam", "parms": {"freeze_step": 5}}, r"parms.*did you mean \"params\""),
+    ({"type": "OneBitAdam", "params": {}, "freeze_step": 5}, r"unknown key\(s\) \['freeze_step'\]"),
+    ({"type": "OneBitAdam", "params": {"bias_correction": "false"}}, "bias_correction must be True or False"),
+    ({"type": "OneBitAdam", "params": {"betas": 0.9}}, "betas must be a list of two numbers"),
+    ({"type": "OneBitAdam", "params": {"betas": [0.9]}}, "betas must be a list of two numbers"),
+    ({"type": "OneBitAdam", "params": None}, '"params" must be a JSON object'),
+    ({"type": "OneBitAdam", "params": {"comm_backend_name": "nccll"}}, "unknown onebit backend 'nccll'"),
+    ({"type": "Adam", "params": {"lr": "fast"}}, "Adam: "),
+])
+def test_config_mistakes_are_errors_naming_the_fix(section, match):
+    with pytest.raises(ValueError, match=match):
+        onebit.build_optimizer(params(), {"train_batch_size": 8, "optimizer": section})
+
+
+def _deepspeed_backend_names(rank, world):
+    model = torch.nn.Linear(5, 3)
+    for name in ("nccl", "hccl", "compressed"):
+        cfg = {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 1,
+                                                "comm_backend_name": name}}
+        opt = onebit.build_optimizer(model.parameters(), cfg)
+        assert opt.comm_backend_name == "compressed"
+        for _ in range(3):  # warmup, then two compressed steps over gloo
+            opt.zero_grad()
+            model(torch.randn(4, 5)).pow(2).sum().backward()
+            opt.step()
+    return [p.detach().tolist() for p in model.parameters()]  # plain lists cross the queue
+
+
+def test_deepspeed_backend_names_run_at_two_ranks():
+    """"nccl" (in every DeepSpeed 1-bit config) means the torch.distributed
+    backend, whatever the device: it trains on 2 gloo ranks, identically."""
+    from distributed import run_workers
+
+    a, b = run_workers(_deepspeed_backend_names, 2, timeout=120)
+    assert a == b

@@ -7,7 +7,7 @@ from onebit.bench.lm import compare
 
 SHORT = dict(steps=100, freeze=0.2, nproc=2, seeds=[0], lr=2e-3, lamb_lr_scale=3.0, vocab=4096, dim=32, layers=1,
              heads=2, context=16, batch=8, eval_batch=64, every=50, block_size=256,
-             scale_dtype="float32")
+             scale_dtype="float32", schedule="cosine", warmup=0.1)
 
 
 @pytest.mark.timeout(600)

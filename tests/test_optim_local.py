@@ -122,6 +122,47 @@ def test_class_specific_checks():
         OnebitLamb(p, coeff_beta=1.5)
     with pytest.raises(ValueError, match="min_coeff"):
         OnebitLamb(p, min_coeff=5.0, max_coeff=1.0)
+    for name, bad in (("max_coeff", math.nan), ("factor_max", math.inf), ("min_coeff", math.inf),
+                      ("factor_threshold", math.nan), ("coeff_beta", "0.9")):
+        with pytest.raises(ValueError, match=name):
+            OnebitLamb(p, **{name: bad})
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_rejects_non_finite_values_flags_that_are_not_bools_and_bad_timeouts(cls):
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    for name, bad in (("lr", math.inf), ("lr", math.nan), ("weight_decay", math.inf),
+                      ("eps", math.nan), ("max_grad_norm", math.inf), ("betas", (0.9, math.nan)),
+                      ("lr", True), ("lr", "1e-3"), ("lr", torch.tensor(math.inf)),
+                      ("lr", torch.tensor([1e-3])),
+                      ("bias_correction", "no"), ("eps_inside_sqrt", 1), ("amsgrad", "False"),
+                      ("cuda_aware", None),
+                      ("timeout_s", "x"), ("timeout_s", 0), ("timeout_s", -1.0),
+                      ("timeout_s", math.inf)):
+        with pytest.raises(ValueError, match=name):
+            cls(p, **{name: bad})
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_accepts_what_torch_accepts_numpy_floats_and_a_tensor_lr(cls):
+    """numpy scalars and a 0-dim tensor lr train exactly like the float."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3), torch.randn(16, 1)
+    finals = []
+    for lr, wd, beta in ((1e-2, 1e-3, 0.9), (np.float32(1e-2), np.float64(1e-3), np.float32(0.9)),
+                         (torch.tensor(1e-2), 1e-3, 0.9)):
+        torch.manual_seed(1)
+        model = torch.nn.Linear(3, 1)
+        opt = cls(model.parameters(), lr=lr, weight_decay=wd, betas=(beta, 0.999))
+        for _ in range(5):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        finals.append(torch.cat([q.detach().reshape(-1) for q in model.parameters()]))
+    # float32(1e-2) is not 1e-2, so the numpy and tensor runs are close rather than equal.
+    for other in finals[1:]:
+        assert torch.allclose(finals[0], other, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)

@@ -13,6 +13,30 @@ from .compressed import CompressedBackend
 
 _FACTORIES: Dict[str, Callable[..., CompressedAllreduceBase]] = {}
 
+# DeepSpeed's backend names, as they appear in every 1-bit config. Its NCCL,
+# HCCL and CCL backends are torch.distributed collectives on that device's
+# process group, which is what "compressed" is (on whatever group torch has).
+DEEPSPEED_NAMES = {"nccl": "compressed", "hccl": "compressed", "ccl": "compressed",
+                   "xccl": "compressed", "gloo": "compressed"}
+
+
+def backend_name(name: Optional[str]) -> str:
+    """The registered backend `name` means (None: the accelerator's default;
+    DeepSpeed's names map to their equivalents). Raises ValueError for an
+    unknown name, so a config fails where it is read, not at the first
+    multi-rank step."""
+    if name is None:
+        from ..accelerator import get_accelerator
+
+        name = get_accelerator().onebit_backend()
+    if not isinstance(name, str):
+        raise ValueError(f"comm_backend_name must be a string or None, got {name!r}")
+    key = DEEPSPEED_NAMES.get(name.lower(), name.lower())
+    if key not in _FACTORIES:
+        raise ValueError(f"unknown onebit backend {name!r}; known: {sorted(_FACTORIES)} "
+                         f"(DeepSpeed's {sorted(DEEPSPEED_NAMES)} mean 'compressed')")
+    return key
+
 
 def register_backend(name: str, factory: Callable[..., CompressedAllreduceBase]) -> None:
     """Make `get_backend(name, group=..., **kw)` call `factory(group=..., **kw)`."""
@@ -33,14 +57,7 @@ register_backend("mpi", _mpi_factory)
 
 def get_backend(name: Optional[str] = None, group=None, **kwargs) -> CompressedAllreduceBase:
     """A compressed backend by name (None: the accelerator's `onebit_backend()`)."""
-    if name is None:
-        from ..accelerator import get_accelerator
-
-        name = get_accelerator().onebit_backend()
-    factory = _FACTORIES.get(name.lower())
-    if factory is None:
-        raise ValueError(f"unknown onebit backend {name!r}; known: {sorted(_FACTORIES)}")
-    return factory(group=group, **kwargs)
+    return _FACTORIES[backend_name(name)](group=group, **kwargs)
 
 
 def __getattr__(name):  # MpiBackend without importing mpi4py at package import
@@ -51,5 +68,5 @@ def __getattr__(name):  # MpiBackend without importing mpi4py at package import
     raise AttributeError(name)
 
 
-__all__ = ["CompressedAllreduceBase", "CompressedBackend", "MpiBackend", "get_backend",
+__all__ = ["backend_name", "CompressedAllreduceBase", "CompressedBackend", "MpiBackend", "get_backend",
            "register_backend", "padded_size", "WIRE_FORMAT_VERSION"]

@@ -28,7 +28,7 @@ class CompressedBackend(CompressedAllreduceBase):
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE) -> None:
         super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite)
-        self.timeout_s = timeout_s
+        self.timeout_s = collectives.check_timeout(timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CompressedBackend needs torch.distributed initialised "
                                "(dist.init_process_group) before it is created")

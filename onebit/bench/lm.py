@@ -104,6 +104,22 @@ def _optimizer(name: str, params, a: dict):
     raise ValueError(name)
 
 
+def lr_factor(a: dict):
+    """The lr multiplier at each step: "constant", or "cosine" -- linear warmup
+    over --warmup of the steps, then a cosine decay to 10% of the peak, the
+    schedule most language models are trained with."""
+    steps, warm = a["steps"], max(1, int(a["warmup"] * a["steps"]))
+    if a["schedule"] == "constant":
+        return lambda i: 1.0
+
+    def factor(i: int) -> float:  # i: steps taken so far
+        if i < warm:
+            return (i + 1) / warm
+        done = min(1.0, (i - warm) / max(1, steps - warm))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * done))
+    return factor
+
+
 def _batch(ids: torch.Tensor, gen: torch.Generator, batch: int, context: int) -> torch.Tensor:
     starts = torch.randint(len(ids) - context - 1, (batch,), generator=gen)
     return torch.stack([ids[s:s + context + 1] for s in starts.tolist()])
@@ -117,6 +133,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     for p in model.parameters():  # torch.optim.Adam does not broadcast: start equal anyway
         dist.broadcast(p.data, 0)
     opt = _optimizer(name, model.parameters(), a)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(a))
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     held = _batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
     curve, finite = [], True
@@ -141,6 +158,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
                     dist.all_reduce(p.grad)
                     p.grad /= world
         opt.step()
+        sched.step()
         finite = finite and math.isfinite(loss.item()) and all(
             bool(torch.isfinite(p).all()) for p in model.parameters())
         if t % a["every"] == 0 or t == a["steps"]:
@@ -224,6 +242,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--lr", type=float, default=2e-3, help="Adam lr")
+    p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                   help="lr schedule: warmup then cosine decay to 10%%, or constant")
+    p.add_argument("--warmup", type=float, default=0.1, help="warmup, fraction of steps")
     p.add_argument("--lamb-lr-scale", dest="lamb_lr_scale", type=float, default=3.0,
                    help="LAMB's lr is this times --lr")
     p.add_argument("--vocab", type=int, default=4096, help="words in the vocabulary (+ <unk>)")

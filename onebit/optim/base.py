@@ -13,12 +13,11 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..accelerator import get_accelerator
 from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, stable_digest
 from ..backends.layout import BlockLayout
 from ..graphs import GraphedRegion
 from . import functional as F
-from .checks import check_block_size, check_flag, check_positive_int, scale_dtype_from
+from .checks import (check_block_size, check_flag, check_positive_int, scale_dtype_from)
 from .guards import ZeroVarianceGuard
 
 STATE_KEY = "onebit"  # self.state[STATE_KEY]: the counters that decide the stage
@@ -48,6 +47,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
         settings = {k: v for k, v in vars(self).items() if isinstance(v, (int, float, str, tuple))}
         check_positive_int("check_replicas_every", check_replicas_every, minimum=0)
         check_flag("graph_capture", graph_capture)
+        check_flag("cuda_aware", cuda_aware)
+        collectives.check_timeout(timeout_s)
         # It changes the rounding of the update, so ranks must agree on it too.
         self.graph_capture = settings["graph_capture"] = graph_capture
         check_block_size(block_size)
@@ -61,11 +62,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.cuda_aware = cuda_aware
-        self.comm_backend_name = comm_backend_name or get_accelerator().onebit_backend()
+        from ..backends import backend_name, get_backend
+
+        self.comm_backend_name = backend_name(comm_backend_name)
         self.backend = None
         if self.world_size > 1:
-            from ..backends import get_backend
-
             # MPI has its own communicator and no deadlines; torch.distributed
             # backends take the process group and the deadline.
             mpi = self.comm_backend_name == "mpi"
@@ -110,7 +111,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         t = self.counters["step"] + 1
         full = self.needs_full_precision_gradients()
-        groups = [(g, self._trainable(g)) for g in self.param_groups]
+        groups = [(self._with_float_lr(g), self._trainable(g)) for g in self.param_groups]
         grads = [self._gradients(ps) for _, ps in groups]
         if full:
             for i, gs in enumerate(grads):
@@ -129,6 +130,14 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """The maths of step t: groups is [(param_group, trainable params)],
         grads the matching fp32 gradients (averaged when full precision)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _with_float_lr(group: dict) -> dict:
+        """The group as the maths reads it: a 0-dim tensor lr (torch.optim
+        accepts one) read once as a float; the group itself keeps the tensor,
+        which schedulers update in place."""
+        lr = group["lr"]
+        return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
 
     # ------------------------------------------------------------- tensors --
     def _trainable(self, group) -> List[torch.Tensor]:

@@ -2,6 +2,9 @@
 bad value, naming it, what it must be, and what it was."""
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from ..backends.base import SCALE_DTYPES
@@ -13,16 +16,36 @@ def _check(name: str, value, ok: bool, expected: str) -> None:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
+def is_number(value) -> bool:
+    """A finite real number, as torch.optim accepts them: Python and numpy
+    ints and floats, and 0-dim tensors (what a capturable lr is). bool is not
+    a number here: `lr=True` is a mistake."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and value.is_floating_point() and bool(torch.isfinite(value))
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(float(value)))
+
+
+def check_number(name: str, value, low: float = 0.0, high: float = math.inf,
+                 high_open: bool = False, low_open: bool = False) -> None:
+    """A finite number in [low, high] (either end open when asked)."""
+    ok = is_number(value)
+    if ok:
+        x = float(value)
+        ok = (x > low if low_open else x >= low) and (x < high if high_open else x <= high)
+    span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    _check(name, value, ok, f"a finite number in {span}")
+
+
 def check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name) -> None:
-    _check("lr", lr, isinstance(lr, (int, float)) and lr >= 0, "a number >= 0")
+    check_number("lr", lr)
     _check("betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
-           and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
-           "a pair of numbers in [0, 1)")
-    _check("eps", eps, isinstance(eps, (int, float)) and eps >= 0, "a number >= 0")
-    _check("weight_decay", weight_decay, isinstance(weight_decay, (int, float))
-           and weight_decay >= 0, "a number >= 0")
-    _check("max_grad_norm", max_grad_norm, isinstance(max_grad_norm, (int, float))
-           and max_grad_norm >= 0, "a number >= 0 (0 disables clipping)")
+           and all(is_number(b) and 0.0 <= float(b) < 1.0 for b in betas),
+           "a pair of finite numbers in [0, 1)")
+    check_number("eps", eps)
+    check_number("weight_decay", weight_decay)
+    check_number("max_grad_norm", max_grad_norm)  # 0 disables clipping
+    check_flag("amsgrad", amsgrad)
     if amsgrad:
         raise ValueError(f"{cls_name} does not support amsgrad=True: its variance is frozen "
                          "(or updated rarely), which is what the AMSGrad maximum would track")
@@ -33,7 +56,9 @@ def adam_defaults(cls_name, lr, betas, eps, weight_decay, max_grad_norm, amsgrad
     """Check the hyper-parameters every onebit optimizer shares and return
     them as param-group defaults (plus `extra`, already checked by the caller)."""
     check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name)
-    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+    check_flag("bias_correction", bias_correction)
+    check_flag("eps_inside_sqrt", eps_inside_sqrt)
+    return dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay,
                 bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
                 max_grad_norm=max_grad_norm, **extra)
 

@@ -9,7 +9,7 @@ from . import functional as F
 from .guards import mask_unseen_, only_seen
 from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
-from .checks import adam_defaults, check_positive_int
+from .checks import adam_defaults, check_number, check_positive_int
 
 
 class OnebitLamb(FreezeStepOptimizer):
@@ -47,16 +47,13 @@ class OnebitLamb(FreezeStepOptimizer):
         check_positive_int("freeze_step", freeze_step, minimum=0)
         for name, v in (("max_coeff", max_coeff), ("min_coeff", min_coeff),
                         ("factor_max", factor_max), ("factor_min", factor_min)):
-            if not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+            check_number(name, v, low_open=True)
         if min_coeff > max_coeff:
             raise ValueError(f"min_coeff ({min_coeff}) must not exceed max_coeff ({max_coeff})")
         if factor_min > factor_max:
             raise ValueError(f"factor_min ({factor_min}) must not exceed factor_max ({factor_max})")
-        if not isinstance(coeff_beta, (int, float)) or not 0 <= coeff_beta < 1:
-            raise ValueError(f"coeff_beta must be a number in [0, 1), got {coeff_beta!r}")
-        if not isinstance(factor_threshold, (int, float)) or not 0 <= factor_threshold < 1:
-            raise ValueError(f"factor_threshold must be a number in [0, 1), got {factor_threshold!r}")
+        check_number("coeff_beta", coeff_beta, high=1.0, high_open=True)
+        check_number("factor_threshold", factor_threshold, high=1.0, high_open=True)
         self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
