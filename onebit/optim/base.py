@@ -78,6 +78,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
                                        **kwargs)
             self._check_ranks_agree(settings)
             self._broadcast_parameters()
+        self._settings = settings  # re-checked when a param group is added
         self._errors: Dict[int, tuple] = {}  # group index -> (worker_error, server_error)
         self._flat: Dict[int, Tuple[torch.Tensor, BlockLayout]] = {}  # group index -> (buffer, layout)
         self._zero_variance = ZeroVarianceGuard()
@@ -85,6 +86,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._grads_averaged_externally = False  # set by the DDP hook for one step
         self._graph_regions: Dict[str, GraphedRegion] = {}
         self._static: Dict[tuple, object] = {}  # buffers kept from step to step (see _scratch)
+        self._trainable_signature = None  # see _notice_trainable_changes
         self.state[STATE_KEY] = self._initial_counters()
 
     # ------------------------------------------------------------ counters --
@@ -111,14 +113,18 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         t = self.counters["step"] + 1
         full = self.needs_full_precision_gradients()
+        self._notice_trainable_changes()
         groups = [(self._with_float_lr(g), self._trainable(g)) for g in self.param_groups]
         grads = [self._gradients(ps) for _, ps in groups]
+        # Before any collective that depends on them, the ranks agree on which
+        # params train (else the exchanges would not match: gloo aborts the
+        # process) and on skipping a non-finite step, in one tiny all-gather.
+        if self._skip_for_nonfinite(grads):
+            return loss
         if full:
             for i, gs in enumerate(grads):
                 self._average_(i, gs)
         self._grads_averaged_externally = False  # the DDP hook's promise covers one step
-        if self._skip_for_nonfinite(grads, local_only=not full):
-            return loss
         self.counters["step"] = t
         self._update(t, groups, grads)
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
@@ -130,6 +136,22 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """The maths of step t: groups is [(param_group, trainable params)],
         grads the matching fp32 gradients (averaged when full precision)."""
         raise NotImplementedError
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch.optim's add_param_group, made safe for data parallelism: every
+        rank must add the same group at the same step (checked, like the
+        construction), and its params start from rank 0's values. A group
+        added after the freeze has v = 0: see the zero-variance guard."""
+        super().add_param_group(param_group)
+        if not hasattr(self, "_settings"):  # torch's __init__ adding the first groups
+            return
+        if self.world_size > 1:
+            self._check_ranks_agree(self._settings)
+            self._broadcast_parameters(groups=self.param_groups[-1:])
+        self._on_group_added()
+
+    def _on_group_added(self) -> None:
+        """Subclasses size their per-group counters here."""
 
     @staticmethod
     def _with_float_lr(group: dict) -> dict:
@@ -283,16 +305,6 @@ class OnebitOptimizer(torch.optim.Optimizer):
             t[j].fill_(v)  # a kernel argument, not a host-to-device copy: no sync
         return t
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True if `flag` is true on any rank (one tiny collective)."""
-        if self.world_size == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self._device())
-        self._collective("agreeing on skipping a non-finite step",
-                         lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group,
-                                                 async_op=True))
-        return bool(t.item() > 0)
-
     def _collective(self, phase: str, start) -> None:
         collectives.run(f"{type(self).__name__}: {phase}", start, self.timeout_s, self.process_group)
 
@@ -312,22 +324,56 @@ class OnebitOptimizer(torch.optim.Optimizer):
             return True
         return bool(torch.isfinite(torch.stack(torch._foreach_norm(live))).all())
 
-    def _skip_for_nonfinite(self, grads_by_group: List[List[torch.Tensor]], local_only: bool) -> bool:
-        """Whether this step must be skipped: a GradScaler saw inf/NaN on any
-        rank. Without a GradScaler, non-finite gradients raise on every rank
-        before anything changes. `local_only`: the gradients are not averaged
-        yet, so ranks must agree through a collective."""
+    def _skip_for_nonfinite(self, grads_by_group: List[List[torch.Tensor]]) -> bool:
+        """Whether this step must be skipped: a GradScaler saw inf/NaN, or a
+        gradient is not finite, on any rank. Without a GradScaler, non-finite
+        gradients raise on every rank before anything changes. The same
+        collective checks that the ranks train the same params."""
         found = getattr(self, "found_inf", None)
         bad = bool(found.item() > 0) if found is not None else False
         if not bad:
             bad = not all(self._finite(g) for g in grads_by_group)
-        if local_only:
-            bad = self._any_rank(bad)
+        if self.world_size > 1:
+            table = self._gather_int64("agreeing on the trainable params and on skipping a "
+                                       "non-finite step", [int(bad), self._trainable_digest])
+            if len(set(table[:, 1].tolist())) > 1:
+                raise ValueError(
+                    f"{type(self).__name__}: ranks disagree on which parameters require grad "
+                    f"at step {self.counters['step'] + 1}; nothing was updated. This rank "
+                    f"({dist.get_rank(self.process_group)}) trains {self._trainable_summary()}. "
+                    "Freeze and unfreeze the same parameters on every rank, at the same step")
+            bad = bool(table[:, 0].max() > 0)
         if bad and found is None:
             raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step "
                              f"{self.counters['step'] + 1} on at least one rank; nothing was "
                              "updated (use torch.amp.GradScaler to skip such steps)")
         return bad
+
+    def _trainable_summary(self) -> str:
+        return "; ".join(f"group {i}: {sum(p.requires_grad for p in g['params'])} of "
+                         f"{len(g['params'])} params" for i, g in enumerate(self.param_groups))
+
+    def _notice_trainable_changes(self) -> None:
+        """Keep the digest of which params train (requires_grad) current; when
+        it changes (layers frozen or unfrozen, a param group added), forget
+        everything laid out for the old set: flat buffers, error-feedback
+        buffers (they restart from zero), cached denominators and guards,
+        graphs."""
+        signature = [[p.requires_grad for p in g["params"]] for g in self.param_groups]
+        if signature == self._trainable_signature:
+            return
+        if self._trainable_signature is not None:
+            self._forget_layouts()
+        self._trainable_signature = signature
+        self._trainable_digest = stable_digest(signature)
+
+    def _forget_layouts(self) -> None:
+        self.reset_compression_errors()
+        self._flat.clear()
+        self._zero_variance.clear()
+        self._denoms.clear()
+        self._graph_regions.clear()
+        self._static.clear()
 
     def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
         if max_norm > 0 and grads:
@@ -336,10 +382,10 @@ class OnebitOptimizer(torch.optim.Optimizer):
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
 
-    def _broadcast_parameters(self) -> None:
+    def _broadcast_parameters(self, groups=None) -> None:
         """Start every rank from rank 0's parameters (one collective per group)."""
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        for i, group in enumerate(self.param_groups):
+        for group in self.param_groups if groups is None else groups:
             params = [p for p in group["params"]]
             if not params:
                 continue
@@ -366,8 +412,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         groups = [{k: (tuple(v.shape) if isinstance(v, torch.Tensor) else v)
                    for k, v in g.items() if k != "params"} for g in self.param_groups]
         fields = {
-            "parameter shapes/order": [[(tuple(p.shape), str(p.dtype)) for p in g["params"]]
-                                       for g in self.param_groups],
+            "parameter shapes/order/requires_grad": [
+                [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in g["params"]]
+                for g in self.param_groups],
             "hyper-parameters": (type(self).__name__, sorted(settings.items()),
                                  [sorted(g.items()) for g in groups]),
             "compressed backend": self.comm_backend_name,
@@ -428,12 +475,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         self.state[STATE_KEY] = {**self._initial_counters(), **self.state.get(STATE_KEY, {})}
-        self.reset_compression_errors()
-        self._flat.clear()
-        self._zero_variance.clear()
-        self._denoms.clear()
-        self._graph_regions.clear()
-        self._static.clear()
+        self._forget_layouts()
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):

@@ -66,6 +66,9 @@ class ZeroOneAdam(OnebitOptimizer):
                 "local_step_interval": 1, "local_step_counter": 0, "last_sync": 0,
                 "lrs": [0.0] * len(self.param_groups)}  # sum of lr since the last sync, per group
 
+    def _on_group_added(self) -> None:
+        self.counters["lrs"].append(0.0)
+
     def frozen(self, step: Optional[int] = None) -> bool:
         """Whether step `step` (default: the next) is past var_freeze_step."""
         t = self.counters["step"] + 1 if step is None else step

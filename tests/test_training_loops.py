@@ -1,0 +1,138 @@
+"""What real training scripts do to an optimizer, on real gloo ranks: param
+groups added mid-run, layers frozen and unfrozen, ranks that disagree on
+requires_grad. Each either works (replicas bitwise identical, everything
+finite) or fails with a ValueError on every rank before anything changed."""
+import pytest
+import torch
+
+from distributed import run_workers
+
+NAMES = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
+
+
+def _make(name, params, freeze, **kw):
+    import onebit
+
+    step = "var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"
+    if name == "ZeroOneAdam":
+        kw.setdefault("local_step_scaler", 2)
+        kw.setdefault("local_step_clipper", 2)
+    return getattr(onebit, name)(params, lr=1e-2, weight_decay=1e-3, **{step: freeze}, **kw)
+
+
+def _model(seed):
+    torch.manual_seed(seed)  # a different start on each rank: construction broadcasts rank 0's
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _train_step(model, opt, rank, t):
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    x = torch.randn(5, model[0].in_features, generator=g)
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _flat(module_or_params):
+    ps = module_or_params.parameters() if hasattr(module_or_params, "parameters") else module_or_params
+    return torch.cat([p.detach().reshape(-1) for p in ps]).tolist()
+
+
+def _add_param_group(rank, world, name, when):
+    """A head added at step `when` (before or after the freeze at 3), with a
+    different initialisation on each rank."""
+    model = _model(rank)
+    opt = _make(name, model.parameters(), freeze=3)
+    head = None
+    for t in range(1, 11):  # ends on a 0/1 Adam sync
+        if t == when:
+            torch.manual_seed(50 + rank)
+            head = torch.nn.Linear(2, 3)
+            opt.add_param_group({"params": head.parameters(), "lr": 5e-3})
+        g = torch.Generator().manual_seed(1000 * t + rank)
+        x = torch.randn(5, 6, generator=g)
+        opt.zero_grad()
+        out = model(x)
+        loss = out.pow(2).mean() + (head(out).pow(2).mean() if head is not None else 0)
+        loss.backward()
+        opt.step()
+    last = name != "ZeroOneAdam" or opt.counters["last_sync"] == opt.counters["step"]
+    return {"model": _flat(model), "head": _flat(head), "synced": last}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_add_param_group_broadcasts_and_trains_in_step_before_and_after_the_freeze(name):
+    for when in (2, 6):
+        out = run_workers(_add_param_group, 3, name, when, timeout=120)
+        assert out[0]["synced"]
+        for r in out[1:]:  # rank 0's head everywhere, then identical steps
+            assert r["model"] == out[0]["model"] and r["head"] == out[0]["head"]
+        assert all(abs(x) < 1e3 for x in out[0]["head"] + out[0]["model"])
+
+
+def _disagree_at_construction(rank, world, name):
+    model = _model(0)
+    model[2].bias.requires_grad_(rank != 1)
+    try:
+        _make(name, model.parameters(), freeze=3)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", NAMES)
+def test_ranks_disagreeing_on_requires_grad_fail_at_construction(name):
+    for msg in run_workers(_disagree_at_construction, 3, name, timeout=60):
+        assert "ranks disagree on parameter shapes/order/requires_grad" in msg, msg
+
+
+def _disagree_mid_run(rank, world, name, at):
+    model = _model(0)
+    opt = _make(name, model.parameters(), freeze=3)
+    for t in range(1, at):
+        _train_step(model, opt, rank, t)
+    before = _flat(model)
+    step = opt.counters["step"]
+    model[0].weight.requires_grad_(rank == 0)  # only rank 0 keeps training it
+    try:
+        _train_step(model, opt, rank, at)
+    except ValueError as exc:
+        return {"error": str(exc), "unchanged": _flat(model) == before,
+                "step": opt.counters["step"] == step}
+    return {"error": "no error"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_ranks_disagreeing_on_requires_grad_mid_run_raise_on_every_rank_and_change_nothing(name):
+    for at in (2, 6):  # in warmup (gloo would abort the process), and after the freeze
+        for r in run_workers(_disagree_mid_run, 3, name, at, timeout=60):
+            assert "disagree on which parameters require grad" in r["error"], r
+            assert r["unchanged"] and r["step"], r
+
+
+def _freeze_then_unfreeze(rank, world, name):
+    model = _model(0)
+    model[0].requires_grad_(False)  # the bottom layer starts frozen
+    opt = _make(name, model.parameters(), freeze=3)
+    for t in range(1, 13):  # ends on a 0/1 Adam sync
+        if t == 6:  # after the freeze: progressive unfreezing
+            model[0].requires_grad_(True)
+        if t == 9:
+            model[2].requires_grad_(False)
+        _train_step(model, opt, rank, t)
+    synced = name != "ZeroOneAdam" or opt.counters["last_sync"] == opt.counters["step"]
+    return {"params": _flat(model), "step": opt.counters["step"], "synced": synced}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_unfreezing_and_freezing_layers_after_the_freeze_step(name):
+    out = run_workers(_freeze_then_unfreeze, 3, name, timeout=120)
+    assert all(r["step"] == 12 for r in out)
+    assert out[0]["synced"]
+    for r in out[1:]:
+        assert r["params"] == out[0]["params"]
+    assert all(abs(x) < 1e3 for x in out[0]["params"])
