@@ -38,6 +38,25 @@ def launched_externally() -> bool:
     return under_torchrun() or under_mpirun()
 
 
+def local_world_size() -> int:
+    """Ranks on this machine, as the launcher tells it (torchrun, Open MPI,
+    MPICH/Hydra); 1 when it does not."""
+    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(var, "").isdigit():
+            return max(1, int(os.environ[var]))
+    return 1
+
+
+def share_cores() -> int:
+    """Give this rank its share of the machine's cores (unless OMP_NUM_THREADS
+    says otherwise): 4 ranks on 2 cores that each run 2 threads would fight."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+    return torch.get_num_threads()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,6 +203,7 @@ def run_everywhere(fn: Callable[..., Any], nproc: int, *args: Any,
     if launched_externally():
         import torch.distributed as dist
 
+        share_cores()
         init_distributed()
         try:
             rank = dist.get_rank()

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {"size", "count", "type", "backend", "time", "algbw", "busbw", "wire", "speedup", "wrong"}
@@ -81,3 +83,43 @@ def test_local_ranks_use_gloo_without_a_device_per_rank():
         assert local_backend(3) == "gloo"  # nccl refuses two ranks on one GPU
     finally:
         set_accelerator(None)
+
+
+@pytest.mark.parametrize("flags", [
+    ["-b", "0"], ["-f", "1", "-i", "0"], ["-f", "1.0001"], ["-f", "0.5"], ["-f", "inf"],
+    ["-n", "0"], ["-n", "-3"], ["--nproc", "0"], ["--nproc", "-1"], ["-w", "-1"],
+    ["-b", "64K", "-e", "4K"], ["-b", "lots"], ["-e", "4XB"],
+    ["kernels", "--min-exp", "12", "--max-exp", "10"], ["lm", "--freeze", "1.5"],
+    ["lm", "--steps", "0"], ["optim", "-n", "0"], ["soak", "--nproc", "0"],
+])
+def test_bad_bench_flags_are_usage_errors(flags):
+    """argparse's usage error and exit status 2, at once: no loop, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "onebit.bench", *flags], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, (flags, proc.stdout, proc.stderr)
+    assert "usage:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_sizes_with_unit_suffixes_parse():
+    from onebit.bench.table import parse_size
+
+    assert [parse_size(s) for s in ("4KB", "4KiB", "4k", "512B", "1M", "1.5K")] == [
+        4096, 4096, 4096, 512, 1 << 20, 1536]
+
+
+def test_launched_ranks_share_the_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from onebit import launch
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * (os.cpu_count() or 1)))
+        assert launch.share_cores() == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert launch.share_cores() == (os.cpu_count() or 1)
+    finally:
+        torch.set_num_threads(before)

@@ -18,7 +18,14 @@ def main(argv=None) -> int:
                                      description=module.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
-    return 0 if module.run(parser.parse_args(argv)) is not False else 1
+    args = parser.parse_args(argv)
+    check = getattr(module, "check_arguments", None)
+    if check is not None:
+        try:
+            check(args)
+        except ValueError as exc:
+            parser.error(str(exc))  # usage and the message on stderr, exit status 2
+    return 0 if module.run(args) is not False else 1
 
 
 if __name__ == "__main__":

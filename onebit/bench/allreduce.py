@@ -27,19 +27,36 @@ import torch.distributed as dist
 from .. import launch
 from ..accelerator import get_accelerator
 from .reference import count_wrong, simulate
-from .table import Table, parse_size, progress
+from .table import Table, int_arg, progress, size_arg
 
 COLUMNS = [("size(B)", 12, "d"), ("count", 10, "d"), ("type", 6, "s"), ("backend", 15, "s"),
            ("time(us)", 11, ".1f"), ("algbw", 7, ".2f"), ("busbw", 7, ".2f"),
            ("wire(B)", 11, "d"), ("speedup", 7, ".2f"), ("#wrong", 6, "d")]
 
 
+MAX_SIZES = 1000
+
+
 def _sizes(args) -> List[int]:
-    sizes, b = [], parse_size(args.minbytes)
-    while b <= parse_size(args.maxbytes):
+    sizes, b = [], args.minbytes
+    while b <= args.maxbytes:
         sizes.append(b)
-        b = int(b * args.stepfactor) if args.stepfactor > 1 else b + parse_size(args.stepbytes)
+        b = int(b * args.stepfactor) if args.stepfactor > 1 else b + args.stepbytes
+        if b <= sizes[-1] or len(sizes) > MAX_SIZES:  # -f too close to 1 (or -i too small)
+            raise ValueError(f"-f {args.stepfactor:g} -i {args.stepbytes} from -b {args.minbytes} "
+                             f"to -e {args.maxbytes} would run more than {MAX_SIZES} sizes; "
+                             "use a larger factor or increment")
     return sizes
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Combinations argparse cannot check alone (ValueError: the CLI's error)."""
+    if args.minbytes > args.maxbytes:
+        raise ValueError(f"-b ({args.minbytes} bytes) is larger than -e ({args.maxbytes} bytes): "
+                         "no sizes to run")
+    if not args.stepfactor >= 1 or args.stepfactor == float("inf"):
+        raise ValueError(f"-f must be a finite number >= 1, got {args.stepfactor:g}")
+    _sizes(args)
 
 
 def _device() -> torch.device:
@@ -224,13 +241,13 @@ def _plot(rows: List[Dict], path: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-b", "--minbytes", default="1M", help="smallest fp32 payload (bytes)")
-    p.add_argument("-e", "--maxbytes", default="64M", help="largest fp32 payload (bytes)")
-    p.add_argument("-f", "--stepfactor", type=float, default=2, help="size multiplier")
-    p.add_argument("-i", "--stepbytes", default="1M", help="size increment when -f 1")
-    p.add_argument("-w", "--warmup", type=int, default=2, help="warmup iterations")
-    p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations")
-    p.add_argument("--nproc", type=int, default=4, help="local ranks when not launched")
+    p.add_argument("-b", "--minbytes", type=size_arg, default="1M", help="smallest fp32 payload (bytes)")
+    p.add_argument("-e", "--maxbytes", type=size_arg, default="64M", help="largest fp32 payload (bytes)")
+    p.add_argument("-f", "--stepfactor", type=float, default=2, help="size multiplier (>= 1)")
+    p.add_argument("-i", "--stepbytes", type=size_arg, default="1M", help="size increment when -f 1")
+    p.add_argument("-w", "--warmup", type=int_arg(0), default=2, help="warmup iterations")
+    p.add_argument("-n", "--iters", type=int_arg(1), default=10, help="timed iterations")
+    p.add_argument("--nproc", type=int_arg(1), default=4, help="local ranks when not launched")
     p.add_argument("--backend", default="compressed", help="comma list: compressed,mpi")
     p.add_argument("--json", help="write results to this JSON file")
     p.add_argument("--plot", help="write algbw vs size to this PNG (needs matplotlib)")

@@ -18,6 +18,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from .table import int_arg
 from .. import launch
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam")]
@@ -135,8 +136,8 @@ def run(args: argparse.Namespace) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int_arg(1), default=1000)
     p.add_argument("--freeze", type=float, default=0.2, help="freeze point, fraction of steps")
-    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--nproc", type=int_arg(1), default=4)
     p.add_argument("--lr", type=float, default=3e-3, help="Adam lr (LAMB uses 10x)")
     p.add_argument("--json")

@@ -19,6 +19,8 @@ from typing import Callable, Dict, List
 import numpy as np
 import torch
 
+from .table import int_arg
+
 from ..builders import TorchKernels
 from ..ops import kernels_for
 from .table import Table
@@ -106,8 +108,13 @@ def run(args: argparse.Namespace) -> List[Dict]:
     return results
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    if args.min_exp > args.max_exp:
+        raise ValueError(f"--min-exp ({args.min_exp}) is larger than --max-exp ({args.max_exp})")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--min-exp", type=int, default=20, help="smallest size, 2^k elements")
-    p.add_argument("--max-exp", type=int, default=26, help="largest size, 2^k elements")
-    p.add_argument("-n", "--iters", type=int, default=10, help="timed repeats (median)")
+    p.add_argument("--min-exp", type=int_arg(3), default=20, help="smallest size, 2^k elements")
+    p.add_argument("--max-exp", type=int_arg(3), default=26, help="largest size, 2^k elements")
+    p.add_argument("-n", "--iters", type=int_arg(1), default=10, help="timed repeats (median)")
     p.add_argument("--json", help="also write results to this JSON file")

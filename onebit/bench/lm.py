@@ -32,6 +32,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from .table import int_arg
 from .. import launch
 from ..backends.base import DEFAULT_BLOCK_SIZE
 
@@ -236,26 +237,35 @@ def run(args: argparse.Namespace) -> bool:
     return all(r["ok"] for r in rows)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    if not 0 < args.freeze < 1:
+        raise ValueError(f"--freeze is a fraction of the steps in (0, 1), got {args.freeze:g}")
+    if not 0 <= args.warmup < 1:
+        raise ValueError(f"--warmup is a fraction of the steps in [0, 1), got {args.warmup:g}")
+    if args.dim % args.heads:
+        raise ValueError(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int_arg(1), default=600)
     p.add_argument("--freeze", type=float, default=0.2, help="freeze point, fraction of steps")
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--nproc", type=int_arg(1), default=4)
+    p.add_argument("--seeds", type=int_arg(0), nargs="+", default=[0, 1, 2])
     p.add_argument("--lr", type=float, default=2e-3, help="Adam lr")
     p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                    help="lr schedule: warmup then cosine decay to 10%%, or constant")
     p.add_argument("--warmup", type=float, default=0.1, help="warmup, fraction of steps")
     p.add_argument("--lamb-lr-scale", dest="lamb_lr_scale", type=float, default=3.0,
                    help="LAMB's lr is this times --lr")
-    p.add_argument("--vocab", type=int, default=4096, help="words in the vocabulary (+ <unk>)")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=32)
-    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--eval-batch", dest="eval_batch", type=int, default=256)
-    p.add_argument("--every", type=int, default=50, help="held-out loss every N steps")
-    p.add_argument("--block-size", dest="block_size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--vocab", type=int_arg(1), default=4096, help="words in the vocabulary (+ <unk>)")
+    p.add_argument("--dim", type=int_arg(1), default=64)
+    p.add_argument("--layers", type=int_arg(1), default=2)
+    p.add_argument("--heads", type=int_arg(1), default=4)
+    p.add_argument("--context", type=int_arg(1), default=32)
+    p.add_argument("--batch", type=int_arg(1), default=16, help="sequences per rank per step")
+    p.add_argument("--eval-batch", dest="eval_batch", type=int_arg(1), default=256)
+    p.add_argument("--every", type=int_arg(1), default=50, help="held-out loss every N steps")
+    p.add_argument("--block-size", dest="block_size", type=int_arg(1), default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--scale-dtype", dest="scale_dtype", default="float32",
                    choices=["float32", "bfloat16"])
     p.add_argument("--only", nargs="+", default=[p[0] for p in PAIRS],

@@ -19,6 +19,8 @@ from typing import Dict, List
 
 import torch
 
+from .table import int_arg
+
 from .table import Table
 
 
@@ -98,8 +100,8 @@ def run(args: argparse.Namespace) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=int, default=10_000_000)
-    p.add_argument("--tensors", type=int, default=10)
-    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("--params", type=int_arg(1), default=10_000_000)
+    p.add_argument("--tensors", type=int_arg(1), default=10)
+    p.add_argument("-n", "--iters", type=int_arg(1), default=20)
     p.add_argument("--device", help="where the parameters live (default: the accelerator's device)")
     p.add_argument("--json")

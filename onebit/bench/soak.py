@@ -18,6 +18,7 @@ from typing import Dict, List
 
 import torch
 
+from .table import int_arg
 from .. import launch
 
 NAMES = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--steps", type=int_arg(1), default=2000)
+    p.add_argument("--nproc", type=int_arg(1), default=4)
     p.add_argument("--slack-mb", type=float, default=4.0, help="allowed RSS trend once settled")
     p.add_argument("--json")

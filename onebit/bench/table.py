@@ -1,6 +1,7 @@
 """Fixed-column tables in the nccl-tests style: easy to paste and to diff."""
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Sequence, TextIO
 
@@ -28,10 +29,44 @@ class Table:
 
 
 def parse_size(text: str) -> int:
-    """'1M' -> 1048576, '64K' -> 65536, '512' -> 512 (bytes, nccl-tests style)."""
+    """'1M' -> 1048576, '64K' -> 65536, '4KB' / '4KiB' -> 4096, '512' -> 512
+    (bytes, nccl-tests style). Raises ValueError for anything else."""
+    raw = text
     text = text.strip().upper()
+    for suffix in ("IB", "B"):  # 4KiB, 4KB, 512B
+        if text.endswith(suffix) and len(text) > len(suffix):
+            text = text[:-len(suffix)]
+            break
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
+    try:
+        value = float(text[:-1] if mult > 1 else text)
+    except ValueError:
+        raise ValueError(f"not a size: {raw!r} (examples: 512, 64K, 4KB, 1M, 2G)") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"not a size: {raw!r} (examples: 512, 64K, 4KB, 1M, 2G)")
+    return int(value * mult)
+
+
+def size_arg(text: str) -> int:
+    """argparse type: a payload size of at least one fp32 element (4 bytes)."""
+    n = parse_size(text)
+    if n < 4:
+        raise argparse.ArgumentTypeError(f"{text!r} is below one fp32 element (4 bytes)")
+    return n
+
+
+def int_arg(minimum: int):
+    """argparse type: an integer >= minimum."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
 
 
 def progress(total: int, desc: str):
