@@ -2,6 +2,8 @@
 groups added mid-run, layers frozen and unfrozen, ranks that disagree on
 requires_grad. Each either works (replicas bitwise identical, everything
 finite) or fails with a ValueError on every rank before anything changed."""
+import copy
+
 import pytest
 import torch
 
@@ -136,3 +138,93 @@ def test_unfreezing_and_freezing_layers_after_the_freeze_step(name):
     for r in out[1:]:
         assert r["params"] == out[0]["params"]
     assert all(abs(x) < 1e3 for x in out[0]["params"])
+
+
+def _adam_then_onebit(rank, world, name):
+    """torch.optim.Adam (gradients averaged by hand) for 4 steps, its
+    state_dict loaded into a onebit optimizer, then 4 more steps; and torch
+    Adam alone for all 8."""
+    import onebit
+
+    def steps(model, opt, ts, average):
+        for t in ts:
+            g = torch.Generator().manual_seed(1000 * t + rank)
+            opt.zero_grad()
+            model(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
+            if average:
+                for p in model.parameters():
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= world
+            opt.step()
+
+    model = _model(0)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps(model, adam, range(1, 5), True)
+    # A copy, as torch.save makes: state_dict() hands out the live tensors.
+    saved, moments = copy.deepcopy(adam.state_dict()), [adam.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+    mine = _model(0)
+    mine.load_state_dict(model.state_dict())
+    step = "var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"
+    extra = {"var_update_scaler": 2} if name == "ZeroOneAdam" else {}
+    opt = getattr(onebit, name)(mine.parameters(), lr=3e-2, **{step: 100}, **extra)
+    opt.load_state_dict(saved)
+    loaded = {"lr": opt.param_groups[0]["lr"], "step": opt.counters["step"],
+              "v_equal": all(torch.equal(opt.state[p]["exp_avg_sq"], v)
+                             for p, v in zip(mine.parameters(), moments))}
+    steps(mine, opt, range(5, 9), False)
+    steps(model, adam, range(5, 9), True)
+    return {**loaded, "onebit": _flat(mine), "adam": _flat(model),
+            "var_updates": opt.counters.get("var_updates")}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["OnebitAdam", "ZeroOneAdam"])
+def test_a_torch_adam_checkpoint_switches_to_onebit(name):
+    out = run_workers(_adam_then_onebit, 2, name, timeout=90)
+    for r in out:
+        assert r["lr"] == 1e-2 and r["step"] == 4 and r["v_equal"], r
+        assert r["onebit"] == out[0]["onebit"]
+    if name == "OnebitAdam":  # still in warmup: it is Adam, continued
+        assert torch.allclose(torch.tensor(out[0]["onebit"]), torch.tensor(out[0]["adam"]),
+                              rtol=1e-5, atol=1e-6)
+    else:
+        # v carried 4 Adam updates. The interval doubles every 2 variance
+        # updates: steps 1, 2 (then interval 2), 4 (replayed), 6 (then 4), 8.
+        # So two more: 6 and 8.
+        assert out[0]["var_updates"] == 4 + 2
+
+
+def test_checkpoints_from_another_algorithm_are_refused_and_change_nothing():
+    import onebit
+
+    def trained(opt, model):
+        model(torch.randn(3, 6)).sum().backward()
+        opt.step()
+        return opt.state_dict()
+
+    model = _model(0)
+    lamb = trained(onebit.OnebitLamb(model.parameters()), model)
+    adam = trained(onebit.OnebitAdam(model.parameters()), model)
+    zero = trained(onebit.ZeroOneAdam(model.parameters()), model)
+    ams = trained(torch.optim.Adam(model.parameters(), amsgrad=True), model)
+    torch_adam = trained(torch.optim.Adam(model.parameters()), model)
+    sgd = trained(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    cases = [(onebit.OnebitAdam, lamb, "written by OnebitLamb"),
+             (onebit.OnebitAdam, zero, "written by ZeroOneAdam"),
+             (onebit.ZeroOneAdam, adam, "written by OnebitAdam"),
+             (onebit.OnebitLamb, adam, "written by OnebitAdam"),
+             (onebit.OnebitLamb, torch_adam, "trust ratios"),
+             (onebit.OnebitAdam, ams, "amsgrad=True"),
+             (onebit.OnebitAdam, sgd, "not an optimizer state_dict that onebit knows")]
+    for cls, sd, why in cases:
+        opt = cls(model.parameters())
+        before = opt.state_dict()
+        with pytest.raises(ValueError, match=why):
+            opt.load_state_dict(sd)
+        assert repr(opt.state_dict()) == repr(before)
+    # A checkpoint written before checkpoints named their optimizer still loads.
+    old = {"state": {k: v for k, v in adam["state"].items()}, "param_groups": adam["param_groups"]}
+    old["state"]["onebit"] = {"step": 1}
+    opt = onebit.OnebitAdam(model.parameters())
+    opt.load_state_dict(old)
+    assert opt.counters["step"] == 1

@@ -71,6 +71,8 @@ class OnebitAdam(FreezeStepOptimizer):
     compressed exchange, for entries whose momentum must stay exactly 0.
     """
 
+    _adam_compatible = True  # loads torch.optim.Adam checkpoints (checkpoints.py)
+
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0,

@@ -17,10 +17,10 @@ from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, stable_dige
 from ..backends.layout import BlockLayout
 from ..graphs import GraphedRegion
 from . import functional as F
+from .checkpoints import STATE_KEY, adapt
 from .checks import (check_block_size, check_flag, check_positive_int, scale_dtype_from)
 from .guards import ZeroVarianceGuard
 
-STATE_KEY = "onebit"  # self.state[STATE_KEY]: the counters that decide the stage
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -91,7 +91,13 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ counters --
     def _initial_counters(self) -> dict:
-        return {"step": 0}
+        # The name tells a checkpoint's reader which optimizer's state it is.
+        return {"optimizer": type(self).__name__, "step": 0}
+
+    def _counters_at(self, step: int) -> dict:
+        """The counters after `step` steps of full-precision Adam (what a
+        torch.optim.Adam checkpoint means, see checkpoints.py)."""
+        return {**self._initial_counters(), "step": step}
 
     @property
     def counters(self) -> dict:
@@ -459,14 +465,15 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------- checkpoints --
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a checkpoint, from any world size.
+        """Load a checkpoint, from any world size: this optimizer's own, or a
+        torch.optim.Adam/AdamW one where that makes sense (checkpoints.py).
 
         Kept from the *current* param groups, not the checkpoint: each group's
         `exp_avg_mask` (it may change between training phases, as DeepSpeed
         does). Reset: the compression error buffers, which are per-rank and
         sized for one world size (DeepSpeed's documented choice).
         """
-        state_dict = dict(state_dict)
+        state_dict = dict(adapt(self, state_dict, self._counters_at))
         groups = [dict(g) for g in state_dict["param_groups"]]
         for mine, theirs in zip(self.param_groups, groups):
             theirs.pop("exp_avg_mask", None)

@@ -37,6 +37,8 @@ class ZeroOneAdam(OnebitOptimizer):
     OnebitAdam. The sync steps and the steps before var_freeze_step run eagerly.
     """
 
+    _adam_compatible = True  # loads torch.optim.Adam checkpoints (checkpoints.py)
+
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
                  weight_decay: float = 0.0, max_grad_norm: float = 0.0,
@@ -62,9 +64,18 @@ class ZeroOneAdam(OnebitOptimizer):
                          block_size=block_size, scale_dtype=scale_dtype)
 
     def _initial_counters(self) -> dict:
-        return {"step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
+        return {"optimizer": type(self).__name__, "step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
                 "local_step_interval": 1, "local_step_counter": 0, "last_sync": 0,
                 "lrs": [0.0] * len(self.param_groups)}  # sum of lr since the last sync, per group
+
+    def _counters_at(self, step: int) -> dict:
+        """After `step` Adam steps: the interval policies replayed to `step`,
+        v updated at every one of them, and the ranks at a common point."""
+        c = self._initial_counters()
+        for t in range(1, step + 1):
+            self._advance_intervals(t, self.frozen(t), c)
+        c.update(step=step, var_updates=step, last_sync=step)
+        return c
 
     def _on_group_added(self) -> None:
         self.counters["lrs"].append(0.0)
@@ -210,8 +221,8 @@ class ZeroOneAdam(OnebitOptimizer):
             p.copy_(a)
         torch._foreach_zero_(u)
 
-    def _advance_intervals(self, t: int, frozen: bool) -> None:
-        c = self.counters
+    def _advance_intervals(self, t: int, frozen: bool, c: Optional[dict] = None) -> None:
+        c = self.counters if c is None else c
         if not frozen:
             if t % c["var_interval"] == 0:
                 c["var_counter"] += 1

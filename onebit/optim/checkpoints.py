@@ -1,0 +1,93 @@
+"""What a onebit optimizer accepts in `load_state_dict`, decided before
+anything is loaded (a refused checkpoint changes nothing):
+
+- its own checkpoints, from any world size;
+- a `torch.optim.Adam` or `AdamW` checkpoint, into OnebitAdam or
+  ZeroOneAdam: the moments carry over and the stage follows from Adam's step
+  count, so a running Adam job can switch to 1-bit Adam;
+- nothing else: another onebit optimizer's checkpoint, Adam's into
+  OnebitLamb (LAMB's trust ratios cannot come from Adam), AMSGrad or
+  `maximize` checkpoints, and unknown formats raise ValueError naming why.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+STATE_KEY = "onebit"  # optimizer.state[STATE_KEY]: the counters that decide the stage
+
+# Keys torch.optim.Adam/AdamW keep in a param group that onebit has no use for.
+_TORCH_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+               "decoupled_weight_decay")
+
+
+def checkpoint_kind(state_dict: dict) -> str:
+    """The optimizer that wrote `state_dict`: a onebit class name, "Adam" for
+    torch's Adam/AdamW, or "unknown"."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        return "unknown"
+    counters = state_dict["state"].get(STATE_KEY)
+    groups = state_dict["param_groups"]
+    if isinstance(counters, dict):
+        if "optimizer" in counters:
+            return counters["optimizer"]
+        # Written before checkpoints named their optimizer: tell by the contents.
+        if "var_interval" in counters:
+            return "ZeroOneAdam"
+        return "OnebitLamb" if groups and "max_coeff" in groups[0] else "OnebitAdam"
+    per_param = [s for k, s in state_dict["state"].items() if k != STATE_KEY]
+    if (groups and all("amsgrad" in g for g in groups)
+            and all({"exp_avg", "exp_avg_sq"} <= set(s) for s in per_param)):
+        return "Adam"
+    return "unknown"
+
+
+def adapt(optimizer, state_dict: dict, counters_at: Callable[[int], dict]) -> dict:
+    """`state_dict` in this optimizer's own format, or ValueError.
+    `counters_at(t)`: the counters this optimizer would have after t steps
+    of full-precision Adam (used for Adam checkpoints)."""
+    mine = type(optimizer).__name__
+    kind = checkpoint_kind(state_dict)
+    if kind == mine:
+        return state_dict
+    if kind == "Adam" and hasattr(optimizer, "_adam_compatible"):
+        return _from_adam(optimizer, state_dict, counters_at)
+    why = {
+        "unknown": "it is not an optimizer state_dict that onebit knows",
+        "Adam": f"{mine} keeps state that Adam does not have (LAMB's trust ratios); start "
+                f"{mine} fresh, or switch from Adam to OnebitAdam or ZeroOneAdam",
+    }.get(kind, f"it was written by {kind}, whose state means something else; load it into "
+                f"{kind}")
+    raise ValueError(f"{mine}.load_state_dict: refusing this checkpoint: {why}. Nothing was loaded")
+
+
+def _from_adam(optimizer, state_dict: dict, counters_at) -> dict:
+    mine = type(optimizer).__name__
+    groups = []
+    if len(state_dict["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"{mine}.load_state_dict: the Adam checkpoint has "
+                         f"{len(state_dict['param_groups'])} param groups, this optimizer "
+                         f"{len(optimizer.param_groups)}. Nothing was loaded")
+    for live, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
+        for flag in ("amsgrad", "maximize"):
+            if saved.get(flag):
+                raise ValueError(f"{mine}.load_state_dict: the Adam checkpoint has {flag}=True, "
+                                 f"which {mine} does not do. Nothing was loaded")
+        group = {k: v for k, v in saved.items() if k not in _TORCH_ONLY}
+        # What Adam has no word for (bias_correction, max_grad_norm, ...) stays as built.
+        for k, v in live.items():
+            if k != "params":
+                group.setdefault(k, v)
+        groups.append(group)
+    state, steps = {}, []
+    for key, s in state_dict["state"].items():
+        s = dict(s)
+        step = s.pop("step", None)
+        if step is not None:
+            steps.append(int(step.item() if isinstance(step, torch.Tensor) else step))
+        s.pop("max_exp_avg_sq", None)
+        state[key] = s
+    t = max(steps, default=0)
+    state[STATE_KEY] = counters_at(t)
+    return {"state": state, "param_groups": groups}
