@@ -109,6 +109,25 @@ def local_backend(world_size: int) -> str:
     return "gloo"
 
 
+def shutdown(clean: bool = True, timeout_s: float = 60.0) -> None:
+    """Tear down the default process group in order. After a clean run every
+    rank first waits at a barrier, so none destroys its group while a peer
+    is still sending to it (the race that ends a process with "terminate
+    called without an active exception"). After an error, peers may be gone:
+    destroy at once rather than wait for them."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        if clean:
+            from . import collectives
+
+            collectives.run("shutdown barrier", lambda: dist.barrier(async_op=True), timeout_s)
+    finally:
+        dist.destroy_process_group()
+
+
 def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads, backend):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -125,10 +144,12 @@ def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads, b
             get_accelerator().set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        ok = False
         try:
             results.put((rank, "ok", fn(rank, world_size, *args)))
+            ok = True
         finally:
-            dist.destroy_process_group()
+            shutdown(ok)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
 
@@ -205,10 +226,13 @@ def run_everywhere(fn: Callable[..., Any], nproc: int, *args: Any,
 
         share_cores()
         init_distributed()
+        ok = False
         try:
             rank = dist.get_rank()
-            return rank, fn(rank, dist.get_world_size(), *args)
+            out = rank, fn(rank, dist.get_world_size(), *args)
+            ok = True
+            return out
         finally:
-            dist.destroy_process_group()
+            shutdown(ok)
     return 0, spawn_local(fn, nproc, *args, backend=backend)[0]
 

@@ -129,3 +129,21 @@ def _corrupted(rank, world):
 def test_divergence_guard_names_the_first_differing_tensor():
     for message in run_workers(_corrupted, 3, timeout=60):
         assert "group 0 param 1 (9,) value differs on rank(s) [2]" in message, message
+
+
+def _orderly_shutdown(rank, world, marker):
+    from onebit import launch
+
+    if rank == 1:
+        time.sleep(1.0)  # the slow peer, still working when rank 0 is done
+        open(marker, "w").close()
+    launch.shutdown()
+    return os.path.exists(marker)
+
+
+def test_shutdown_waits_for_every_peer_before_destroying_the_group(tmp_path):
+    """The cause of "terminate called without an active exception" at exit:
+    a rank destroying its group while a peer still uses it. After a clean
+    run, no rank gets past shutdown before all have reached it."""
+    marker = str(tmp_path / "rank1-done")
+    assert run_workers(_orderly_shutdown, 3, marker, timeout=60) == [True, True, True]

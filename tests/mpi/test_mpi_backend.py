@@ -64,7 +64,9 @@ def gloo():
 
     init_distributed(backend="gloo", timeout_s=60)
     yield
-    dist.destroy_process_group()
+    from onebit.launch import shutdown
+
+    shutdown()
 
 
 @pytest.mark.parametrize("numel", [5, 77777])
