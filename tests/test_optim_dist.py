@@ -408,3 +408,58 @@ def test_ddp_hook_one_full_allreduce_in_warmup_none_after():
     for per_step in run_workers(_count_ddp_allreduces, 2, timeout=60):
         assert per_step[:3] == [[n]] * 3, per_step  # warmup: DDP's one bucket, the optimizer none
         assert per_step[3:] == [[]] * 3, per_step  # compression: only the 1-bit exchange
+
+
+def _uninterrupted(rank, world, cls_name, steps):
+    from test_optim_dist import CONFIGS, loss_and_grads
+
+    params = make_params(seed=0)
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
+    return losses, [p.detach().reshape(-1).tolist() for p in params]
+
+
+def _save_each_rank(rank, world, cls_name, steps, prefix):
+    from test_optim_dist import CONFIGS, loss_and_grads
+
+    params = make_params(seed=0)
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    for _ in range(steps):
+        loss_and_grads(params, rank, world)
+        opt.step()
+    # Each rank its own file: 0/1 Adam's params and state differ between syncs.
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict(),
+                "errors": opt.error_feedback_state_dict()}, f"{prefix}.{rank}")
+
+
+def _resume_each_rank(rank, world, cls_name, steps, prefix, errors_shift):
+    from test_optim_dist import CONFIGS, loss_and_grads
+
+    ckpt = torch.load(f"{prefix}.{rank}", weights_only=False)
+    errs = torch.load(f"{prefix}.{(rank + errors_shift) % world}", weights_only=False)["errors"]
+    params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    opt.load_state_dict(ckpt["opt"])
+    restored = opt.load_error_feedback_state_dict(errs)
+    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
+    return restored, losses, [p.detach().reshape(-1).tolist() for p in params]
+
+
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_resume_with_each_ranks_error_buffers_is_bitwise_identical_to_not_stopping(cls_name,
+                                                                                  tmp_path):
+    """Saved mid-compression (step 40 of 50) on 3 ranks: the resumed run's
+    losses and parameters equal the uninterrupted run's, bit for bit, on
+    every rank. Without the error buffers (DeepSpeed's reset) they do not."""
+    prefix = str(tmp_path / "ckpt")
+    straight = run_workers(_uninterrupted, 3, cls_name, 50, timeout=120)
+    run_workers(_save_each_rank, 3, cls_name, 40, prefix, timeout=120)
+    resumed = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 0, timeout=120)
+    for (losses, params), (restored, after, params_after) in zip(straight, resumed):
+        assert restored
+        assert after == losses[40:] and params_after == params
+    # Another rank's buffers are refused (they restart from zero), and the
+    # resume is then no longer exact: the buffers carried real information.
+    swapped = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 1, timeout=120)
+    assert not any(r[0] for r in swapped)
+    assert any(r[2] != s[1] for r, s in zip(swapped, straight))

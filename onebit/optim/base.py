@@ -80,6 +80,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
             self._broadcast_parameters()
         self._settings = settings  # re-checked when a param group is added
         self._errors: Dict[int, tuple] = {}  # group index -> (worker_error, server_error)
+        self._saved_errors: Dict[int, dict] = {}  # loaded, used when the group's layout matches
         self._flat: Dict[int, Tuple[torch.Tensor, BlockLayout]] = {}  # group index -> (buffer, layout)
         self._zero_variance = ZeroVarianceGuard()
         self._denoms: Dict[int, tuple] = {}  # group index -> (key, cached denominators)
@@ -257,14 +258,46 @@ class OnebitOptimizer(torch.optim.Optimizer):
         flat, layout = self._flat[index]
         errors = self._errors.get(index)
         if errors is None or errors[0].numel() != layout.padded:
-            n = layout.padded
-            errors = self._errors[index] = (torch.zeros(n, device=flat.device),
-                                            torch.zeros(n // self.world_size, device=flat.device))
+            errors = self._errors[index] = self._restored_errors(index, layout, flat.device)
         self.backend.compressed_allreduce(flat, *errors, layout=layout)
 
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._errors.clear()
+
+    # ------------------------------------------- per-rank error feedback --
+    def error_feedback_state_dict(self) -> dict:
+        """This rank's error-feedback buffers: what `state_dict()` leaves out,
+        because they differ on every rank. Save one per rank next to the
+        optimizer's checkpoint; with both, a resume at the same world size
+        is bitwise identical to not stopping."""
+        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
+        return {"rank": rank, "world_size": self.world_size, "wire_format": WIRE_FORMAT_VERSION,
+                "block_size": self.block_size,
+                "groups": {i: {"layout": self._flat[i][1].key, "worker": w.detach().clone(),
+                               "server": s.detach().clone()}
+                           for i, (w, s) in self._errors.items()}}
+
+    def load_error_feedback_state_dict(self, state: dict) -> bool:
+        """Restore what `error_feedback_state_dict` saved on this rank. At
+        another world size, rank, block size or wire format the buffers mean
+        nothing here: they restart from zero (DeepSpeed's choice) and this
+        returns False. Call it after `load_state_dict`, which resets them."""
+        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
+        same = (state.get("world_size"), state.get("rank"), state.get("wire_format"),
+                state.get("block_size")) == (self.world_size, rank, WIRE_FORMAT_VERSION,
+                                             self.block_size)
+        self.reset_compression_errors()
+        self._saved_errors = dict(state["groups"]) if same else {}
+        return same
+
+    def _restored_errors(self, index: int, layout: BlockLayout, device):
+        """Group `index`'s error buffers: the ones loaded for this layout, or zeros."""
+        saved = self._saved_errors.pop(index, None)
+        if saved is not None and saved["layout"] == layout.key:
+            return saved["worker"].to(device), saved["server"].to(device)
+        n = layout.padded
+        return torch.zeros(n, device=device), torch.zeros(n // self.world_size, device=device)
 
     # -------------------------------------------------------- graph capture --
     def _graphed(self, name: str, key, body) -> None:
@@ -375,6 +408,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     def _forget_layouts(self) -> None:
         self.reset_compression_errors()
+        self._saved_errors = {}
         self._flat.clear()
         self._zero_variance.clear()
         self._denoms.clear()
