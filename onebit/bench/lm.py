@@ -220,7 +220,9 @@ def run(args: argparse.Namespace) -> bool:
     a = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     print(f"# onebit.bench lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
           f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
-          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}) seeds={a['seeds']} "
+          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}) "
+          f"schedule={a['schedule']}" + (f" warmup={a['warmup']:.0%}" if a['schedule'] == "cosine" else "")
+          + f" seeds={a['seeds']} "
           f"block_size={a['block_size']} scale_dtype={a['scale_dtype']}")
     print(f"#{'optimizer':>12} {'baseline':>9} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} finite ok")
