@@ -365,7 +365,7 @@ def _inf_on_one_rank(rank, world, use_scaler):
             opt.step()
         if t == 4:  # every rank skipped, and nothing changed
             assert all(torch.equal(a, b) for a, b in zip(snapshot[0], params))
-            assert opt.counters == snapshot[1]["state"]["onebit"]
+            assert opt.counters == snapshot[1]["param_groups"][0]["onebit"]
     assert_identical(params, "at the end")
     return opt.counters["step"]
 
@@ -463,3 +463,48 @@ def test_resume_with_each_ranks_error_buffers_is_bitwise_identical_to_not_stoppi
     swapped = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 1, timeout=120)
     assert not any(r[0] for r in swapped)
     assert any(r[2] != s[1] for r, s in zip(swapped, straight))
+
+
+def _dcp_save_or_resume(rank, world, cls_name, steps, path, resume):
+    """torch.distributed.checkpoint, as FSDP2/Accelerate use it: the model and
+    get_optimizer_state_dict, plus this rank's error buffers under a key
+    naming the rank (each rank writes its own shard of them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    from test_optim_dist import CONFIGS, loss_and_grads
+
+    params = make_params(seed=0 if not resume else 99)  # resumed: every value from the checkpoint
+    model = torch.nn.ParameterList(params)
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    errors = f"onebit_errors.rank{rank}"
+    if not resume:
+        for _ in range(steps):
+            loss_and_grads(params, rank, world)
+            opt.step()
+        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
+                  errors: opt.error_feedback_state_dict()}, checkpoint_id=path)
+        return None
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
+             errors: opt.error_feedback_state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    restored = opt.load_error_feedback_state_dict(state[errors])
+    step = opt.counters["step"]
+    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
+    return restored, step, losses, [p.detach().reshape(-1).tolist() for p in params]
+
+
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_torch_distributed_checkpoint_resume_is_bitwise_identical(cls_name, tmp_path):
+    """Saved with DCP at step 40 (compression stage; a 0/1 Adam sync) on 3
+    ranks, loaded into fresh optimizers in fresh processes: 10 more steps
+    equal the uninterrupted run bit for bit on every rank."""
+    path = str(tmp_path / "dcp")
+    straight = run_workers(_uninterrupted, 3, cls_name, 50, timeout=120)
+    run_workers(_dcp_save_or_resume, 3, cls_name, 40, path, False, timeout=120)
+    resumed = run_workers(_dcp_save_or_resume, 3, cls_name, 10, path, True, timeout=120)
+    for (losses, params), (restored, step, after, params_after) in zip(straight, resumed):
+        assert restored and step == 40
+        assert after == losses[40:] and params_after == params

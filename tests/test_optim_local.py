@@ -241,7 +241,7 @@ def test_nan_gradient_raises_and_changes_nothing():
     with pytest.raises(ValueError, match="NaN or Inf gradient"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
-    assert opt.counters == before["state"]["onebit"]
+    assert opt.counters == before["param_groups"][0]["onebit"]
 
 
 def test_lamb_momentum_scales_survive_zero_and_empty_momentum():
@@ -282,7 +282,7 @@ def test_grad_scaler_skips_inf_step_and_leaves_state_untouched():
         if i == 3:
             assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
             after = opt.state_dict()
-            assert after["state"]["onebit"] == state["state"]["onebit"]
+            assert after["param_groups"][0]["onebit"] == state["param_groups"][0]["onebit"]
             for k in state["state"]:
                 if k != "onebit":
                     for name, t in state["state"][k].items():

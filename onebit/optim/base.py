@@ -17,7 +17,7 @@ from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, stable_dige
 from ..backends.layout import BlockLayout
 from ..graphs import GraphedRegion
 from . import functional as F
-from .checkpoints import STATE_KEY, adapt
+from .checkpoints import COUNTERS_KEY, Checkpoints
 from .checks import (check_block_size, check_flag, check_positive_int, scale_dtype_from)
 from .guards import ZeroVarianceGuard
 
@@ -27,7 +27,7 @@ class ReplicaDivergenceError(RuntimeError):
     """The divergence guard found ranks whose parameters or state differ."""
 
 
-class OnebitOptimizer(torch.optim.Optimizer):
+class OnebitOptimizer(Checkpoints, torch.optim.Optimizer):
     """Base class; see OnebitAdam for the user-facing documentation.
 
     `process_group` is the data-parallel group (default: the world, or no
@@ -88,7 +88,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         self._graph_regions: Dict[str, GraphedRegion] = {}
         self._static: Dict[tuple, object] = {}  # buffers kept from step to step (see _scratch)
         self._trainable_signature = None  # see _notice_trainable_changes
-        self.state[STATE_KEY] = self._initial_counters()
+        self._share_counters(self._initial_counters())
 
     # ------------------------------------------------------------ counters --
     def _initial_counters(self) -> dict:
@@ -102,7 +102,14 @@ class OnebitOptimizer(torch.optim.Optimizer):
 
     @property
     def counters(self) -> dict:
-        return self.state[STATE_KEY]
+        """The counters that decide the stage. They live in every param group
+        (one dict, shared), where torch's tooling (torch.distributed.checkpoint,
+        FSDP2, Accelerate) expects optimizer state that is not per-param."""
+        return self.param_groups[0][COUNTERS_KEY]
+
+    def _share_counters(self, counters: dict) -> None:
+        for g in self.param_groups:
+            g[COUNTERS_KEY] = counters
 
     # ---------------------------------------------------------------- step --
     @torch.no_grad()
@@ -152,6 +159,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if not hasattr(self, "_settings"):  # torch's __init__ adding the first groups
             return
+        self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
             self._check_ranks_agree(self._settings)
             self._broadcast_parameters(groups=self.param_groups[-1:])
@@ -264,40 +272,6 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._errors.clear()
-
-    # ------------------------------------------- per-rank error feedback --
-    def error_feedback_state_dict(self) -> dict:
-        """This rank's error-feedback buffers: what `state_dict()` leaves out,
-        because they differ on every rank. Save one per rank next to the
-        optimizer's checkpoint; with both, a resume at the same world size
-        is bitwise identical to not stopping."""
-        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
-        return {"rank": rank, "world_size": self.world_size, "wire_format": WIRE_FORMAT_VERSION,
-                "block_size": self.block_size,
-                "groups": {i: {"layout": self._flat[i][1].key, "worker": w.detach().clone(),
-                               "server": s.detach().clone()}
-                           for i, (w, s) in self._errors.items()}}
-
-    def load_error_feedback_state_dict(self, state: dict) -> bool:
-        """Restore what `error_feedback_state_dict` saved on this rank. At
-        another world size, rank, block size or wire format the buffers mean
-        nothing here: they restart from zero (DeepSpeed's choice) and this
-        returns False. Call it after `load_state_dict`, which resets them."""
-        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
-        same = (state.get("world_size"), state.get("rank"), state.get("wire_format"),
-                state.get("block_size")) == (self.world_size, rank, WIRE_FORMAT_VERSION,
-                                             self.block_size)
-        self.reset_compression_errors()
-        self._saved_errors = dict(state["groups"]) if same else {}
-        return same
-
-    def _restored_errors(self, index: int, layout: BlockLayout, device):
-        """Group `index`'s error buffers: the ones loaded for this layout, or zeros."""
-        saved = self._saved_errors.pop(index, None)
-        if saved is not None and saved["layout"] == layout.key:
-            return saved["worker"].to(device), saved["server"].to(device)
-        n = layout.padded
-        return torch.zeros(n, device=device), torch.zeros(n // self.world_size, device=device)
 
     # -------------------------------------------------------- graph capture --
     def _graphed(self, name: str, key, body) -> None:
@@ -496,27 +470,6 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 raise ReplicaDivergenceError(
                     f"{type(self).__name__}: replicas diverged by step {step}: {name} differs "
                     f"on rank(s) {odd} from rank 0")
-
-    # ---------------------------------------------------------- checkpoints --
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a checkpoint, from any world size: this optimizer's own, or a
-        torch.optim.Adam/AdamW one where that makes sense (checkpoints.py).
-
-        Kept from the *current* param groups, not the checkpoint: each group's
-        `exp_avg_mask` (it may change between training phases, as DeepSpeed
-        does). Reset: the compression error buffers, which are per-rank and
-        sized for one world size (DeepSpeed's documented choice).
-        """
-        state_dict = dict(adapt(self, state_dict, self._counters_at))
-        groups = [dict(g) for g in state_dict["param_groups"]]
-        for mine, theirs in zip(self.param_groups, groups):
-            theirs.pop("exp_avg_mask", None)
-            if "exp_avg_mask" in mine:
-                theirs["exp_avg_mask"] = mine["exp_avg_mask"]
-        state_dict["param_groups"] = groups
-        super().load_state_dict(state_dict)
-        self.state[STATE_KEY] = {**self._initial_counters(), **self.state.get(STATE_KEY, {})}
-        self._forget_layouts()
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):

@@ -1,5 +1,15 @@
-"""What a onebit optimizer accepts in `load_state_dict`, decided before
-anything is loaded (a refused checkpoint changes nothing):
+"""Checkpoints of the onebit optimizers.
+
+Where things live: the stage counters in every param group (one shared
+dict under COUNTERS_KEY); moments and per-tensor state in `state[p]`, as
+torch's optimizers keep them. That is the layout torch.distributed.checkpoint
+(and FSDP2 and Accelerate on top of it) can map to parameter names. The
+error-feedback buffers differ on every rank, so they are not in
+`state_dict()`: each rank saves its own (`error_feedback_state_dict`), as a
+file of its own or as a rank-named entry of a DCP checkpoint.
+
+What `load_state_dict` accepts, decided before anything is loaded (a
+refused checkpoint changes nothing):
 
 - its own checkpoints, from any world size;
 - a `torch.optim.Adam` or `AdamW` checkpoint, into OnebitAdam or
@@ -11,11 +21,16 @@ anything is loaded (a refused checkpoint changes nothing):
 """
 from __future__ import annotations
 
-from typing import Callable
+import copy
+from typing import Callable, Dict
 
 import torch
+import torch.distributed as dist
 
-STATE_KEY = "onebit"  # optimizer.state[STATE_KEY]: the counters that decide the stage
+from ..backends.base import WIRE_FORMAT_VERSION
+
+COUNTERS_KEY = "onebit"  # param_group[COUNTERS_KEY]: the counters that decide the stage
+STATE_KEY = "onebit"  # where checkpoints before DCP support kept them: state["onebit"]
 
 # Keys torch.optim.Adam/AdamW keep in a param group that onebit has no use for.
 _TORCH_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
@@ -27,8 +42,10 @@ def checkpoint_kind(state_dict: dict) -> str:
     torch's Adam/AdamW, or "unknown"."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         return "unknown"
-    counters = state_dict["state"].get(STATE_KEY)
     groups = state_dict["param_groups"]
+    counters = state_dict["state"].get(STATE_KEY)
+    if counters is None and groups:
+        counters = groups[0].get(COUNTERS_KEY)
     if isinstance(counters, dict):
         if "optimizer" in counters:
             return counters["optimizer"]
@@ -50,7 +67,7 @@ def adapt(optimizer, state_dict: dict, counters_at: Callable[[int], dict]) -> di
     mine = type(optimizer).__name__
     kind = checkpoint_kind(state_dict)
     if kind == mine:
-        return state_dict
+        return _counters_in_groups(state_dict)
     if kind == "Adam" and hasattr(optimizer, "_adam_compatible"):
         return _from_adam(optimizer, state_dict, counters_at)
     why = {
@@ -88,6 +105,114 @@ def _from_adam(optimizer, state_dict: dict, counters_at) -> dict:
             steps.append(int(step.item() if isinstance(step, torch.Tensor) else step))
         s.pop("max_exp_avg_sq", None)
         state[key] = s
-    t = max(steps, default=0)
-    state[STATE_KEY] = counters_at(t)
+    counters = counters_at(max(steps, default=0))
+    for g in groups:
+        g[COUNTERS_KEY] = counters
     return {"state": state, "param_groups": groups}
+
+
+def _counters_in_groups(state_dict: dict) -> dict:
+    """Checkpoints written before DCP support kept the counters at
+    state["onebit"]; move them where they live now."""
+    if STATE_KEY not in state_dict["state"]:
+        return state_dict
+    state = dict(state_dict["state"])
+    counters = state.pop(STATE_KEY)
+    groups = [{**g, COUNTERS_KEY: counters} for g in state_dict["param_groups"]]
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
+class Checkpoints:
+    """The checkpoint half of OnebitOptimizer (see the module doc)."""
+
+    # Per-param state a subclass creates only at some stage:
+    # name -> (placeholder maker, whether a checkpoint at `step` holds it for real).
+    # state_dict() writes a placeholder where it is missing, so a fresh
+    # optimizer's state_dict has every key a trained one has: DCP loads only
+    # into keys the target already has. load_state_dict drops the fake ones.
+    def _staged_state(self) -> Dict[str, tuple]:
+        return {}
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        for g in sd["param_groups"]:  # a copy per group: the saved dict must not follow training
+            g[COUNTERS_KEY] = copy.deepcopy(g[COUNTERS_KEY])
+        staged = self._staged_state()
+        if staged:
+            params = [p for g in self.param_groups for p in g["params"]]
+            for key, st in sd["state"].items():
+                for name, (make, _) in staged.items():
+                    if name not in st:
+                        st[name] = make(params[key])
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a checkpoint, from any world size: this optimizer's own, or a
+        torch.optim.Adam/AdamW one where that makes sense (see the module doc).
+
+        Kept from the *current* param groups, not the checkpoint: each group's
+        `exp_avg_mask` (it may change between training phases, as DeepSpeed
+        does). Reset: the error-feedback buffers; restore this rank's with
+        `load_error_feedback_state_dict` afterwards (same world size), or
+        they restart from zero (DeepSpeed's documented choice).
+        """
+        state_dict = dict(adapt(self, state_dict, self._counters_at))
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        for mine, theirs in zip(self.param_groups, groups):
+            theirs.pop("exp_avg_mask", None)
+            if "exp_avg_mask" in mine:
+                theirs["exp_avg_mask"] = mine["exp_avg_mask"]
+        state_dict["param_groups"] = groups
+        super().load_state_dict(state_dict)
+        counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
+        self._share_counters(counters)
+        for name, (_, real) in self._staged_state().items():
+            if not real(counters["step"]):
+                for st in self.state.values():
+                    st.pop(name, None)
+        self._forget_layouts()
+
+    # ------------------------------------------- per-rank error feedback --
+    def error_feedback_state_dict(self) -> dict:
+        """This rank's error-feedback buffers: what `state_dict()` leaves out,
+        because they differ on every rank. Save one per rank next to the
+        optimizer's checkpoint (with DCP: under a key naming the rank, see
+        the README); with both, a resume at the same world size is bitwise
+        identical to not stopping. Groups that have not exchanged yet get
+        zeros of the right size, so a fresh optimizer's dict is a target DCP
+        can load into."""
+        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
+        groups = {}
+        if self.world_size > 1:
+            for i, group in enumerate(self.param_groups):
+                sizes = [p.numel() for p in self._trainable(group)]
+                if not sizes:
+                    continue
+                layout = self._flat[i][1] if i in self._flat else self.backend.layout(sizes)
+                w, s = self._errors.get(i) or self._restored_errors(i, layout, self._device(),
+                                                                    keep=True)
+                groups[str(i)] = {"layout": repr(layout.key), "worker": w.detach().clone(),
+                                  "server": s.detach().clone()}
+        return {"rank": rank, "world_size": self.world_size, "wire_format": WIRE_FORMAT_VERSION,
+                "block_size": self.block_size, "groups": groups}
+
+    def load_error_feedback_state_dict(self, state: dict) -> bool:
+        """Restore what `error_feedback_state_dict` saved on this rank. At
+        another world size, rank, block size or wire format the buffers mean
+        nothing here: they restart from zero (DeepSpeed's choice) and this
+        returns False. Call it after `load_state_dict`, which resets them."""
+        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
+        same = (state.get("world_size"), state.get("rank"), state.get("wire_format"),
+                state.get("block_size")) == (self.world_size, rank, WIRE_FORMAT_VERSION,
+                                             self.block_size)
+        self.reset_compression_errors()
+        self._saved_errors = {int(i): g for i, g in state["groups"].items()} if same else {}
+        return same
+
+    def _restored_errors(self, index: int, layout, device, keep: bool = False):
+        """Group `index`'s error buffers: the ones loaded for this layout, or zeros."""
+        saved = self._saved_errors.get(index) if keep else self._saved_errors.pop(index, None)
+        if saved is not None and saved["layout"] == repr(layout.key):
+            return saved["worker"].to(device), saved["server"].to(device)
+        n = layout.padded
+        return torch.zeros(n, device=device), torch.zeros(n // self.world_size, device=device)

@@ -62,6 +62,14 @@ class OnebitLamb(FreezeStepOptimizer):
                          block_size=block_size, scale_dtype=scale_dtype)
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
 
+    def _staged_state(self):
+        def zeros(p):
+            return torch.zeros_like(p, dtype=torch.float32)
+        return {"lamb_coeff_freeze": (lambda p: 0.0, lambda step: True),  # 0.0, 1.0: the defaults
+                "last_factor": (lambda p: 1.0, lambda step: True),
+                "exp_avg_sq_fresh": (zeros, lambda step: step >= max(self.freeze_step, 1)),
+                "scaling_coeff": (lambda p: 1.0, lambda step: step > self.freeze_step)}
+
     def _update(self, t, groups, grads) -> None:
         compress = self.compression_started(t)
         self.lamb_coeffs = []

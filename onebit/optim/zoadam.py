@@ -68,6 +68,13 @@ class ZeroOneAdam(OnebitOptimizer):
                 "local_step_interval": 1, "local_step_counter": 0, "last_sync": 0,
                 "lrs": [0.0] * len(self.param_groups)}  # sum of lr since the last sync, per group
 
+    def _staged_state(self):
+        def zeros(p):
+            return torch.zeros_like(p, dtype=torch.float32)
+        # The accumulator is zero until the first local step and after each sync.
+        return {"momentum_accumulator": (zeros, lambda step: True),
+                "sync_point": (lambda p: torch.zeros_like(p), lambda step: self.frozen(step))}
+
     def _counters_at(self, step: int) -> dict:
         """After `step` Adam steps: the interval policies replayed to `step`,
         v updated at every one of them, and the ranks at a common point."""
