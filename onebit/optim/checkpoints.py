@@ -194,17 +194,27 @@ class Checkpoints:
                 groups[str(i)] = {"layout": repr(layout.key), "worker": w.detach().clone(),
                                   "server": s.detach().clone()}
         return {"rank": rank, "world_size": self.world_size, "wire_format": WIRE_FORMAT_VERSION,
-                "block_size": self.block_size, "groups": groups}
+                "block_size": self.block_size, "step": self.counters["step"], "groups": groups}
+
+    def error_feedback_key(self) -> str:
+        """The key for this rank's error buffers in a DCP checkpoint. It names
+        the world size too: at another one the buffers have other sizes, and
+        DCP refuses to load a tensor into one of another size, so there the
+        key is simply absent (load with allow_partial_load=True)."""
+        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
+        return f"onebit_errors.world{self.world_size}.rank{rank}"
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore what `error_feedback_state_dict` saved on this rank. At
-        another world size, rank, block size or wire format the buffers mean
-        nothing here: they restart from zero (DeepSpeed's choice) and this
-        returns False. Call it after `load_state_dict`, which resets them."""
+        another world size, rank, block size or wire format, or from another
+        step than the loaded optimizer state's, the buffers mean nothing
+        here: they restart from zero (DeepSpeed's choice) and this returns
+        False. Call it after `load_state_dict`, which resets them."""
         rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
         same = (state.get("world_size"), state.get("rank"), state.get("wire_format"),
-                state.get("block_size")) == (self.world_size, rank, WIRE_FORMAT_VERSION,
-                                             self.block_size)
+                state.get("block_size"), state.get("step")) == (
+                    self.world_size, rank, WIRE_FORMAT_VERSION, self.block_size,
+                    self.counters["step"])
         self.reset_compression_errors()
         self._saved_errors = {int(i): g for i, g in state["groups"].items()} if same else {}
         return same
