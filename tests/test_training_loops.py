@@ -3,6 +3,7 @@ groups added mid-run, layers frozen and unfrozen, ranks that disagree on
 requires_grad. Each either works (replicas bitwise identical, everything
 finite) or fails with a ValueError on every rank before anything changed."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -124,9 +125,17 @@ def _freeze_then_unfreeze(rank, world, name):
             model[0].requires_grad_(True)
         if t == 9:
             model[2].requires_grad_(False)
-        _train_step(model, opt, rank, t)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            before = _flat(model[0])
+            _train_step(model, opt, rank, t)
+        if t == 6:
+            warned = [str(w.message) for w in seen]
+            # v = 0 for the unfrozen layer: it is warned about, and kept still.
+            still = _flat(model[0]) == before
     synced = name != "ZeroOneAdam" or opt.counters["last_sync"] == opt.counters["step"]
-    return {"params": _flat(model), "step": opt.counters["step"], "synced": synced}
+    return {"params": _flat(model), "step": opt.counters["step"], "synced": synced,
+            "warned": warned, "still": still}
 
 
 @pytest.mark.timeout(300)
@@ -135,6 +144,10 @@ def test_unfreezing_and_freezing_layers_after_the_freeze_step(name):
     out = run_workers(_freeze_then_unfreeze, 3, name, timeout=120)
     assert all(r["step"] == 12 for r in out)
     assert out[0]["synced"]
+    for r in out:
+        assert any("2 parameter(s) started training after the variance froze" in w
+                   for w in r["warned"]), r["warned"]
+        assert r["still"]
     for r in out[1:]:
         assert r["params"] == out[0]["params"]
     assert all(abs(x) < 1e3 for x in out[0]["params"])

@@ -13,21 +13,18 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, stable_digest
+from ..backends.base import DEFAULT_BLOCK_SIZE
 from ..backends.layout import BlockLayout
 from ..graphs import GraphedRegion
 from . import functional as F
+from .agreement import RankAgreement, ReplicaDivergenceError  # noqa: F401 - re-exported
 from .checkpoints import COUNTERS_KEY, Checkpoints
 from .checks import (check_block_size, check_flag, check_positive_int, scale_dtype_from)
 from .guards import ZeroVarianceGuard
 
 
 
-class ReplicaDivergenceError(RuntimeError):
-    """The divergence guard found ranks whose parameters or state differ."""
-
-
-class OnebitOptimizer(Checkpoints, torch.optim.Optimizer):
+class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
     """Base class; see OnebitAdam for the user-facing documentation.
 
     `process_group` is the data-parallel group (default: the world, or no
@@ -327,59 +324,6 @@ class OnebitOptimizer(Checkpoints, torch.optim.Optimizer):
                 return p.device
         return torch.device("cpu")
 
-    @staticmethod
-    def _finite(tensors: List[torch.Tensor]) -> bool:
-        """One pass, no temporaries: a tensor's 2-norm is NaN or inf iff it
-        holds a NaN or an inf (or values beyond ~1e19, which count as overflow).
-        The 2-norm is 5x faster here than the max-norm."""
-        live = [t for t in tensors if t.numel()]
-        if not live:
-            return True
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(live))).all())
-
-    def _skip_for_nonfinite(self, grads_by_group: List[List[torch.Tensor]]) -> bool:
-        """Whether this step must be skipped: a GradScaler saw inf/NaN, or a
-        gradient is not finite, on any rank. Without a GradScaler, non-finite
-        gradients raise on every rank before anything changes. The same
-        collective checks that the ranks train the same params."""
-        found = getattr(self, "found_inf", None)
-        bad = bool(found.item() > 0) if found is not None else False
-        if not bad:
-            bad = not all(self._finite(g) for g in grads_by_group)
-        if self.world_size > 1:
-            table = self._gather_int64("agreeing on the trainable params and on skipping a "
-                                       "non-finite step", [int(bad), self._trainable_digest])
-            if len(set(table[:, 1].tolist())) > 1:
-                raise ValueError(
-                    f"{type(self).__name__}: ranks disagree on which parameters require grad "
-                    f"at step {self.counters['step'] + 1}; nothing was updated. This rank "
-                    f"({dist.get_rank(self.process_group)}) trains {self._trainable_summary()}. "
-                    "Freeze and unfreeze the same parameters on every rank, at the same step")
-            bad = bool(table[:, 0].max() > 0)
-        if bad and found is None:
-            raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step "
-                             f"{self.counters['step'] + 1} on at least one rank; nothing was "
-                             "updated (use torch.amp.GradScaler to skip such steps)")
-        return bad
-
-    def _trainable_summary(self) -> str:
-        return "; ".join(f"group {i}: {sum(p.requires_grad for p in g['params'])} of "
-                         f"{len(g['params'])} params" for i, g in enumerate(self.param_groups))
-
-    def _notice_trainable_changes(self) -> None:
-        """Keep the digest of which params train (requires_grad) current; when
-        it changes (layers frozen or unfrozen, a param group added), forget
-        everything laid out for the old set: flat buffers, error-feedback
-        buffers (they restart from zero), cached denominators and guards,
-        graphs."""
-        signature = [[p.requires_grad for p in g["params"]] for g in self.param_groups]
-        if signature == self._trainable_signature:
-            return
-        if self._trainable_signature is not None:
-            self._forget_layouts()
-        self._trainable_signature = signature
-        self._trainable_digest = stable_digest(signature)
-
     def _forget_layouts(self) -> None:
         self.reset_compression_errors()
         self._saved_errors = {}
@@ -411,72 +355,17 @@ class OnebitOptimizer(Checkpoints, torch.optim.Optimizer):
                 for p, v in zip(params, flat.split([p.numel() for p in params])):
                     p.copy_(v.view_as(p))
 
-    # --------------------------------------------------- ranks that disagree --
-    def _gather_int64(self, phase: str, values: List[int]) -> torch.Tensor:
-        """[world, len(values)] int64: every rank's values."""
-        mine = torch.tensor(values, dtype=torch.int64, device=self._device())
-        out = torch.empty(self.world_size, len(values), dtype=torch.int64, device=mine.device)
-        self._collective(phase, lambda: collectives.all_gather_flat(
-            out.view(-1), mine, group=self.process_group, async_op=True))
-        return out
-
-    def _check_ranks_agree(self, settings: dict) -> None:
-        """Construction-time fingerprint (one small all-gather): every rank
-        must build the same optimizer, or the collectives would mismatch."""
-        groups = [{k: (tuple(v.shape) if isinstance(v, torch.Tensor) else v)
-                   for k, v in g.items() if k != "params"} for g in self.param_groups]
-        fields = {
-            "parameter shapes/order/requires_grad": [
-                [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in g["params"]]
-                for g in self.param_groups],
-            "hyper-parameters": (type(self).__name__, sorted(settings.items()),
-                                 [sorted(g.items()) for g in groups]),
-            "compressed backend": self.comm_backend_name,
-            "wire format version": WIRE_FORMAT_VERSION,
-        }
-        digest = [stable_digest(v) for v in fields.values()]
-        table = self._gather_int64("construction fingerprint", digest)
-        bad = [name for j, name in enumerate(fields) if len(set(table[:, j].tolist())) > 1]
-        if bad:
-            rank = dist.get_rank(self.process_group)
-            raise ValueError(f"{type(self).__name__}: ranks disagree on {', '.join(bad)}; "
-                             f"this rank ({rank}) has " + "; ".join(
-                                 f"{b} = {fields[b]!r}"[:400] for b in bad))
-
-    def _replicas_should_match(self, step: int) -> bool:
-        """Whether all replicas are identical after `step` (0/1 Adam: only after a sync)."""
-        return True
-
-    def _check_replicas(self, step: int) -> None:
-        """Divergence guard: compare a checksum of every parameter and state
-        tensor across ranks; raise naming the first that differs."""
-        names, sums = [], []
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                tensors = [("value", p.detach())] + sorted(
-                    (k, v) for k, v in self.state.get(p, {}).items() if isinstance(v, torch.Tensor))
-                for name, t in tensors:
-                    raw = t.contiguous().view(-1).view(torch.uint8)
-                    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-                    names.append(f"group {gi} param {pi} {tuple(p.shape)} {name}")
-                    sums.append(int(words.sum(dtype=torch.int64)))
-        if not sums:
-            return
-        table = self._gather_int64("replica divergence check", sums)
-        for j, name in enumerate(names):
-            column = table[:, j].tolist()
-            if len(set(column)) > 1:
-                odd = [r for r, v in enumerate(column) if v != column[0]]
-                raise ReplicaDivergenceError(
-                    f"{type(self).__name__}: replicas diverged by step {step}: {name} differs "
-                    f"on rank(s) {odd} from rank 0")
-
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):
         """State for `model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)`."""
         from ..ddp import OnebitHookState
 
         return OnebitHookState(self)
+
+    def _variance_frozen(self) -> bool:
+        """Whether v is frozen for the coming step (a param that starts
+        training now has v = 0 and is not moved: see agreement.py)."""
+        raise NotImplementedError
 
     def needs_full_precision_gradients(self) -> bool:
         """Whether the coming step averages gradients in full precision (the
@@ -551,3 +440,6 @@ class FreezeStepOptimizer(OnebitOptimizer):
 
     def needs_full_precision_gradients(self) -> bool:
         return not self.compression_started()
+
+    def _variance_frozen(self) -> bool:
+        return self.compression_started()

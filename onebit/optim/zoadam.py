@@ -92,6 +92,9 @@ class ZeroOneAdam(OnebitOptimizer):
         t = self.counters["step"] + 1 if step is None else step
         return t > self.var_freeze_step
 
+    def _variance_frozen(self) -> bool:
+        return self.frozen()
+
     def _replicas_should_match(self, step: int) -> bool:
         return not self.frozen(step) or self.counters["last_sync"] == step
 

@@ -1,0 +1,150 @@
+"""Ranks that must agree, and the checks that make them: the construction
+fingerprint (shapes, requires_grad, hyper-parameters, backend, wire format),
+the per-step agreement on which params train and on skipping a non-finite
+step, and the replica divergence guard. Each failure is a ValueError (or
+ReplicaDivergenceError) on every rank, raised before anything changed."""
+from __future__ import annotations
+
+import warnings
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives
+from ..backends.base import WIRE_FORMAT_VERSION, stable_digest
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The divergence guard found ranks whose parameters or state differ."""
+
+
+class RankAgreement:
+    """The agreement half of OnebitOptimizer."""
+
+    @staticmethod
+    def _finite(tensors: List[torch.Tensor]) -> bool:
+        """One pass, no temporaries: a tensor's 2-norm is NaN or inf iff it
+        holds a NaN or an inf (or values beyond ~1e19, which count as overflow).
+        The 2-norm is 5x faster here than the max-norm."""
+        live = [t for t in tensors if t.numel()]
+        if not live:
+            return True
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(live))).all())
+
+    def _skip_for_nonfinite(self, grads_by_group: List[List[torch.Tensor]]) -> bool:
+        """Whether this step must be skipped: a GradScaler saw inf/NaN, or a
+        gradient is not finite, on any rank. Without a GradScaler, non-finite
+        gradients raise on every rank before anything changes. The same
+        collective checks that the ranks train the same params."""
+        found = getattr(self, "found_inf", None)
+        bad = bool(found.item() > 0) if found is not None else False
+        if not bad:
+            bad = not all(self._finite(g) for g in grads_by_group)
+        if self.world_size > 1:
+            table = self._gather_int64("agreeing on the trainable params and on skipping a "
+                                       "non-finite step", [int(bad), self._trainable_digest])
+            if len(set(table[:, 1].tolist())) > 1:
+                raise ValueError(
+                    f"{type(self).__name__}: ranks disagree on which parameters require grad "
+                    f"at step {self.counters['step'] + 1}; nothing was updated. This rank "
+                    f"({dist.get_rank(self.process_group)}) trains {self._trainable_summary()}. "
+                    "Freeze and unfreeze the same parameters on every rank, at the same step")
+            bad = bool(table[:, 0].max() > 0)
+        if bad and found is None:
+            raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step "
+                             f"{self.counters['step'] + 1} on at least one rank; nothing was "
+                             "updated (use torch.amp.GradScaler to skip such steps)")
+        return bad
+
+    def _trainable_summary(self) -> str:
+        return "; ".join(f"group {i}: {sum(p.requires_grad for p in g['params'])} of "
+                         f"{len(g['params'])} params" for i, g in enumerate(self.param_groups))
+
+    def _notice_trainable_changes(self) -> None:
+        """Keep the digest of which params train (requires_grad) current; when
+        it changes (layers frozen or unfrozen, a param group added), forget
+        everything laid out for the old set: flat buffers, error-feedback
+        buffers (they restart from zero), cached denominators and guards,
+        graphs."""
+        signature = [[p.requires_grad for p in g["params"]] for g in self.param_groups]
+        if signature == self._trainable_signature:
+            return
+        if self._trainable_signature is not None:
+            self._forget_layouts()
+            self._warn_if_late(signature)
+        self._trainable_signature = signature
+        self._trainable_digest = stable_digest(signature)
+
+    def _gather_int64(self, phase: str, values: List[int]) -> torch.Tensor:
+        """[world, len(values)] int64: every rank's values."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self._device())
+        out = torch.empty(self.world_size, len(values), dtype=torch.int64, device=mine.device)
+        self._collective(phase, lambda: collectives.all_gather_flat(
+            out.view(-1), mine, group=self.process_group, async_op=True))
+        return out
+
+    def _check_ranks_agree(self, settings: dict) -> None:
+        """Construction-time fingerprint (one small all-gather): every rank
+        must build the same optimizer, or the collectives would mismatch."""
+        groups = [{k: (tuple(v.shape) if isinstance(v, torch.Tensor) else v)
+                   for k, v in g.items() if k != "params"} for g in self.param_groups]
+        fields = {
+            "parameter shapes/order/requires_grad": [
+                [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in g["params"]]
+                for g in self.param_groups],
+            "hyper-parameters": (type(self).__name__, sorted(settings.items()),
+                                 [sorted(g.items()) for g in groups]),
+            "compressed backend": self.comm_backend_name,
+            "wire format version": WIRE_FORMAT_VERSION,
+        }
+        digest = [stable_digest(v) for v in fields.values()]
+        table = self._gather_int64("construction fingerprint", digest)
+        bad = [name for j, name in enumerate(fields) if len(set(table[:, j].tolist())) > 1]
+        if bad:
+            rank = dist.get_rank(self.process_group)
+            raise ValueError(f"{type(self).__name__}: ranks disagree on {', '.join(bad)}; "
+                             f"this rank ({rank}) has " + "; ".join(
+                                 f"{b} = {fields[b]!r}"[:400] for b in bad))
+
+    def _replicas_should_match(self, step: int) -> bool:
+        """Whether all replicas are identical after `step` (0/1 Adam: only after a sync)."""
+        return True
+
+    def _check_replicas(self, step: int) -> None:
+        """Divergence guard: compare a checksum of every parameter and state
+        tensor across ranks; raise naming the first that differs."""
+        names, sums = [], []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                tensors = [("value", p.detach())] + sorted(
+                    (k, v) for k, v in self.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+                for name, t in tensors:
+                    raw = t.contiguous().view(-1).view(torch.uint8)
+                    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+                    names.append(f"group {gi} param {pi} {tuple(p.shape)} {name}")
+                    sums.append(int(words.sum(dtype=torch.int64)))
+        if not sums:
+            return
+        table = self._gather_int64("replica divergence check", sums)
+        for j, name in enumerate(names):
+            column = table[:, j].tolist()
+            if len(set(column)) > 1:
+                odd = [r for r, v in enumerate(column) if v != column[0]]
+                raise ReplicaDivergenceError(
+                    f"{type(self).__name__}: replicas diverged by step {step}: {name} differs "
+                    f"on rank(s) {odd} from rank 0")
+
+
+    def _warn_if_late(self, signature) -> None:
+        """Params that start training once v is frozen have v = 0: the guard
+        keeps them still. Say so, rather than let a layer silently not train."""
+        old = self._trainable_signature
+        late = sum(now and not (gi < len(old) and pi < len(old[gi]) and old[gi][pi])
+                   for gi, group in enumerate(signature) for pi, now in enumerate(group))
+        if late and self._variance_frozen():
+            warnings.warn(f"{type(self).__name__}: {late} parameter(s) started training after the "
+                          "variance froze. Their variance was never estimated (v = 0), so the "
+                          "1-bit stage leaves them where they are (the zero-variance guard). "
+                          "Unfreeze layers, and add param groups, before freeze_step.",
+                          stacklevel=4)
