@@ -18,6 +18,8 @@ parameters outside it would never be averaged in warmup.
 import torch
 import torch.distributed as dist
 
+from .backends.stats import fp32_allreduce_bytes
+
 
 class OnebitHookState:
     """What the hook needs: the optimizer (it knows the stage) and its group."""
@@ -38,6 +40,8 @@ def ddp_comm_hook(state: OnebitHookState,
     buf = bucket.buffer()
     if opt.world_size > 1 and opt.needs_full_precision_gradients():
         opt._grads_averaged_externally = True
+        nominal = fp32_allreduce_bytes(buf.numel(), opt.world_size)
+        opt.traffic.add(nominal, nominal, nominal)  # time: it overlaps backward, not counted
         buf.div_(opt.world_size)
         work = dist.all_reduce(buf, group=opt.process_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])

@@ -27,12 +27,14 @@ their scales travel in one collective per phase.
 from __future__ import annotations
 
 import math
+import time
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from .. import ops
 from .layout import BlockLayout, check_block_size
+from .stats import TrafficStats, fp32_allreduce_bytes
 
 WIRE_FORMAT_VERSION = 2
 DEFAULT_BLOCK_SIZE = 256
@@ -93,6 +95,7 @@ class CompressedAllreduceBase:
         self._buffers: Dict[tuple, _Buffers] = {}
         self._layouts: Dict[Tuple[int, int], BlockLayout] = {}
         self._agreed: set = set()
+        self.stats = TrafficStats()  # bytes and seconds of every compressed_allreduce
 
     # -------------------------------------------------- transport (subclass) --
     @property
@@ -217,6 +220,7 @@ class CompressedAllreduceBase:
         `local_rank` is accepted for DeepSpeed compatibility and unused: the
         device is the one buffer_m lives on.
         """
+        started = time.perf_counter()
         self._validate(buffer_m, worker_error, server_error, layout)
         if buffer_m.numel() == 0:
             worker_error.zero_()
@@ -247,7 +251,9 @@ class CompressedAllreduceBase:
         ops.pack_error(worker_error, scales, block, buf.worker_bits)
         worker_error.index_fill_(0, pads, 0.0)
         buf.send[:, :cb].copy_(buf.worker_bits.view(p, cb))
+        on_wire = time.perf_counter()
         self.exchange(buf.send, buf.recv)
+        comm_s = time.perf_counter() - on_wire
 
         # Server for chunk `rank`: average the p decoded chunks, compensate, compress.
         my_pads, sumsq = layout.pads(device, rank), buf.sumsq[:buf.chunk_blocks]
@@ -258,7 +264,9 @@ class CompressedAllreduceBase:
         scales = self._scales(sumsq, layout.counts(device, rank), buf.server_msg[cb:])
         ops.pack_error(server_error, scales, block, buf.server_msg[:cb])
         server_error.index_fill_(0, my_pads, 0.0)
+        on_wire = time.perf_counter()
         self.gather(buf.server_msg, buf.gathered)
+        comm_s += time.perf_counter() - on_wire
 
         # Everyone decodes the same gathered bits and scales: identical output.
         scales, numel = self._received_scales(buf.gathered, cb), src.numel()
@@ -270,6 +278,10 @@ class CompressedAllreduceBase:
         src.index_fill_(0, inner_pads, 0.0)
         if not inplace:
             buffer_m.detach().copy_(src.view(buffer_m.shape))
+        # Phase 1 sends p - 1 rows of the all-to-all, phase 2 one row to p - 1 peers.
+        moved = (p - 1) * (buf.send.shape[1] + buf.server_msg.numel())
+        self.stats.add(moved, moved, fp32_allreduce_bytes(sum(layout.sizes), p), comm_s,
+                       time.perf_counter() - started - comm_s)
         return buffer_m
 
 

@@ -7,6 +7,7 @@ optimizer classes.
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..backends.base import DEFAULT_BLOCK_SIZE
 from ..backends.layout import BlockLayout
+from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from ..graphs import GraphedRegion
 from . import functional as F
 from .agreement import RankAgreement, ReplicaDivergenceError  # noqa: F401 - re-exported
@@ -22,6 +24,13 @@ from .checkpoints import COUNTERS_KEY, Checkpoints
 from .checks import (check_block_size, check_flag, check_positive_int, scale_dtype_from)
 from .guards import ZeroVarianceGuard
 
+
+
+def _norm(tensors: List[torch.Tensor]) -> float:
+    """The 2-norm of several tensors together (0 for none)."""
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
 
 
 class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
@@ -85,6 +94,10 @@ class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
         self._graph_regions: Dict[str, GraphedRegion] = {}
         self._static: Dict[tuple, object] = {}  # buffers kept from step to step (see _scratch)
         self._trainable_signature = None  # see _notice_trainable_changes
+        self.traffic = TrafficStats()  # full-precision averaging (the backend counts its own)
+        self._skipped_steps = 0
+        self._last_step: Dict[str, object] = {}
+        self._window = self._traffic_snapshot()  # traffic since the last step ended
         self._share_counters(self._initial_counters())
 
     # ------------------------------------------------------------ counters --
@@ -124,6 +137,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
                 loss = closure()
         t = self.counters["step"] + 1
         full = self.needs_full_precision_gradients()
+        stage = self.stage()
         self._notice_trainable_changes()
         groups = [(self._with_float_lr(g), self._trainable(g)) for g in self.param_groups]
         grads = [self._gradients(ps) for _, ps in groups]
@@ -131,6 +145,8 @@ class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
         # params train (else the exchanges would not match: gloo aborts the
         # process) and on skipping a non-finite step, in one tiny all-gather.
         if self._skip_for_nonfinite(grads):
+            self._skipped_steps += 1
+            self._end_window(t, stage, skipped=True)
             return loss
         if full:
             for i, gs in enumerate(grads):
@@ -141,6 +157,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and self._replicas_should_match(t)):
             self._check_replicas(t)
+        self._end_window(t, stage, skipped=False)
         return loss
 
     def _update(self, t: int, groups: list, grads: list) -> None:
@@ -242,8 +259,11 @@ class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
             return
         flat = self._flat_buffer(index, tensors)
         self._flatten_into(index, tensors)
+        started = time.perf_counter()
         self._collective("gradient averaging (full-precision all-reduce)",
                          lambda: dist.all_reduce(flat, group=self.process_group, async_op=True))
+        nominal = fp32_allreduce_bytes(sum(t.numel() for t in tensors), self.world_size)
+        self.traffic.add(nominal, nominal, nominal, time.perf_counter() - started)
         flat.div_(self.world_size)
         self._unflatten_from(index, tensors)
 
@@ -269,6 +289,59 @@ class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._errors.clear()
+
+    # ------------------------------------------------------------ telemetry --
+    def _traffic_snapshot(self) -> tuple:
+        backend = self.backend.stats.snapshot() if self.backend is not None else {}
+        return self.traffic.snapshot(), backend
+
+    def _end_window(self, step: int, stage: str, skipped: bool) -> None:
+        mine, theirs = self._window
+        self._window = self._traffic_snapshot()
+        parts = [self.traffic.since(mine)]
+        if self.backend is not None:
+            parts.append(self.backend.stats.since(theirs))
+        self._last_step = {"step": step, "stage": stage, "skipped": skipped,
+                           **{k: sum(p[k] for p in parts) for k in parts[0]}}
+
+    def comm_stats(self) -> Dict[str, object]:
+        """What the last step sent and what it cost, and the totals so far, as
+        a plain dict (cheap: call it every step and log it).
+
+        step and stage of the last step (`stage()`: the coming one's), world_size; for it:
+        bytes_sent, bytes_received, fp32_bytes (what an fp32 ring all-reduce
+        of the same gradients would have sent), compression_ratio
+        (fp32_bytes / bytes_sent), comm_s (in the transport) and compress_s
+        (compression kernels around it); the same summed over the run as
+        total_*; worker_error_norm and server_error_norm (the error-feedback
+        residual: a norm that keeps growing is the early sign of a bad freeze
+        point); skipped_steps (non-finite gradients under a GradScaler).
+        Traffic of a DDP hook during backward counts toward the step after it.
+        Bytes are each rank's share (see onebit.backends.stats)."""
+        last = dict(self._last_step) or {k: 0 for k in ("bytes_sent", "bytes_received",
+                                                        "fp32_bytes", "comm_s", "compress_s")}
+        totals = self.traffic.snapshot()
+        if self.backend is not None:
+            for k, v in self.backend.stats.snapshot().items():
+                totals[k] += v
+        errors = list(self._errors.values())
+        return {
+            "step": self.counters["step"], "stage": last.get("stage"), "world_size": self.world_size,
+            **{k: last[k] for k in ("bytes_sent", "bytes_received", "fp32_bytes", "comm_s",
+                                    "compress_s")},
+            "compression_ratio": last["fp32_bytes"] / last["bytes_sent"] if last["bytes_sent"] else None,
+            **{f"total_{k}": totals[k] for k in ("bytes_sent", "bytes_received", "fp32_bytes",
+                                                  "comm_s", "compress_s")},
+            "total_compression_ratio": (totals["fp32_bytes"] / totals["bytes_sent"]
+                                        if totals["bytes_sent"] else None),
+            "worker_error_norm": _norm([w for w, _ in errors]),
+            "server_error_norm": _norm([s for _, s in errors]),
+            "skipped_steps": self._skipped_steps,
+        }
+
+    def stage(self) -> str:
+        """The stage of the coming step, in words."""
+        raise NotImplementedError
 
     # -------------------------------------------------------- graph capture --
     def _graphed(self, name: str, key, body) -> None:
@@ -443,3 +516,6 @@ class FreezeStepOptimizer(OnebitOptimizer):
 
     def _variance_frozen(self) -> bool:
         return self.compression_started()
+
+    def stage(self) -> str:
+        return "compression" if self.compression_started() else "warmup"

@@ -95,6 +95,12 @@ class ZeroOneAdam(OnebitOptimizer):
     def _variance_frozen(self) -> bool:
         return self.frozen()
 
+    def stage(self) -> str:
+        t = self.counters["step"] + 1
+        if not self.frozen(t):
+            return "variance update" if self._variance_step(t) else "1-bit gradients"
+        return "sync" if t % self.counters["local_step_interval"] == 0 else "local step"
+
     def _replicas_should_match(self, step: int) -> bool:
         return not self.frozen(step) or self.counters["last_sync"] == step
 

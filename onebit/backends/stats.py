@@ -1,0 +1,44 @@
+"""Traffic counters: what went over the network and what it cost.
+
+Bytes are counted where they are handed to the transport, as each rank's
+share of the collective: an all-to-all or all-gather of rows of R bytes
+sends (p - 1) * R and receives as much (a rank's own row never leaves it).
+Next to them, `fp32_bytes`: what a ring all-reduce of the same elements in
+fp32 sends per rank, 2 (p - 1) / p * 4 bytes each -- the baseline a
+compression ratio is against. Seconds are host wall time: on a GPU they
+include waiting for the kernels the transport needs finished.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+FIELDS = ("calls", "bytes_sent", "bytes_received", "fp32_bytes", "comm_s", "compress_s")
+
+
+def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `numel` fp32 elements."""
+    return (2 * (world_size - 1) * 4 * numel) // world_size if world_size > 1 else 0
+
+
+class TrafficStats:
+    """Running totals of FIELDS; `snapshot()` and `since(snapshot)` give a
+    plain dict, e.g. for one step."""
+
+    def __init__(self) -> None:
+        self.totals: Dict[str, float] = dict.fromkeys(FIELDS, 0)
+
+    def add(self, sent: int = 0, received: int = 0, fp32: int = 0, comm_s: float = 0.0,
+            compress_s: float = 0.0) -> None:
+        t = self.totals
+        t["calls"] += 1
+        t["bytes_sent"] += sent
+        t["bytes_received"] += received
+        t["fp32_bytes"] += fp32
+        t["comm_s"] += comm_s
+        t["compress_s"] += compress_s
+
+    def snapshot(self) -> Dict[str, float]:
+        return dict(self.totals)
+
+    def since(self, snapshot: Dict[str, float]) -> Dict[str, float]:
+        return {k: self.totals[k] - snapshot.get(k, 0) for k in FIELDS}
