@@ -48,7 +48,17 @@ def fit(forward, opt, data, steps, rank, after_backward=None):
             after_backward()
         opt.step()
         if rank == 0 and (step % 50 == 0 or step == steps):
-            print(f"step {step:5d}  loss {loss.item():.4f}", flush=True)
+            print(f"step {step:5d}  loss {loss.item():.4f}{_comm(opt)}", flush=True)
+
+
+def _comm(opt) -> str:
+    """The onebit optimizers' telemetry, in a few words (torch's have none)."""
+    if not hasattr(opt, "comm_stats"):
+        return ""
+    s = opt.comm_stats()
+    ratio = f"{s['compression_ratio']:.1f}x" if s["compression_ratio"] else "-"
+    return (f"  [{s['stage']}: sent {s['bytes_sent']} B, {ratio} below fp32, "
+            f"error norm {s['worker_error_norm']:.3g}]")
 
 
 def evaluate(model, xte, yte, rank, label):
