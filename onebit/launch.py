@@ -119,11 +119,13 @@ def shutdown(clean: bool = True, timeout_s: float = 60.0) -> None:
 
     if not dist.is_initialized():
         return
+    from . import collectives
+
     try:
         if clean:
-            from . import collectives
-
             collectives.run("shutdown barrier", lambda: dist.barrier(async_op=True), timeout_s)
+    except collectives.CommunicationError:
+        pass  # a peer is gone already (it died, or left after an error): nothing to wait for
     finally:
         dist.destroy_process_group()
 

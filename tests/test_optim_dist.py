@@ -419,6 +419,16 @@ def _uninterrupted(rank, world, cls_name, steps):
     return losses, [p.detach().reshape(-1).tolist() for p in params]
 
 
+_STRAIGHT = {}
+
+
+def straight_run(cls_name):
+    """50 uninterrupted steps on 3 ranks (computed once per optimizer)."""
+    if cls_name not in _STRAIGHT:
+        _STRAIGHT[cls_name] = run_workers(_uninterrupted, 3, cls_name, 50, timeout=120)
+    return _STRAIGHT[cls_name]
+
+
 def _save_each_rank(rank, world, cls_name, steps, prefix):
     from test_optim_dist import CONFIGS, loss_and_grads
 
@@ -452,7 +462,7 @@ def test_resume_with_each_ranks_error_buffers_is_bitwise_identical_to_not_stoppi
     losses and parameters equal the uninterrupted run's, bit for bit, on
     every rank. Without the error buffers (DeepSpeed's reset) they do not."""
     prefix = str(tmp_path / "ckpt")
-    straight = run_workers(_uninterrupted, 3, cls_name, 50, timeout=120)
+    straight = straight_run(cls_name)
     run_workers(_save_each_rank, 3, cls_name, 40, prefix, timeout=120)
     resumed = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 0, timeout=120)
     for (losses, params), (restored, after, params_after) in zip(straight, resumed):
@@ -505,7 +515,7 @@ def test_torch_distributed_checkpoint_resume_is_bitwise_identical(cls_name, tmp_
     ranks, loaded into fresh optimizers in fresh processes: 10 more steps
     equal the uninterrupted run bit for bit on every rank."""
     path = str(tmp_path / "dcp")
-    straight = run_workers(_uninterrupted, 3, cls_name, 50, timeout=120)
+    straight = straight_run(cls_name)
     run_workers(_dcp_save_or_resume, 3, cls_name, 40, path, False, timeout=120)
     resumed = run_workers(_dcp_save_or_resume, 3, cls_name, 10, path, True, timeout=120)
     for (losses, params), (restored, step, after, params_after) in zip(straight, resumed):

@@ -5,7 +5,6 @@ step, and the replica divergence guard. Each failure is a ValueError (or
 ReplicaDivergenceError) on every rank, raised before anything changed."""
 from __future__ import annotations
 
-import warnings
 from typing import List
 
 import torch
@@ -67,12 +66,13 @@ class RankAgreement:
         everything laid out for the old set: flat buffers, error-feedback
         buffers (they restart from zero), cached denominators and guards,
         graphs."""
-        signature = [[p.requires_grad for p in g["params"]] for g in self.param_groups]
+        # 0: frozen, 1: trained, 2: a late joiner in its own warmup (late.py)
+        signature = [[p.requires_grad + (p.requires_grad and self._is_late(p)) for p in g["params"]]
+                     for g in self.param_groups]
         if signature == self._trainable_signature:
             return
         if self._trainable_signature is not None:
             self._forget_layouts()
-            self._warn_if_late(signature)
         self._trainable_signature = signature
         self._trainable_digest = stable_digest(signature)
 
@@ -134,17 +134,3 @@ class RankAgreement:
                 raise ReplicaDivergenceError(
                     f"{type(self).__name__}: replicas diverged by step {step}: {name} differs "
                     f"on rank(s) {odd} from rank 0")
-
-
-    def _warn_if_late(self, signature) -> None:
-        """Params that start training once v is frozen have v = 0: the guard
-        keeps them still. Say so, rather than let a layer silently not train."""
-        old = self._trainable_signature
-        late = sum(now and not (gi < len(old) and pi < len(old[gi]) and old[gi][pi])
-                   for gi, group in enumerate(signature) for pi, now in enumerate(group))
-        if late and self._variance_frozen():
-            warnings.warn(f"{type(self).__name__}: {late} parameter(s) started training after the "
-                          "variance froze. Their variance was never estimated (v = 0), so the "
-                          "1-bit stage leaves them where they are (the zero-variance guard). "
-                          "Unfreeze layers, and add param groups, before freeze_step.",
-                          stacklevel=4)

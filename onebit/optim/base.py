@@ -23,6 +23,7 @@ from .agreement import RankAgreement, ReplicaDivergenceError  # noqa: F401 - re-
 from .checkpoints import COUNTERS_KEY, Checkpoints
 from .checks import (check_block_size, check_flag, check_positive_int, scale_dtype_from)
 from .guards import ZeroVarianceGuard
+from .late import LateJoiners
 
 
 
@@ -33,7 +34,7 @@ def _norm(tensors: List[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
 
 
-class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
+class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, torch.optim.Optimizer):
     """Base class; see OnebitAdam for the user-facing documentation.
 
     `process_group` is the data-parallel group (default: the world, or no
@@ -138,22 +139,29 @@ class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
         t = self.counters["step"] + 1
         full = self.needs_full_precision_gradients()
         stage = self.stage()
+        self._mark_late()
         self._notice_trainable_changes()
         groups = [(self._with_float_lr(g), self._trainable(g)) for g in self.param_groups]
+        late = [(g, self._late(raw)) for (g, _), raw in zip(groups, self.param_groups)]
         grads = [self._gradients(ps) for _, ps in groups]
+        late_grads = [self._gradients(ps) for _, ps in late]
         # Before any collective that depends on them, the ranks agree on which
         # params train (else the exchanges would not match: gloo aborts the
         # process) and on skipping a non-finite step, in one tiny all-gather.
-        if self._skip_for_nonfinite(grads):
+        if self._skip_for_nonfinite(grads + late_grads):
             self._skipped_steps += 1
             self._end_window(t, stage, skipped=True)
             return loss
         if full:
             for i, gs in enumerate(grads):
                 self._average_(i, gs)
+        if not self._grads_averaged_externally:  # late joiners: full precision (late.py)
+            for i, gs in enumerate(late_grads):
+                self._average_(-1 - i, gs)
         self._grads_averaged_externally = False  # the DDP hook's promise covers one step
         self.counters["step"] = t
         self._update(t, groups, grads)
+        self._late_step(late, late_grads)
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and self._replicas_should_match(t)):
             self._check_replicas(t)
@@ -192,10 +200,11 @@ class OnebitOptimizer(RankAgreement, Checkpoints, torch.optim.Optimizer):
 
     # ------------------------------------------------------------- tensors --
     def _trainable(self, group) -> List[torch.Tensor]:
-        """The params this optimizer trains: those that require grad. A param
+        """The params this optimizer trains with its own stages: those that
+        require grad, less late joiners in their own warmup (late.py). A param
         whose .grad is None at a step counts as a zero gradient, so every rank
         flattens the same layout."""
-        return [p for p in group["params"] if p.requires_grad]
+        return [p for p in group["params"] if p.requires_grad and not self._is_late(p)]
 
     def _state_tensor(self, p: torch.Tensor, name: str) -> torch.Tensor:
         st = self.state[p]
@@ -516,6 +525,9 @@ class FreezeStepOptimizer(OnebitOptimizer):
 
     def _variance_frozen(self) -> bool:
         return self.compression_started()
+
+    def _warmup_length(self) -> int:
+        return self.freeze_step
 
     def stage(self) -> str:
         return "compression" if self.compression_started() else "warmup"

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.base import WIRE_FORMAT_VERSION
+from .late import LATE_KEY
 
 COUNTERS_KEY = "onebit"  # param_group[COUNTERS_KEY]: the counters that decide the stage
 STATE_KEY = "onebit"  # where checkpoints before DCP support kept them: state["onebit"]
@@ -137,7 +138,9 @@ class Checkpoints:
         sd = super().state_dict()
         for g in sd["param_groups"]:  # a copy per group: the saved dict must not follow training
             g[COUNTERS_KEY] = copy.deepcopy(g[COUNTERS_KEY])
-        staged = self._staged_state()
+        warm = self._warmup_length()
+        # A late joiner's own warmup count (late.py); "done" for everyone else.
+        staged = {LATE_KEY: (lambda p: warm, lambda step: True), **self._staged_state()}
         if staged:
             params = [p for g in self.param_groups for p in g["params"]]
             for key, st in sd["state"].items():

@@ -77,6 +77,13 @@ class OnebitLamb(FreezeStepOptimizer):
             if params:
                 (self._compressed_step if compress else self._warmup_step)(i, group, params, gs, t)
 
+    def _late_update(self, index, group, params, grads) -> None:
+        """A late joiner's own warmup (late.py): LAMB's warmup maths, one
+        param at a time, counted from its first step; its last step keeps its
+        variance as the fresh one, as freeze_step does for the rest."""
+        for p, g in zip(params, grads):
+            self._warmup_step(index, group, [p], [g], self.state[p]["late_steps"] + 1)
+
     def _warmup_step(self, i, group, params, gs, t) -> None:
         beta1, beta2 = group["betas"]
         m, v = self._moments(group, params, gs)
@@ -112,9 +119,11 @@ class OnebitLamb(FreezeStepOptimizer):
             if "exp_avg_sq_fresh" not in self.state[p]:
                 self.state[p]["exp_avg_sq_fresh"] = vi.clone()
         fresh = [self.state[p]["exp_avg_sq_fresh"] for p in params]
-        if "scaling_coeff" not in self.state[params[0]]:
+        if any("scaling_coeff" not in self.state[p] for p in params):
+            # The first compressed step; or late joiners just out of their warmup
+            # (late.py): they get their coefficient, the others keep theirs.
             for p, s in zip(params, F.lamb_momentum_scales(m)):
-                self.state[p]["scaling_coeff"] = s
+                self.state[p].setdefault("scaling_coeff", s)
         scaling = [self.state[p]["scaling_coeff"] for p in params]
         m_last = self._scratch("momentum before this step", i, m)
         torch._foreach_copy_(m_last, m)

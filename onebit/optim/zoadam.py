@@ -95,6 +95,9 @@ class ZeroOneAdam(OnebitOptimizer):
     def _variance_frozen(self) -> bool:
         return self.frozen()
 
+    def _warmup_length(self) -> int:
+        return self.var_freeze_step
+
     def stage(self) -> str:
         t = self.counters["step"] + 1
         if not self.frozen(t):
