@@ -177,7 +177,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, torch.optim.Optim
         """torch.optim's add_param_group, made safe for data parallelism: every
         rank must add the same group at the same step (checked, like the
         construction), and its params start from rank 0's values. A group
-        added after the freeze has v = 0: see the zero-variance guard."""
+        added after the variance froze gets its own warmup (late.py)."""
         super().add_param_group(param_group)
         if not hasattr(self, "_settings"):  # torch's __init__ adding the first groups
             return
