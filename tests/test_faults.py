@@ -81,7 +81,7 @@ def test_backend_names_the_phase_when_a_peer_dies():
 
 def _disagree(rank, world, what):
     import onebit
-    import onebit.optim.base as base
+    import onebit.optim.agreement as agreement
 
     params = _params()
     kw = {}
@@ -90,7 +90,7 @@ def _disagree(rank, world, what):
     if what == "shapes" and rank == 2:
         params = params[::-1]
     if what == "wire format" and rank == 0:
-        base.WIRE_FORMAT_VERSION = 99
+        agreement.WIRE_FORMAT_VERSION = 99  # where the fingerprint reads it
     if what == "backend" and rank == 1:
         from onebit.backends import CompressedBackend, register_backend
 
