@@ -286,5 +286,6 @@ def test_grad_scaler_skips_inf_step_and_leaves_state_untouched():
             for k in state["state"]:
                 if k != "onebit":
                     for name, t in state["state"][k].items():
-                        assert torch.equal(t, after["state"][k][name])
+                        got = after["state"][k][name]
+                        assert torch.equal(t, got) if torch.is_tensor(t) else t == got
     assert opt.counters["step"] == 4  # 5 calls, one skipped
