@@ -46,16 +46,39 @@ def default_timeout_s() -> float:
         raise ValueError(f"$ONEBIT_TIMEOUT_S must be a number of seconds > 0, got {raw!r}") from None
 
 
-def run(phase: str, start: Callable[[], "dist.Work"], timeout_s: Optional[float] = None,
-        group=None) -> None:
-    """Start an async collective with `start()` and wait for it, bounded."""
+class Pending:
+    """A started collective; `wait()` finishes it within the deadline or
+    raises CommunicationError naming the phase."""
+
+    def __init__(self, phase: str, work: "dist.Work", timeout_s: float, group) -> None:
+        self.phase, self.work, self.timeout_s, self.group = phase, work, timeout_s, group
+
+    def wait(self) -> None:
+        try:
+            self.work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise _failed(self.phase, self.timeout_s, self.group, exc) from exc
+
+
+def _failed(phase: str, t: float, group, exc: Exception) -> CommunicationError:
+    where = f"rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
+    return CommunicationError(
+        f"onebit: {phase} failed or did not finish within {t:g} s on {where}: {exc}. "
+        "A peer rank probably died, hung, or stopped calling step() in step with the "
+        "others")
+
+
+def start(phase: str, begin: Callable[[], "dist.Work"], timeout_s: Optional[float] = None,
+          group=None) -> Pending:
+    """Start an async collective with `begin()`; wait on the result, bounded."""
     t = default_timeout_s() if timeout_s is None else timeout_s
     try:
-        work = start()
-        work.wait(timeout=datetime.timedelta(seconds=t))
+        return Pending(phase, begin(), t, group)
     except RuntimeError as exc:
-        where = f"rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
-        raise CommunicationError(
-            f"onebit: {phase} failed or did not finish within {t:g} s on {where}: {exc}. "
-            "A peer rank probably died, hung, or stopped calling step() in step with the "
-            "others") from exc
+        raise _failed(phase, t, group, exc) from exc
+
+
+def run(phase: str, begin: Callable[[], "dist.Work"], timeout_s: Optional[float] = None,
+        group=None) -> None:
+    """Start an async collective with `begin()` and wait for it, bounded."""
+    start(phase, begin, timeout_s, group).wait()

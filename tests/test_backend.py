@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from allreduce_checks import SIZES, check_fused_rounds, check_rounds, make_inputs
+from allreduce_checks import ROUNDS, SIZES, check_fused_rounds, check_rounds, make_inputs
 from distributed import run_workers
-from reference import reference_round
+from reference import reference_round, served
 
 def _gloo_rounds(rank, p):
     import torch.distributed as dist
@@ -30,6 +30,68 @@ def _gloo_rounds(rank, p):
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_matches_reference_and_is_identical_on_every_rank(p):
     assert run_workers(_gloo_rounds, p, timeout=240) == [True] * p
+
+
+def _all_gather(p):
+    import torch.distributed as dist
+
+    def gather(t):
+        out = [torch.empty_like(t) for _ in range(p)]
+        dist.all_gather(out, t.contiguous())
+        return out
+    return gather
+
+
+def _pipelined_rounds(rank, p):
+    from onebit.backends import CompressedBackend
+
+    # Pieces of uneven unit counts (1000 is no multiple of B*p), down to one
+    # unit each for the smallest buffers.
+    backend = CompressedBackend(piece_size=1000)
+    for numel in (5, 77777, 1000003):
+        check_rounds(backend, rank, p, numel, _all_gather(p))
+    check_fused_rounds(backend, rank, p, _all_gather(p))
+    return True
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_pipelined_pieces_match_reference(p):
+    assert run_workers(_pipelined_rounds, p, timeout=240) == [True] * p
+
+
+def _pieces_change_no_bit(rank, p):
+    """The same rounds through one piece and through many: the same output
+    and worker error bits, and the same server error bits at every buffer
+    position (each piece is served by a different mix of ranks)."""
+    from onebit.backends import CompressedBackend
+
+    gather = _all_gather(p)
+    runs = {}
+    for piece in (0, 768, 5000, 1 << 14):
+        b = CompressedBackend(piece_size=piece, block_size=64)
+        layout = b.layout([3000, 7, 40000, 129])
+        assert len(layout.pieces) == (1 if piece == 0 else -(-layout.padded // piece))
+        werr, serr = torch.zeros(layout.padded), torch.zeros(layout.padded // p)
+        outs = []
+        for r in range(ROUNDS):
+            flat = make_inputs(rank, layout.numel, r)
+            b.compressed_allreduce(flat, werr, serr, layout=layout)
+            outs.append(flat)
+        at = torch.zeros(layout.padded)  # every rank's server error, at its buffer positions
+        for k, e in enumerate(gather(serr)):
+            at[torch.from_numpy(served(layout.padded, 64, p, piece, k))] = e
+        runs[piece] = (torch.stack(outs), werr, at)
+    first = runs[0]
+    for piece, run in runs.items():
+        for name, a, b in zip(("output", "worker error", "server error"), first, run):
+            assert torch.equal(a, b), f"piece_size={piece} changed the {name}"
+    assert first[2].abs().sum() > 0  # the server errors are not trivially equal
+    return True
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_pipelining_changes_no_bit(p):
+    assert run_workers(_pieces_change_no_bit, p, timeout=180) == [True] * p
 
 
 def _bf16_scales(rank, p):

@@ -1,11 +1,16 @@
 """The error-compensated 1-bit allreduce, written once.
 
 A backend supplies only how bytes move: `rank`, `size`, and two collectives
-on uint8 tensors,
+on uint8 tensors, each started without waiting and returning a handle whose
+`wait()` finishes it (so the next piece is compressed while this one is on
+the wire):
 
-  exchange(send[p, row], recv[p, row])   all-to-all: row k of send goes to
-                                         rank k, recv row i came from rank i;
-  gather(send[row], recv[p, row])        all-gather: recv row i is rank i's send.
+  start_exchange(send[p, row], recv[p, row])  all-to-all: row k of send goes
+                                              to rank k, recv row i came from rank i;
+  start_gather(send[row], recv[p, row])       all-gather: recv row i is rank i's send.
+
+A backend with only blocking collectives implements `exchange(send, recv)`
+and `gather(send, recv)` instead; the defaults of start_* call them.
 
 Everything else -- padding, validation, error feedback, the wire layout --
 lives here, so the maths cannot drift between torch.distributed, MPI or a
@@ -18,11 +23,20 @@ phases: s = ||x_block|| / sqrt(real elements of the block). A block that is
 all zero therefore stays exactly zero, with zero error, and every sign and
 scale decision is local to its block.
 
-Wire layout. Chunk k (elements [k*N/p, (k+1)*N/p)) travels as one message
-row: N/(8p) bytes of packed signs (DESIGN.md's bit order), then the scales of
-its N/(pB) blocks in block order, each a little-endian fp32 (4 bytes) or
-bf16 (2 bytes, the top half of the fp32) per `scale_dtype`. The signs and
-their scales travel in one collective per phase.
+Pipelining. The buffer is exchanged in pieces of about `piece_size`
+elements (layout.py): piece i+1 is compressed while piece i is on the wire,
+and piece i-1 is decoded as its all-gather arrives. A piece is handled
+exactly as a whole buffer of its size would be, and each block's maths is
+the same whichever piece holds it and whichever rank serves it, so the
+result does not depend on `piece_size` by a single bit.
+
+Wire layout. Within a piece of n elements, chunk k (elements [k*n/p,
+(k+1)*n/p) of the piece) travels as one message row: n/(8p) bytes of packed
+signs (DESIGN.md's bit order), then the scales of its n/(pB) blocks in block
+order, each a little-endian fp32 (4 bytes) or bf16 (2 bytes, the top half of
+the fp32) per `scale_dtype`. The signs and their scales travel in one
+collective per phase and piece. With one piece (buffers up to piece_size)
+this is the whole buffer's chunk k, as in v2 without pipelining.
 """
 from __future__ import annotations
 
@@ -38,6 +52,7 @@ from .stats import TrafficStats, fp32_allreduce_bytes
 
 WIRE_FORMAT_VERSION = 2
 DEFAULT_BLOCK_SIZE = 256
+DEFAULT_PIECE_SIZE = 1 << 21  # elements per pipelined piece (see README: pipelining)
 DEFAULT_SCALE_DTYPE = torch.float32
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -51,22 +66,39 @@ def padded_size(numel: int, world_size: int, block: int = DEFAULT_BLOCK_SIZE) ->
     return max(unit, (numel + unit - 1) // unit * unit)
 
 
+class _Piece:
+    """Message buffers of one pipelined piece, elements [lo, hi) of N."""
+
+    def __init__(self, lo: int, hi: int, layout: BlockLayout, scale_bytes: int,
+                 device: torch.device) -> None:
+        p = layout.world_size
+        self.lo, self.hi, self.chunk = lo, hi, (hi - lo) // p
+        self.chunk_bytes = self.chunk // 8
+        row = self.chunk_bytes + self.chunk // layout.block * scale_bytes
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.send, self.recv = torch.empty(p, row, **u8), torch.empty(p, row, **u8)
+        self.server_msg, self.gathered = torch.empty(row, **u8), torch.empty(p, row, **u8)
+
+
 class _Buffers:
     """Scratch for one layout, allocated once and reused every call."""
 
     def __init__(self, layout: BlockLayout, scale_dtype: torch.dtype, device: torch.device) -> None:
-        n, p, chunk = layout.padded, layout.world_size, layout.chunk
-        self.chunk_bytes = chunk // 8
-        self.chunk_blocks = chunk // layout.block
-        row = self.chunk_bytes + self.chunk_blocks * scale_dtype.itemsize
-        u8 = dict(dtype=torch.uint8, device=device)
-        self.worker_bits = torch.empty(n // 8, **u8)
-        self.send = torch.empty(p, row, **u8)
-        self.recv = torch.empty(p, row, **u8)
-        self.server_x = torch.empty(chunk, dtype=torch.float32, device=device)
-        self.server_msg = torch.empty(row, **u8)
-        self.gathered = torch.empty(p, row, **u8)
-        self.sumsq = torch.empty(n // layout.block, dtype=torch.float64, device=device)
+        n, block = layout.padded, layout.block
+        self.worker_bits = torch.empty(n // 8, dtype=torch.uint8, device=device)
+        self.sumsq = torch.empty(n // block, dtype=torch.float64, device=device)
+        self.server_x = torch.empty(layout.chunk, dtype=torch.float32, device=device)
+        self.server_sumsq = torch.empty(layout.chunk // block, dtype=torch.float64, device=device)
+        self.pieces = [_Piece(lo, hi, layout, scale_dtype.itemsize, device)
+                       for lo, hi in layout.pieces]
+        self.row_bytes = sum(pc.send.shape[1] for pc in self.pieces)
+
+
+class Finished:
+    """The handle of a collective that already finished."""
+
+    def wait(self) -> None:
+        pass
 
 
 class CompressedAllreduceBase:
@@ -81,13 +113,21 @@ class CompressedAllreduceBase:
         compensated like the signs are.
       check_finite: reject NaN/Inf in the buffer before any communication
         (one min/max reduction). Turn off only if the caller already checks.
+      piece_size: elements per pipelined piece (0: no pipelining). Smaller
+        pieces overlap more of the compression with the wire and cost one
+        more pair of collectives each. It never changes the result.
     """
 
     name = "base"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
-                 scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE, check_finite: bool = True) -> None:
+                 scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE, check_finite: bool = True,
+                 piece_size: int = DEFAULT_PIECE_SIZE) -> None:
         check_block_size(block_size)
+        if isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < 0:
+            raise ValueError(f"piece_size must be an int >= 0 (elements per pipelined piece, "
+                             f"0 for none), got {piece_size!r}")
+        self.piece_size = piece_size
         if scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
         self.block_size, self.scale_dtype = block_size, scale_dtype
@@ -106,11 +146,23 @@ class CompressedAllreduceBase:
     def size(self) -> int:
         raise NotImplementedError
 
+    def start_exchange(self, send: torch.Tensor, recv: torch.Tensor):
+        """Begin the all-to-all; returns a handle whose wait() finishes it."""
+        self.exchange(send, recv)
+        return Finished()
+
+    def start_gather(self, send: torch.Tensor, recv: torch.Tensor):
+        """Begin the all-gather; returns a handle whose wait() finishes it."""
+        self.gather(send, recv)
+        return Finished()
+
     def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} implements neither start_exchange "
+                                  "nor exchange")
 
     def gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} implements neither start_gather "
+                                  "nor gather")
 
     # ------------------------------------------------------------- helpers --
     def error_sizes(self, numel: int) -> Tuple[int, int]:
@@ -123,7 +175,7 @@ class CompressedAllreduceBase:
         """The tensor-aligned layout of a fused buffer holding tensors of
         `sizes` elements: flatten into `layout.views(flat, shapes)` of a
         zeroed buffer of `layout.numel`, size the errors by `layout.padded`."""
-        return BlockLayout(sizes, self.block_size, self.size)
+        return BlockLayout(sizes, self.block_size, self.size, piece=self.piece_size)
 
     def _validate(self, buffer_m, worker_error, server_error, layout) -> None:
         if not isinstance(buffer_m, torch.Tensor) or not buffer_m.is_floating_point():
@@ -171,9 +223,10 @@ class CompressedAllreduceBase:
         if key in self._agreed or self.size == 1:
             return
         mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
-                             stable_digest(list(layout.sizes))], dtype=torch.int64, device=device)
+                             stable_digest([list(layout.sizes), layout.pieces])],
+                            dtype=torch.int64, device=device)
         every = torch.empty(self.size, 4, dtype=torch.int64, device=device)
-        self.gather(mine.view(torch.uint8), every.view(torch.uint8).view(self.size, -1))
+        self.start_gather(mine.view(torch.uint8), every.view(torch.uint8).view(self.size, -1)).wait()
         rows = [tuple(r) for r in every.tolist()]
         if len(set(rows)) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size N, block size, "
@@ -187,7 +240,8 @@ class CompressedAllreduceBase:
             return layout
         cached = self._layouts.get((numel, n))
         if cached is None:
-            cached = self._layouts[(numel, n)] = BlockLayout([numel], self.block_size, self.size, n)
+            cached = self._layouts[(numel, n)] = BlockLayout([numel], self.block_size, self.size, n,
+                                                             piece=self.piece_size)
         return cached
 
     def _scales(self, sumsq: torch.Tensor, counts: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
@@ -212,7 +266,8 @@ class CompressedAllreduceBase:
 
         buffer_m: any float dtype and shape, numel <= N. worker_error: fp32 [N],
         N = error_sizes(numel)[0] (a multiple of block_size * p). server_error:
-        fp32 [N/p]. Both errors are updated in place. The result is written
+        fp32 [N/p] (this rank's chunk of each pipelined piece, in piece
+        order). Both errors are updated in place. The result is written
         into `buffer_m` (and returned): the same bits on every rank.
         layout: for a fused buffer of several tensors, `self.layout(sizes)`;
         buffer_m then has layout.numel elements, its pad positions are
@@ -235,51 +290,83 @@ class CompressedAllreduceBase:
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = _Buffers(layout, self.scale_dtype, device)
-        cb, chunk, block = buf.chunk_bytes, layout.chunk, layout.block
+        block = layout.block
         pads = layout.pads(device)
 
-        # Worker: compensate, compress each block, send chunk k (+ its block
-        # scales) to rank k. `src` is buffer_m itself when it is contiguous
-        # fp32, else one fp32 copy; either way it receives the result.
+        # `src` is buffer_m itself when it is contiguous fp32, else one fp32
+        # copy; either way it receives the result.
         inplace = buffer_m.dtype == torch.float32 and buffer_m.is_contiguous()
         src = buffer_m.detach().view(-1) if inplace else buffer_m.detach().reshape(-1).float()
         inner_pads = pads[:layout.inner_pads]  # the gaps between tensors
         src.index_fill_(0, inner_pads, 0.0)
         worker_error.index_fill_(0, pads, 0.0)  # errors a caller left there would skew the scales
-        ops.compensate(src, worker_error, buf.sumsq, block)
-        scales = self._scales(buf.sumsq, layout.counts(device), buf.send[:, cb:])
-        ops.pack_error(worker_error, scales, block, buf.worker_bits)
+        numel = src.numel()
+
+        def worker(pc: _Piece) -> None:
+            """Compensate, compress each block, put chunk k (+ its block scales) in row k."""
+            lo, hi, cb = pc.lo, pc.hi, pc.chunk_bytes
+            err, sumsq = worker_error[lo:hi], buf.sumsq[lo // block:hi // block]
+            ops.compensate(src[lo:max(lo, min(hi, numel))], err, sumsq, block)
+            scales = self._scales(sumsq, layout.counts(device, lo, hi), pc.send[:, cb:])
+            bits = buf.worker_bits[lo // 8:hi // 8]
+            ops.pack_error(err, scales, block, bits)
+            pc.send[:, :cb].copy_(bits.view(p, cb))
+
+        def server(pc: _Piece) -> None:
+            """Serve this rank's chunk of the piece: average the p decoded
+            chunks, compensate, compress into the all-gather message."""
+            n, cb, off = pc.chunk, pc.chunk_bytes, pc.lo // p
+            mine = pc.lo + rank * n
+            my_pads = layout.pads(device, mine, mine + n)
+            x, err = buf.server_x[off:off + n], server_error[off:off + n]
+            sumsq = buf.server_sumsq[off // block:(off + n) // block]
+            ops.decode_mean(pc.recv, self._received_scales(pc.recv, cb), n, x, block)
+            x.index_fill_(0, my_pads, 0.0)
+            err.index_fill_(0, my_pads, 0.0)
+            ops.compensate(x, err, sumsq, block)
+            scales = self._scales(sumsq, layout.counts(device, mine, mine + n), pc.server_msg[cb:])
+            ops.pack_error(err, scales, block, pc.server_msg[:cb])
+            err.index_fill_(0, my_pads, 0.0)
+
+        def decode(pc: _Piece) -> None:
+            """Everyone decodes the same gathered bits and scales: identical output."""
+            scales = self._received_scales(pc.gathered, pc.chunk_bytes)
+            for k in range(p):
+                lo = pc.lo + k * pc.chunk
+                hi = min(lo + pc.chunk, numel)
+                if lo < hi:
+                    ops.decode_mean(pc.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
+                                    hi - lo, src[lo:hi], block)
+
+        # The pipeline: while piece i's all-to-all is on the wire, piece i+1
+        # is compressed; piece i-1's all-gather flies while piece i is served.
+        comm_s, pieces, exchanging, gathering = 0.0, buf.pieces, {}, {}
+
+        def on_wire(call, *args):  # starting and waiting count as communication time
+            nonlocal comm_s
+            t = time.perf_counter()
+            result = call(*args)
+            comm_s += time.perf_counter() - t
+            return result
+
+        for i in range(len(pieces) + 2):
+            if i < len(pieces):
+                worker(pieces[i])
+                exchanging[i] = on_wire(self.start_exchange, pieces[i].send, pieces[i].recv)
+            if 1 <= i <= len(pieces):
+                on_wire(exchanging.pop(i - 1).wait)
+                server(pieces[i - 1])
+                gathering[i - 1] = on_wire(self.start_gather, pieces[i - 1].server_msg,
+                                           pieces[i - 1].gathered)
+            if i >= 2:
+                on_wire(gathering.pop(i - 2).wait)
+                decode(pieces[i - 2])
         worker_error.index_fill_(0, pads, 0.0)
-        buf.send[:, :cb].copy_(buf.worker_bits.view(p, cb))
-        on_wire = time.perf_counter()
-        self.exchange(buf.send, buf.recv)
-        comm_s = time.perf_counter() - on_wire
-
-        # Server for chunk `rank`: average the p decoded chunks, compensate, compress.
-        my_pads, sumsq = layout.pads(device, rank), buf.sumsq[:buf.chunk_blocks]
-        ops.decode_mean(buf.recv, self._received_scales(buf.recv, cb), chunk, buf.server_x, block)
-        buf.server_x.index_fill_(0, my_pads, 0.0)
-        server_error.index_fill_(0, my_pads, 0.0)
-        ops.compensate(buf.server_x, server_error, sumsq, block)
-        scales = self._scales(sumsq, layout.counts(device, rank), buf.server_msg[cb:])
-        ops.pack_error(server_error, scales, block, buf.server_msg[:cb])
-        server_error.index_fill_(0, my_pads, 0.0)
-        on_wire = time.perf_counter()
-        self.gather(buf.server_msg, buf.gathered)
-        comm_s += time.perf_counter() - on_wire
-
-        # Everyone decodes the same gathered bits and scales: identical output.
-        scales, numel = self._received_scales(buf.gathered, cb), src.numel()
-        for k in range(p):
-            lo, hi = k * chunk, min((k + 1) * chunk, numel)
-            if lo < hi:
-                ops.decode_mean(buf.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
-                                hi - lo, src[lo:hi], block)
         src.index_fill_(0, inner_pads, 0.0)
         if not inplace:
             buffer_m.detach().copy_(src.view(buffer_m.shape))
         # Phase 1 sends p - 1 rows of the all-to-all, phase 2 one row to p - 1 peers.
-        moved = (p - 1) * (buf.send.shape[1] + buf.server_msg.numel())
+        moved = (p - 1) * 2 * buf.row_bytes
         self.stats.add(moved, moved, fp32_allreduce_bytes(sum(layout.sizes), p), comm_s,
                        time.perf_counter() - started - comm_s)
         return buffer_m

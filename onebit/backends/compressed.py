@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase
+from .base import (DEFAULT_BLOCK_SIZE, DEFAULT_PIECE_SIZE, DEFAULT_SCALE_DTYPE,
+                   CompressedAllreduceBase, Finished)
 
 
 class CompressedBackend(CompressedAllreduceBase):
@@ -17,7 +18,7 @@ class CompressedBackend(CompressedAllreduceBase):
     Args:
       group: the data-parallel process group (default: the world). Chunk k of
         the buffer is served by rank k *of this group*.
-      block_size, scale_dtype, check_finite: see CompressedAllreduceBase.
+      block_size, scale_dtype, check_finite, piece_size: see CompressedAllreduceBase.
       timeout_s: deadline of each collective (default $ONEBIT_TIMEOUT_S or
         300 s); past it, or when a peer dies, CommunicationError names the phase.
     """
@@ -26,8 +27,10 @@ class CompressedBackend(CompressedAllreduceBase):
 
     def __init__(self, group=None, check_finite: bool = True,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE) -> None:
-        super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite)
+                 scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
+                 piece_size: int = DEFAULT_PIECE_SIZE) -> None:
+        super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite,
+                         piece_size=piece_size)
         self.timeout_s = collectives.check_timeout(timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CompressedBackend needs torch.distributed initialised "
@@ -44,20 +47,20 @@ class CompressedBackend(CompressedAllreduceBase):
     def size(self) -> int:
         return self._size
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def start_exchange(self, send: torch.Tensor, recv: torch.Tensor):
         if self._size == 1:
             recv.copy_(send)
-        else:
-            collectives.run("compressed_allreduce phase 1 (all-to-all of worker signs)",
-                            lambda: dist.all_to_all_single(recv, send, group=self.group,
-                                                           async_op=True),
-                            self.timeout_s, self.group)
+            return Finished()
+        return collectives.start("compressed_allreduce phase 1 (all-to-all of worker signs)",
+                                 lambda: dist.all_to_all_single(recv, send, group=self.group,
+                                                                async_op=True),
+                                 self.timeout_s, self.group)
 
-    def gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def start_gather(self, send: torch.Tensor, recv: torch.Tensor):
         if self._size == 1:
             recv.view(-1).copy_(send.view(-1))
-        else:
-            collectives.run("compressed_allreduce all-gather (server signs / sizes)",
-                            lambda: collectives.all_gather_flat(recv.view(-1), send.view(-1), group=self.group,
-                                                async_op=True),
-                            self.timeout_s, self.group)
+            return Finished()
+        return collectives.start("compressed_allreduce all-gather (server signs / sizes)",
+                                 lambda: collectives.all_gather_flat(
+                                     recv.view(-1), send.view(-1), group=self.group, async_op=True),
+                                 self.timeout_s, self.group)

@@ -10,6 +10,14 @@ embedding, and a block whose input is all zero stays exactly zero.
   layout.numel        where the last tensor ends: the fused buffer's length
   layout.padded       N: a multiple of block * p, the worker error's size
   layout.counts       real elements in each of the N / block blocks
+  layout.pieces       the pipelined pieces: (lo, hi) element ranges of N
+
+Pieces (pipelining). N is cut into pieces of whole units of block * p
+elements, about `piece` elements each. Each piece is exchanged on its own,
+as if it were the whole buffer: its chunk k is served by rank k. A rank's
+server error therefore holds, piece after piece, its chunk of each piece.
+Because every sign and scale is decided per block, the pieces change who
+serves a block, never the bits of the result.
 
 The positions that hold no element (`pads`: past a tensor's end up to the
 next block boundary, and the padding up to N) are ignored on input, keep no
@@ -33,11 +41,12 @@ class BlockLayout:
 
     sizes: numel of each tensor, in buffer order. padded: N, if the caller
     already has error buffers of that size (a multiple of block * world_size,
-    at least `numel`); default the smallest such N.
+    at least `numel`); default the smallest such N. piece: elements per
+    pipelined piece (0: one piece, the whole buffer).
     """
 
     def __init__(self, sizes: Sequence[int], block: int, world_size: int,
-                 padded: Optional[int] = None) -> None:
+                 padded: Optional[int] = None, piece: int = 0) -> None:
         check_block_size(block)
         self.sizes = [int(s) for s in sizes]
         self.block, self.world_size = block, world_size
@@ -53,6 +62,10 @@ class BlockLayout:
             raise ValueError(f"a padded size of {self.padded} does not fit this layout: it needs "
                              f"a multiple of block_size*world_size={unit} that is at least {end}")
         self.chunk = self.padded // world_size
+        units = self.padded // unit
+        count = min(units, max(1, -(-self.padded // piece))) if piece > 0 else 1
+        self.pieces: List[Tuple[int, int]] = [
+            (j * units // count * unit, (j + 1) * units // count * unit) for j in range(count)]
         real = torch.zeros(self.padded, dtype=torch.bool)
         for off, s in zip(self.offsets, self.sizes):
             real[off:off + s] = True
@@ -60,36 +73,33 @@ class BlockLayout:
         self._counts = counts.clamp_min_(1.0)  # an empty block has sum 0: any divisor gives 0
         self._pads = (~real).nonzero().view(-1)  # ascending
         self.inner_pads = int((self._pads < self.numel).sum())  # a prefix: pads ascend
-        self._on: Dict[Tuple[str, torch.device, int], torch.Tensor] = {}
+        self._on: Dict[Tuple[str, torch.device, tuple], torch.Tensor] = {}
 
     @property
     def key(self) -> tuple:
         """What two ranks must agree on for their messages to line up."""
-        return (self.padded, self.block, tuple(self.sizes))
+        split = (len(self.pieces),) if len(self.pieces) > 1 else ()  # v2's key when unsplit
+        return (self.padded, self.block, tuple(self.sizes)) + split
 
-    def _cached(self, name: str, device: torch.device, k: int, make) -> torch.Tensor:
+    def _cached(self, name: str, device: torch.device, k: tuple, make) -> torch.Tensor:
         t = self._on.get((name, device, k))
         if t is None:
             t = self._on[(name, device, k)] = make().to(device)
         return t
 
-    def counts(self, device: torch.device, chunk: Optional[int] = None) -> torch.Tensor:
-        """float64 real-element counts (at least 1) per block: all N / block,
-        or those of chunk `chunk` (the blocks rank `chunk` serves)."""
-        if chunk is None:
-            return self._cached("counts", device, -1, lambda: self._counts)
-        per = self.chunk // self.block
-        return self._cached("counts", device, chunk,
-                            lambda: self._counts[chunk * per:(chunk + 1) * per].clone())
+    def counts(self, device: torch.device, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
+        """float64 real-element counts (at least 1) of the blocks in elements
+        [lo, hi) (default: all N / block); lo and hi on block boundaries."""
+        hi = self.padded if hi is None else hi
+        return self._cached("counts", device, (lo, hi),
+                            lambda: self._counts[lo // self.block:hi // self.block].clone())
 
-    def pads(self, device: torch.device, chunk: Optional[int] = None) -> torch.Tensor:
-        """int64 pad positions: in the whole buffer, or within chunk `chunk`
-        (relative to its start)."""
-        if chunk is None:
-            return self._cached("pads", device, -1, lambda: self._pads)
-        lo = chunk * self.chunk
-        return self._cached("pads", device, chunk, lambda: self._pads[
-            (self._pads >= lo) & (self._pads < lo + self.chunk)] - lo)
+    def pads(self, device: torch.device, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
+        """int64 pad positions in elements [lo, hi) (default: the whole
+        buffer), relative to lo, ascending."""
+        hi = self.padded if hi is None else hi
+        return self._cached("pads", device, (lo, hi), lambda: self._pads[
+            (self._pads >= lo) & (self._pads < hi)] - lo)
 
     def views(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
         """Each tensor's place in `flat`, shaped like it."""

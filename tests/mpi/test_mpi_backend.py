@@ -33,6 +33,16 @@ def test_mpi_fused_tensor_aligned_blocks_match_reference(backend):
     check_fused_rounds(backend, COMM.Get_rank(), COMM.Get_size(), mpi_gather)
 
 
+def test_mpi_pipelined_pieces_match_reference():
+    """Ialltoall / Iallgather per piece, several in flight at once."""
+    from onebit.backends import MpiBackend
+
+    b = MpiBackend(piece_size=1000)
+    for numel in (5, 77777):
+        check_rounds(b, COMM.Get_rank(), COMM.Get_size(), numel, mpi_gather)
+    check_fused_rounds(b, COMM.Get_rank(), COMM.Get_size(), mpi_gather)
+
+
 def test_mpi_bad_inputs_raise_and_change_nothing(backend):
     p = backend.size
     m = torch.randn(100)
