@@ -12,12 +12,6 @@ The maths, for p ranks, tensors t_1..t_m and block size B:
 - rank k serves positions [k*N/p, (k+1)*N/p): c = mean_i q_i + server error,
   compressed the same way (per block, real positions only);
 - every rank's output is the concatenation of the p compressed chunks.
-
-Pipelining (README, "Pipelining"): with a piece size P > 0, N is cut into
-U = N/(B*p) units of B*p positions, grouped into J = min(U, ceil(N/P))
-pieces, piece j holding units [j*U//J, (j+1)*U//J). Each piece is served as
-if it were the whole buffer: rank k serves the k-th p-th of every piece, and
-its server error lists those positions piece after piece.
 """
 import numpy as np
 
@@ -41,18 +35,6 @@ def placement(sizes, block, p):
     return offsets, n, real
 
 
-def served(n, block, p, piece, k):
-    """The buffer positions rank k serves, in the order of its server error."""
-    units = n // (block * p)
-    count = min(units, max(1, -(-n // piece))) if piece > 0 else 1
-    out = []
-    for j in range(count):
-        lo, hi = j * units // count * block * p, (j + 1) * units // count * block * p
-        share = (hi - lo) // p
-        out.append(np.arange(lo + k * share, lo + (k + 1) * share))
-    return np.concatenate(out)
-
-
 def compress(x, real, block, round_scale):
     """(q, new error, scales) of x, one scale per block over its real positions."""
     xb, rb = x.reshape(-1, block), real.reshape(-1, block)
@@ -63,15 +45,13 @@ def compress(x, real, block, round_scale):
     return q, np.where(real, x - q, 0.0), s
 
 
-def reference_round(tensors, worker_errors, server_errors, block, round_scale=lambda s: s,
-                    piece=0):
+def reference_round(tensors, worker_errors, server_errors, block, round_scale=lambda s: s):
     """One compressed allreduce across p simulated ranks.
 
     tensors: p lists (one per rank) of 1-D arrays, the same sizes on every rank.
     worker_errors: p arrays of N; server_errors: p arrays of N/p.
     round_scale: what the wire does to a scale (identity for fp32 within the
-    tests' tolerance; bf16 rounding for 16-bit scales). piece: the backend's
-    piece_size (which positions each rank's server error holds).
+    tests' tolerance; bf16 rounding for 16-bit scales).
     Returns (outputs: one array per tensor, new worker_errors, new
     server_errors, server_values[N]) where server_values holds each chunk's
     compensated value c (the tests skip positions whose sign is a coin toss).
@@ -80,6 +60,7 @@ def reference_round(tensors, worker_errors, server_errors, block, round_scale=la
     sizes = [len(t) for t in tensors[0]]
     offsets, n, real = placement(sizes, block, p)
     assert len(worker_errors[0]) == n, (len(worker_errors[0]), n)
+    chunk = n // p
     qs, new_w = [], []
     for i in range(p):
         x = worker_errors[i].copy()
@@ -90,7 +71,7 @@ def reference_round(tensors, worker_errors, server_errors, block, round_scale=la
         new_w.append(err)
     out, new_s, server_values = np.zeros(n), [], np.zeros(n)
     for k in range(p):
-        part = served(n, block, p, piece, k)
+        part = slice(k * chunk, (k + 1) * chunk)
         c = np.mean([q[part] for q in qs], axis=0) + server_errors[k]
         c = np.where(real[part], c, 0.0)
         q, err, _ = compress(c, real[part], block, round_scale)

@@ -6,7 +6,7 @@ import torch
 
 from allreduce_checks import ROUNDS, SIZES, check_fused_rounds, check_rounds, make_inputs
 from distributed import run_workers
-from reference import reference_round, served
+from reference import reference_round
 
 def _gloo_rounds(rank, p):
     import torch.distributed as dist
@@ -60,32 +60,34 @@ def test_pipelined_pieces_match_reference(p):
 
 
 def _pieces_change_no_bit(rank, p):
-    """The same rounds through one piece and through many: the same output
-    and worker error bits, and the same server error bits at every buffer
-    position (each piece is served by a different mix of ranks)."""
-    from onebit.backends import CompressedBackend
+    """The same rounds through one piece, through many, and with the piece
+    count tuned on the fly (switching between calls): the same output and
+    error bits. The tuner ends with one choice on every rank."""
+    from onebit.backends import CompressedBackend, pipeline
 
+    pipeline.PIECE_SIZE = 4096  # so the tuner has two schedules for this small buffer
     gather = _all_gather(p)
     runs = {}
-    for piece in (0, 768, 5000, 1 << 14):
+    for piece in (0, 768, 5000, 1 << 14, None):
         b = CompressedBackend(piece_size=piece, block_size=64)
         layout = b.layout([3000, 7, 40000, 129])
-        assert len(layout.pieces) == (1 if piece == 0 else -(-layout.padded // piece))
+        if piece in (768, 5000):
+            assert b.pipeline.count(layout.key, layout.padded, p) > 1
         werr, serr = torch.zeros(layout.padded), torch.zeros(layout.padded // p)
         outs = []
-        for r in range(ROUNDS):
+        for r in range(12):  # the tuner decides after 2 + 2 * TRIALS calls
             flat = make_inputs(rank, layout.numel, r)
             b.compressed_allreduce(flat, werr, serr, layout=layout)
             outs.append(flat)
-        at = torch.zeros(layout.padded)  # every rank's server error, at its buffer positions
-        for k, e in enumerate(gather(serr)):
-            at[torch.from_numpy(served(layout.padded, 64, p, piece, k))] = e
-        runs[piece] = (torch.stack(outs), werr, at)
+        runs[piece] = (torch.stack(outs), werr, serr)
+        if piece is None:
+            chosen = b.pipeline.chosen[layout.key]
+            assert [int(c) for c in gather(torch.tensor([chosen]))] == [chosen] * p
     first = runs[0]
     for piece, run in runs.items():
         for name, a, b in zip(("output", "worker error", "server error"), first, run):
             assert torch.equal(a, b), f"piece_size={piece} changed the {name}"
-    assert first[2].abs().sum() > 0  # the server errors are not trivially equal
+    assert first[2].abs().sum() > 0
     return True
 
 

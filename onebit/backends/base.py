@@ -23,20 +23,14 @@ phases: s = ||x_block|| / sqrt(real elements of the block). A block that is
 all zero therefore stays exactly zero, with zero error, and every sign and
 scale decision is local to its block.
 
-Pipelining. The buffer is exchanged in pieces of about `piece_size`
-elements (layout.py): piece i+1 is compressed while piece i is on the wire,
-and piece i-1 is decoded as its all-gather arrives. A piece is handled
-exactly as a whole buffer of its size would be, and each block's maths is
-the same whichever piece holds it and whichever rank serves it, so the
-result does not depend on `piece_size` by a single bit.
-
-Wire layout. Within a piece of n elements, chunk k (elements [k*n/p,
-(k+1)*n/p) of the piece) travels as one message row: n/(8p) bytes of packed
-signs (DESIGN.md's bit order), then the scales of its n/(pB) blocks in block
-order, each a little-endian fp32 (4 bytes) or bf16 (2 bytes, the top half of
-the fp32) per `scale_dtype`. The signs and their scales travel in one
-collective per phase and piece. With one piece (buffers up to piece_size)
-this is the whole buffer's chunk k, as in v2 without pipelining.
+Wire layout. Chunk k (elements [k*N/p, (k+1)*N/p)) is served by rank k.
+It travels as one message row per pipelined piece (pipeline.py: piece j is
+the same block-aligned sub-range j of every chunk; one piece unless the
+buffer is large): the piece's packed signs (DESIGN.md's bit order), then the
+scales of its blocks in block order, each a little-endian fp32 (4 bytes) or
+bf16 (2 bytes, the top half of the fp32) per `scale_dtype`. The signs and
+their scales travel in one collective per phase and piece. The piece count
+is a schedule only: it changes no bit of the result or of the errors.
 """
 from __future__ import annotations
 
@@ -48,11 +42,11 @@ import torch
 
 from .. import ops
 from .layout import BlockLayout, check_block_size
+from .pipeline import PieceTuner, piece_ranges
 from .stats import TrafficStats, fp32_allreduce_bytes
 
 WIRE_FORMAT_VERSION = 2
 DEFAULT_BLOCK_SIZE = 256
-DEFAULT_PIECE_SIZE = 1 << 21  # elements per pipelined piece (see README: pipelining)
 DEFAULT_SCALE_DTYPE = torch.float32
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -67,14 +61,13 @@ def padded_size(numel: int, world_size: int, block: int = DEFAULT_BLOCK_SIZE) ->
 
 
 class _Piece:
-    """Message buffers of one pipelined piece, elements [lo, hi) of N."""
+    """Message buffers of one pipelined piece: elements [a, b) of every chunk."""
 
-    def __init__(self, lo: int, hi: int, layout: BlockLayout, scale_bytes: int,
+    def __init__(self, a: int, b: int, p: int, block: int, scale_bytes: int,
                  device: torch.device) -> None:
-        p = layout.world_size
-        self.lo, self.hi, self.chunk = lo, hi, (hi - lo) // p
-        self.chunk_bytes = self.chunk // 8
-        row = self.chunk_bytes + self.chunk // layout.block * scale_bytes
+        self.a, self.b = a, b
+        self.chunk_bytes = (b - a) // 8
+        row = self.chunk_bytes + (b - a) // block * scale_bytes
         u8 = dict(dtype=torch.uint8, device=device)
         self.send, self.recv = torch.empty(p, row, **u8), torch.empty(p, row, **u8)
         self.server_msg, self.gathered = torch.empty(row, **u8), torch.empty(p, row, **u8)
@@ -85,13 +78,22 @@ class _Buffers:
 
     def __init__(self, layout: BlockLayout, scale_dtype: torch.dtype, device: torch.device) -> None:
         n, block = layout.padded, layout.block
-        self.worker_bits = torch.empty(n // 8, dtype=torch.uint8, device=device)
+        self.layout, self.scale_dtype, self.device = layout, scale_dtype, device
         self.sumsq = torch.empty(n // block, dtype=torch.float64, device=device)
         self.server_x = torch.empty(layout.chunk, dtype=torch.float32, device=device)
         self.server_sumsq = torch.empty(layout.chunk // block, dtype=torch.float64, device=device)
-        self.pieces = [_Piece(lo, hi, layout, scale_dtype.itemsize, device)
-                       for lo, hi in layout.pieces]
-        self.row_bytes = sum(pc.send.shape[1] for pc in self.pieces)
+        self._pieces: Dict[int, list] = {}
+        # Message bytes per rank and phase: the same for any piece count.
+        self.row_bytes = layout.chunk // 8 + layout.chunk // block * scale_dtype.itemsize
+
+    def pieces(self, count: int) -> list:
+        made = self._pieces.get(count)
+        if made is None:
+            lay = self.layout
+            made = self._pieces[count] = [
+                _Piece(a, b, lay.world_size, lay.block, self.scale_dtype.itemsize, self.device)
+                for a, b in piece_ranges(lay.chunk, lay.block, count)]
+        return made
 
 
 class Finished:
@@ -113,20 +115,18 @@ class CompressedAllreduceBase:
         compensated like the signs are.
       check_finite: reject NaN/Inf in the buffer before any communication
         (one min/max reduction). Turn off only if the caller already checks.
-      piece_size: elements per pipelined piece (0: no pipelining). Smaller
-        pieces overlap more of the compression with the wire and cost one
-        more pair of collectives each. It never changes the result.
+      piece_size: elements per pipelined piece; 0: no pipelining; None (the
+        default): time both on the first calls of each layout and keep the
+        faster (pipeline.py). It never changes a bit of the result.
     """
 
     name = "base"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE, check_finite: bool = True,
-                 piece_size: int = DEFAULT_PIECE_SIZE) -> None:
+                 piece_size: Optional[int] = None) -> None:
         check_block_size(block_size)
-        if isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < 0:
-            raise ValueError(f"piece_size must be an int >= 0 (elements per pipelined piece, "
-                             f"0 for none), got {piece_size!r}")
+        self.pipeline = PieceTuner(piece_size)
         self.piece_size = piece_size
         if scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
@@ -175,7 +175,7 @@ class CompressedAllreduceBase:
         """The tensor-aligned layout of a fused buffer holding tensors of
         `sizes` elements: flatten into `layout.views(flat, shapes)` of a
         zeroed buffer of `layout.numel`, size the errors by `layout.padded`."""
-        return BlockLayout(sizes, self.block_size, self.size, piece=self.piece_size)
+        return BlockLayout(sizes, self.block_size, self.size)
 
     def _validate(self, buffer_m, worker_error, server_error, layout) -> None:
         if not isinstance(buffer_m, torch.Tensor) or not buffer_m.is_floating_point():
@@ -223,7 +223,7 @@ class CompressedAllreduceBase:
         if key in self._agreed or self.size == 1:
             return
         mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
-                             stable_digest([list(layout.sizes), layout.pieces])],
+                             stable_digest(list(layout.sizes))],
                             dtype=torch.int64, device=device)
         every = torch.empty(self.size, 4, dtype=torch.int64, device=device)
         self.start_gather(mine.view(torch.uint8), every.view(torch.uint8).view(self.size, -1)).wait()
@@ -235,13 +235,19 @@ class CompressedAllreduceBase:
                                  for r, v in enumerate(rows)) + "; every rank must pass the same")
         self._agreed.add(key)
 
+    def _share(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's copy of the small tensor `t`, stacked (an all-gather)."""
+        every = torch.empty((self.size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        self.start_gather(t.contiguous().view(torch.uint8).view(-1),
+                          every.view(torch.uint8).view(self.size, -1)).wait()
+        return every
+
     def _layout_for(self, numel: int, n: int, layout: Optional[BlockLayout]) -> BlockLayout:
         if layout is not None:
             return layout
         cached = self._layouts.get((numel, n))
         if cached is None:
-            cached = self._layouts[(numel, n)] = BlockLayout([numel], self.block_size, self.size, n,
-                                                             piece=self.piece_size)
+            cached = self._layouts[(numel, n)] = BlockLayout([numel], self.block_size, self.size, n)
         return cached
 
     def _scales(self, sumsq: torch.Tensor, counts: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
@@ -266,8 +272,7 @@ class CompressedAllreduceBase:
 
         buffer_m: any float dtype and shape, numel <= N. worker_error: fp32 [N],
         N = error_sizes(numel)[0] (a multiple of block_size * p). server_error:
-        fp32 [N/p] (this rank's chunk of each pipelined piece, in piece
-        order). Both errors are updated in place. The result is written
+        fp32 [N/p]. Both errors are updated in place. The result is written
         into `buffer_m` (and returned): the same bits on every rank.
         layout: for a fused buffer of several tensors, `self.layout(sizes)`;
         buffer_m then has layout.numel elements, its pad positions are
@@ -302,29 +307,39 @@ class CompressedAllreduceBase:
         worker_error.index_fill_(0, pads, 0.0)  # errors a caller left there would skew the scales
         numel = src.numel()
 
+        chunk = layout.chunk
+        count = self.pipeline.count(layout.key, layout.padded, p)
+        sumsq_rows = buf.sumsq.view(p, chunk // block)  # [rank k's chunk, block]
+        counts_rows = layout.counts(device).view(p, chunk // block)
+
         def worker(pc: _Piece) -> None:
-            """Compensate, compress each block, put chunk k (+ its block scales) in row k."""
-            lo, hi, cb = pc.lo, pc.hi, pc.chunk_bytes
-            err, sumsq = worker_error[lo:hi], buf.sumsq[lo // block:hi // block]
-            ops.compensate(src[lo:max(lo, min(hi, numel))], err, sumsq, block)
-            scales = self._scales(sumsq, layout.counts(device, lo, hi), pc.send[:, cb:])
-            bits = buf.worker_bits[lo // 8:hi // 8]
-            ops.pack_error(err, scales, block, bits)
-            pc.send[:, :cb].copy_(bits.view(p, cb))
+            """Compensate and compress elements [a, b) of every chunk k, into row k."""
+            a, b, cb = pc.a, pc.b, pc.chunk_bytes
+            for k in range(p):
+                lo = k * chunk
+                ops.compensate(src[lo + a:max(lo + a, min(lo + b, numel))],
+                               worker_error[lo + a:lo + b], sumsq_rows[k, a // block:b // block],
+                               block)
+            cols = slice(a // block, b // block)
+            scales = self._scales(sumsq_rows[:, cols], counts_rows[:, cols], pc.send[:, cb:])
+            for k in range(p):
+                ops.pack_error(worker_error[k * chunk + a:k * chunk + b], scales[k], block,
+                               pc.send[k, :cb])
 
         def server(pc: _Piece) -> None:
-            """Serve this rank's chunk of the piece: average the p decoded
-            chunks, compensate, compress into the all-gather message."""
-            n, cb, off = pc.chunk, pc.chunk_bytes, pc.lo // p
-            mine = pc.lo + rank * n
-            my_pads = layout.pads(device, mine, mine + n)
-            x, err = buf.server_x[off:off + n], server_error[off:off + n]
-            sumsq = buf.server_sumsq[off // block:(off + n) // block]
-            ops.decode_mean(pc.recv, self._received_scales(pc.recv, cb), n, x, block)
+            """Serve [a, b) of this rank's chunk: average the p decoded rows,
+            compensate, compress into the all-gather message."""
+            a, b, cb = pc.a, pc.b, pc.chunk_bytes
+            mine = rank * chunk
+            my_pads = layout.pads(device, mine + a, mine + b)
+            x, err = buf.server_x[a:b], server_error[a:b]
+            sumsq = buf.server_sumsq[a // block:b // block]
+            ops.decode_mean(pc.recv, self._received_scales(pc.recv, cb), b - a, x, block)
             x.index_fill_(0, my_pads, 0.0)
             err.index_fill_(0, my_pads, 0.0)
             ops.compensate(x, err, sumsq, block)
-            scales = self._scales(sumsq, layout.counts(device, mine, mine + n), pc.server_msg[cb:])
+            scales = self._scales(sumsq, layout.counts(device, mine + a, mine + b),
+                                  pc.server_msg[cb:])
             ops.pack_error(err, scales, block, pc.server_msg[:cb])
             err.index_fill_(0, my_pads, 0.0)
 
@@ -332,15 +347,15 @@ class CompressedAllreduceBase:
             """Everyone decodes the same gathered bits and scales: identical output."""
             scales = self._received_scales(pc.gathered, pc.chunk_bytes)
             for k in range(p):
-                lo = pc.lo + k * pc.chunk
-                hi = min(lo + pc.chunk, numel)
+                lo = k * chunk + pc.a
+                hi = min(k * chunk + pc.b, numel)
                 if lo < hi:
                     ops.decode_mean(pc.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
                                     hi - lo, src[lo:hi], block)
 
         # The pipeline: while piece i's all-to-all is on the wire, piece i+1
         # is compressed; piece i-1's all-gather flies while piece i is served.
-        comm_s, pieces, exchanging, gathering = 0.0, buf.pieces, {}, {}
+        comm_s, pieces, exchanging, gathering = 0.0, buf.pieces(count), {}, {}
 
         def on_wire(call, *args):  # starting and waiting count as communication time
             nonlocal comm_s
@@ -367,8 +382,10 @@ class CompressedAllreduceBase:
             buffer_m.detach().copy_(src.view(buffer_m.shape))
         # Phase 1 sends p - 1 rows of the all-to-all, phase 2 one row to p - 1 peers.
         moved = (p - 1) * 2 * buf.row_bytes
+        took = time.perf_counter() - started
         self.stats.add(moved, moved, fp32_allreduce_bytes(sum(layout.sizes), p), comm_s,
-                       time.perf_counter() - started - comm_s)
+                       took - comm_s)
+        self.pipeline.record(layout.key, count, took, self._share)
         return buffer_m
 
 

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from .base import (DEFAULT_BLOCK_SIZE, DEFAULT_PIECE_SIZE, DEFAULT_SCALE_DTYPE,
-                   CompressedAllreduceBase, Finished)
+from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase, Finished
 
 
 class CompressedBackend(CompressedAllreduceBase):
@@ -28,7 +27,7 @@ class CompressedBackend(CompressedAllreduceBase):
     def __init__(self, group=None, check_finite: bool = True,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
-                 piece_size: int = DEFAULT_PIECE_SIZE) -> None:
+                 piece_size: Optional[int] = None) -> None:
         super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite,
                          piece_size=piece_size)
         self.timeout_s = collectives.check_timeout(timeout_s)

@@ -10,14 +10,6 @@ embedding, and a block whose input is all zero stays exactly zero.
   layout.numel        where the last tensor ends: the fused buffer's length
   layout.padded       N: a multiple of block * p, the worker error's size
   layout.counts       real elements in each of the N / block blocks
-  layout.pieces       the pipelined pieces: (lo, hi) element ranges of N
-
-Pieces (pipelining). N is cut into pieces of whole units of block * p
-elements, about `piece` elements each. Each piece is exchanged on its own,
-as if it were the whole buffer: its chunk k is served by rank k. A rank's
-server error therefore holds, piece after piece, its chunk of each piece.
-Because every sign and scale is decided per block, the pieces change who
-serves a block, never the bits of the result.
 
 The positions that hold no element (`pads`: past a tensor's end up to the
 next block boundary, and the padding up to N) are ignored on input, keep no
@@ -41,12 +33,11 @@ class BlockLayout:
 
     sizes: numel of each tensor, in buffer order. padded: N, if the caller
     already has error buffers of that size (a multiple of block * world_size,
-    at least `numel`); default the smallest such N. piece: elements per
-    pipelined piece (0: one piece, the whole buffer).
+    at least `numel`); default the smallest such N.
     """
 
     def __init__(self, sizes: Sequence[int], block: int, world_size: int,
-                 padded: Optional[int] = None, piece: int = 0) -> None:
+                 padded: Optional[int] = None) -> None:
         check_block_size(block)
         self.sizes = [int(s) for s in sizes]
         self.block, self.world_size = block, world_size
@@ -62,10 +53,6 @@ class BlockLayout:
             raise ValueError(f"a padded size of {self.padded} does not fit this layout: it needs "
                              f"a multiple of block_size*world_size={unit} that is at least {end}")
         self.chunk = self.padded // world_size
-        units = self.padded // unit
-        count = min(units, max(1, -(-self.padded // piece))) if piece > 0 else 1
-        self.pieces: List[Tuple[int, int]] = [
-            (j * units // count * unit, (j + 1) * units // count * unit) for j in range(count)]
         real = torch.zeros(self.padded, dtype=torch.bool)
         for off, s in zip(self.offsets, self.sizes):
             real[off:off + s] = True
@@ -78,8 +65,7 @@ class BlockLayout:
     @property
     def key(self) -> tuple:
         """What two ranks must agree on for their messages to line up."""
-        split = (len(self.pieces),) if len(self.pieces) > 1 else ()  # v2's key when unsplit
-        return (self.padded, self.block, tuple(self.sizes)) + split
+        return (self.padded, self.block, tuple(self.sizes))
 
     def _cached(self, name: str, device: torch.device, k: tuple, make) -> torch.Tensor:
         t = self._on.get((name, device, k))

@@ -5,10 +5,11 @@ overlaps less here than over torch.distributed, whose gloo threads progress
 on their own; set MPIR_CVAR_ASYNC_PROGRESS=1 for MPICH's progress thread."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .base import (DEFAULT_BLOCK_SIZE, DEFAULT_PIECE_SIZE, DEFAULT_SCALE_DTYPE,
-                   CompressedAllreduceBase, Finished)
+from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase, Finished
 
 INSTALL_HINT = "install it with: pip install 'onebit[mpi]'  (mpi4py + MPICH from PyPI)"
 
@@ -37,7 +38,7 @@ class MpiBackend(CompressedAllreduceBase):
     def __init__(self, cuda_aware: bool = False, comm=None, check_finite: bool = True,
                  block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
-                 piece_size: int = DEFAULT_PIECE_SIZE) -> None:
+                 piece_size: Optional[int] = None) -> None:
         super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite,
                          piece_size=piece_size)
         MPI = _mpi()

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from .. import launch
 from ..accelerator import get_accelerator
+from ..backends.pipeline import TUNING_CALLS
 from .reference import count_wrong, simulate
-from .table import Table, int_arg, progress, size_arg
+from .table import Table, int_arg, piece_arg, progress, size_arg
 
 COLUMNS = [("size(B)", 12, "d"), ("count", 10, "d"), ("type", 6, "s"), ("backend", 15, "s"),
            ("time(us)", 11, ".1f"), ("algbw", 7, ".2f"), ("busbw", 7, ".2f"),
@@ -128,13 +129,13 @@ def _broadcast_int(v: int) -> int:
     return int(t.item())
 
 
-def _make_backends(names: List[str]) -> Dict[str, object]:
+def _make_backends(names: List[str], piece_size: int) -> Dict[str, object]:
     from ..backends import get_backend
 
     made = {}
     for name in names:
         try:
-            made[name] = get_backend(name)
+            made[name] = get_backend(name, piece_size=piece_size)
         except ImportError as exc:
             raise SystemExit(f"onebit.bench: cannot use backend {name!r}: {exc}")
     return made
@@ -143,14 +144,15 @@ def _make_backends(names: List[str]) -> Dict[str, object]:
 def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
     """Runs on every rank; rank 0 prints. Returns the rows (rank 0) or []."""
     device = _device()
-    backends = _make_backends(args.backend.split(","))
+    backends = _make_backends(args.backend.split(","), args.piece_size)
     sizes = _sizes(args)
     table = Table(COLUMNS, out=sys.stdout, quiet=rank != 0)
     if rank == 0:
         print(f"# onebit.bench allreduce: ranks={world} device={device.type} "
               f"dist={dist.get_backend()} threads/rank={torch.get_num_threads()} "
               f"sizes={args.minbytes}..{args.maxbytes} x{args.stepfactor} "
-              f"warmup={args.warmup} iters={args.iters}")
+              f"warmup={args.warmup} iters={args.iters} "
+              f"piece_size={'auto' if args.piece_size is None else args.piece_size}")
         table.header()
     bar = progress(len(sizes), "onebit.bench") if rank == 0 else None
     results = []
@@ -167,10 +169,13 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
             n, ns = backend.error_sizes(count)
             m = torch.randn(count).to(device)
             werr, serr = torch.zeros(n, device=device), torch.zeros(ns, device=device)
-            t = _timed(lambda: backend.compressed_allreduce(m, werr, serr), args.warmup, args.iters)
+            # The piece-count tuner's trial calls are warmup too: time its choice.
+            warmup = args.warmup + (TUNING_CALLS if backend.piece_size is None else 0)
+            t = _timed(lambda: backend.compressed_allreduce(m, werr, serr), warmup, args.iters)
             # Per message: the chunk's sign bytes and its block scales (wire format v2).
             wire = 2 * (world - 1) * (ns // 8 + ns // backend.block_size * backend.scale_dtype.itemsize)
             rows.append(dict(type="fp32", backend=name, time=t, wire=wire,
+                             pieces=backend.pipeline.count(backend.layout([count]).key, n, world),
                              wrong=_check_compressed(backend, count, device)))
         base = rows[0]["time"]
         for r in rows:
@@ -197,6 +202,9 @@ def _footer(rows: List[Dict]) -> None:
         avg = sum(r["busbw"] for r in rs) / len(rs)
         sp = sum(r["speedup"] for r in rs) / len(rs)
         print(f"# {key:<18} avg busbw {avg:7.3f} GB/s   avg speedup vs fp32 all_reduce {sp:6.2f}x")
+    pieces = [f"{r['size'] >> 20}M:{r['pieces']}" for r in rows if "pieces" in r]
+    if pieces:
+        print(f"# pipelined pieces per payload: {' '.join(pieces)}")
     wrong = sum(r["wrong"] for r in rows)
     print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
 
@@ -249,5 +257,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--iters", type=int_arg(1), default=10, help="timed iterations")
     p.add_argument("--nproc", type=int_arg(1), default=4, help="local ranks when not launched")
     p.add_argument("--backend", default="compressed", help="comma list: compressed,mpi")
+    p.add_argument("--piece-size", dest="piece_size", type=piece_arg, default=None,
+                   help="elements per pipelined piece of the compressed allreduce: 0 for one "
+                        "piece, default auto (timed on the first calls)")
     p.add_argument("--json", help="write results to this JSON file")
     p.add_argument("--plot", help="write algbw vs size to this PNG (needs matplotlib)")

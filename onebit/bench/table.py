@@ -55,6 +55,17 @@ def size_arg(text: str) -> int:
     return n
 
 
+def piece_arg(text: str):
+    """argparse type: 'auto' (None) or a count of elements >= 0, with the
+    size suffixes (2M = 2097152)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def int_arg(minimum: int):
     """argparse type: an integer >= minimum."""
     def parse(text: str) -> int:

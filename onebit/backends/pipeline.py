@@ -1,0 +1,95 @@
+"""How a compressed allreduce is cut into pieces, and how many to cut.
+
+Pipelining cuts every rank's chunk (the N/p elements rank k serves) into the
+same `count` block-aligned sub-ranges; piece j is sub-range j of every chunk.
+While piece j's all-to-all is on the wire, piece j+1 is compressed, and piece
+j-1's all-gather flies while piece j is served. Who serves an element never
+changes, and every sign and scale is decided per block, so the count is a
+schedule only: it changes no bit of the result and no error buffer, and it
+may differ from call to call (as long as all ranks use the same one).
+
+Whether pieces pay depends on the link. On a slow network the compression
+hides behind the wire; where compression itself is the bottleneck (loopback,
+fast links, many ranks per core) each extra pair of collectives only adds
+latency. With `piece_size=None` (the default) the `PieceTuner` therefore
+times both schedules on the first calls of each buffer layout and keeps the
+faster, as judged by the slowest rank.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+PIECE_SIZE = 1 << 21  # elements per piece when pipelining (measured: README, "Pipelining")
+TRIALS = 3  # timed calls per schedule before the tuner decides
+TUNING_CALLS = 2 + 2 * TRIALS  # two warm-up calls, then the trials alternate
+
+
+def piece_ranges(chunk: int, block: int, count: int) -> List[Tuple[int, int]]:
+    """`count` (at most chunk/block) near-equal block-aligned sub-ranges
+    [a, b) of a chunk of `chunk` elements."""
+    blocks = chunk // block
+    count = max(1, min(count, blocks))
+    return [(j * blocks // count * block, (j + 1) * blocks // count * block) for j in range(count)]
+
+
+def piece_count(padded: int, piece_size: int) -> int:
+    """Pieces of about `piece_size` elements in a buffer of `padded` (0: one)."""
+    return 1 if piece_size == 0 else max(1, math.ceil(padded / piece_size))
+
+
+def check_piece_size(piece_size) -> None:
+    if piece_size is not None and (isinstance(piece_size, bool) or not isinstance(piece_size, int)
+                                   or piece_size < 0):
+        raise ValueError(f"piece_size must be None (tune it), 0 (no pipelining) or a number of "
+                         f"elements per piece, got {piece_size!r}")
+
+
+class PieceTuner:
+    """The piece count for each call of a compressed allreduce.
+
+    piece_size: an int fixes it (0: one piece); None times one piece against
+    pieces of PIECE_SIZE for each layout, on calls that every rank makes in
+    the same order, then agrees on the faster through `share`.
+    """
+
+    def __init__(self, piece_size: Optional[int]) -> None:
+        check_piece_size(piece_size)
+        self.piece_size = piece_size
+        self._trial: Dict[tuple, dict] = {}
+        self.chosen: Dict[tuple, int] = {}  # layout key -> piece count, once decided
+
+    def count(self, key: tuple, padded: int, world_size: int) -> int:
+        """The piece count for this call of layout `key`."""
+        if self.piece_size is not None:
+            return piece_count(padded, self.piece_size)
+        if key in self.chosen:
+            return self.chosen[key]
+        pieces = piece_count(padded, PIECE_SIZE)
+        if pieces == 1 or world_size == 1:
+            self.chosen[key] = 1
+            return 1
+        trial = self._trial.setdefault(key, {"calls": 0, "times": {1: [], pieces: []}})
+        # Call 0 and 1 warm both schedules up (buffers, connections); then they alternate.
+        return (pieces, 1)[trial["calls"] % 2]
+
+    def record(self, key: tuple, count: int, seconds: float,
+               share: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Note a call's wall time; after the trials, agree on the faster
+        schedule. share(t) returns every rank's t stacked (an all-gather)."""
+        trial = self._trial.get(key)
+        if trial is None or key in self.chosen:
+            return
+        trial["calls"] += 1
+        if trial["calls"] > 2:
+            trial["times"][count].append(seconds)
+        if trial["calls"] < TUNING_CALLS:
+            return
+        counts = sorted(trial["times"])
+        mine = torch.tensor([sorted(trial["times"][c])[TRIALS // 2] for c in counts],
+                            dtype=torch.float64)
+        slowest = share(mine).max(0).values  # a step waits for the slowest rank
+        self.chosen[key] = counts[int(slowest.argmin())]
+        del self._trial[key]
