@@ -39,6 +39,30 @@ def test_bench_two_local_ranks_small_sizes(tmp_path):
         assert abs(r["busbw"] - r["algbw"] * 2 * (2 - 1) / 2) < 1e-9
 
 
+def test_bench_piece_sizes_give_the_same_bits(tmp_path):
+    """Fixed pieces, no pieces and the tuner: all match the float64 simulation
+    (which knows nothing of pieces), and the footer names the counts used."""
+    for piece, counts in (("0", "1M:1"), ("4K", "1M:64"), ("auto", None)):
+        out = bench("--nproc", "2", "-b", "1M", "-e", "1M", "-w", "1", "-n", "2",
+                    "--piece-size", piece)
+        assert "# Out of bounds values : 0 OK" in out, out
+        assert "# pipelined pieces per payload: " + (counts or "1M:") in out, out
+
+
+def test_step_bench_times_every_setup_against_the_floor(tmp_path):
+    out = bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "2",
+                "--untimed", "1", "--json", str(tmp_path / "s.json"))
+    rows = {r["setup"]: r for r in json.loads((tmp_path / "s.json").read_text())["results"]}
+    assert list(rows) == ["floor", "ddp+adam", "onebitadam", "zerooneadam", "onebitlamb"], out
+    assert rows["floor"]["x_floor"] == 1.0 and all(r["seconds"] > 0 for r in rows.values())
+    for name in ("ddp+adam", "onebitadam", "onebitlamb"):
+        r = rows[name]
+        assert abs(r["x_floor"] - r["seconds"] / rows["floor"]["seconds"]) < 1e-9
+    # Timed in the compression stage: 1-bit traffic, >25x below DDP's fp32 gradients.
+    assert rows["onebitadam"]["stage"] == rows["onebitlamb"]["stage"] == "compression"
+    assert 0 < rows["onebitadam"]["bytes_sent"] < rows["ddp+adam"]["bytes_sent"] / 25
+
+
 def test_bench_plot_writes_a_png(tmp_path):
     bench("--nproc", "2", "-b", "4K", "-e", "16K", "-w", "1", "-n", "1", "--plot", str(tmp_path / "bw.png"))
     assert (tmp_path / "bw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -91,6 +115,8 @@ def test_local_ranks_use_gloo_without_a_device_per_rank():
     ["-b", "64K", "-e", "4K"], ["-b", "lots"], ["-e", "4XB"],
     ["kernels", "--min-exp", "12", "--max-exp", "10"], ["lm", "--freeze", "1.5"],
     ["lm", "--steps", "0"], ["optim", "-n", "0"], ["soak", "--nproc", "0"],
+    ["--piece-size", "-1"], ["--piece-size", "many"], ["step", "--params", "0"],
+    ["step", "--optimizers", "adamw"], ["step", "--steps", "0"],
 ])
 def test_bad_bench_flags_are_usage_errors(flags):
     """argparse's usage error and exit status 2, at once: no loop, no traceback."""

@@ -1,13 +1,13 @@
-"""python -m onebit.bench [allreduce|kernels|lm|convergence|optim|soak] ...  (allreduce is the default)."""
+"""python -m onebit.bench [allreduce|kernels|lm|convergence|optim|soak|step] ...  (allreduce is the default)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import allreduce, convergence, kernels, lm, optim, soak
+from . import allreduce, convergence, kernels, lm, optim, soak, step
 
 COMMANDS = {"allreduce": allreduce, "kernels": kernels, "lm": lm, "convergence": convergence,
-            "optim": optim, "soak": soak}
+            "optim": optim, "soak": soak, "step": step}
 
 
 def main(argv=None) -> int:

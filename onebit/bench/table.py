@@ -66,6 +66,17 @@ def piece_arg(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def count_arg(text: str) -> int:
+    """argparse type: a count >= 1, with the size suffixes (25M = 25 * 2^20)."""
+    try:
+        n = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need at least 1")
+    return n
+
+
 def int_arg(minimum: int):
     """argparse type: an integer >= minimum."""
     def parse(text: str) -> int:

@@ -1,0 +1,141 @@
+"""`python -m onebit.bench step`: the time of one training step, end to end.
+
+Times forward, backward and step() of an MLP of about `--params` parameters,
+`--batch` samples per rank, under any launcher (local ranks by default,
+torchrun, mpirun, or ../shared/tools/shaped_net.sh for shaped links). In the
+same run, as baselines:
+  floor      the same model and torch.optim.Adam with no communication at
+             all: what a step costs if the network were free;
+  ddp+adam   DistributedDataParallel + torch.optim.Adam (fp32 gradients,
+             bucketed and overlapped with backward by DDP);
+then each onebit optimizer in its compression stage (the warmup and
+`--untimed` more steps run first, untimed), used drop-in: step() exchanges
+1-bit momentum itself. Times are the slowest rank's mean per step; `x floor`
+is that over the floor's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .. import launch
+from .table import Table, count_arg, int_arg
+
+COLUMNS = [("setup", 14, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
+           ("stage", 12, "s"), ("MB sent/step", 12, ".2f")]
+OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+FREEZE = 2  # warmup steps before the compression stage (each is a full-precision allreduce)
+
+
+def _model(params: int, width: int) -> torch.nn.Module:
+    depth = max(1, round(params / (width * width + width)))
+    layers: List[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _onebit(name: str, params):
+    import onebit
+
+    if name == "onebitadam":
+        return onebit.OnebitAdam(params, lr=1e-4, freeze_step=FREEZE)
+    if name == "zerooneadam":
+        return onebit.ZeroOneAdam(params, lr=1e-4, var_freeze_step=FREEZE)
+    return onebit.OnebitLamb(params, lr=1e-4, freeze_step=FREEZE)
+
+
+def _time(rank: int, world: int, setup: str, a: dict) -> Dict:
+    torch.manual_seed(0)  # the same model on every rank and in every setup
+    model = _model(a["params"], a["width"])
+    gen = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(a["batch"], a["width"], generator=gen)
+    y = torch.randn(a["batch"], a["width"], generator=gen)
+    net, opt = model, None
+    if setup == "floor":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    elif setup == "ddp+adam":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    else:
+        opt = _onebit(setup, model.parameters())
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+
+    untimed = a["untimed"] + (FREEZE if setup in OPTIMIZERS else 0)
+    for _ in range(untimed):
+        step()
+    stats = opt.comm_stats() if setup in OPTIMIZERS else None
+    sent_before = stats["total_bytes_sent"] if stats else 0
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(a["steps"]):
+        step()
+    mine = (time.perf_counter() - t0) / a["steps"]
+    slowest = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    row = {"setup": setup, "seconds": slowest.item(), "stage": "", "bytes_sent": 0.0}
+    if setup in OPTIMIZERS:
+        stats = opt.comm_stats()
+        row["stage"] = stats["stage"]
+        row["bytes_sent"] = (stats["total_bytes_sent"] - sent_before) / a["steps"]
+    elif setup == "ddp+adam":
+        n = sum(p.numel() for p in model.parameters())
+        row["stage"], row["bytes_sent"] = "fp32", 2 * (world - 1) * 4 * n / world
+    return row
+
+
+def measure(rank: int, world: int, a: dict) -> List[Dict]:
+    table = Table(COLUMNS, quiet=rank != 0)
+    if rank == 0:
+        n = sum(p.numel() for p in _model(a["params"], a["width"]).parameters())
+        print(f"# onebit.bench step: MLP {n / 1e6:.1f}M params (width {a['width']}), "
+              f"batch={a['batch']}/rank, ranks={world}, threads/rank={torch.get_num_threads()}, "
+              f"steps={a['steps']} after {a['untimed']} untimed (+{FREEZE} warmup for onebit)")
+        table.header()
+    rows = []
+    for setup in ["floor", "ddp+adam"] + a["optimizers"]:
+        row = _time(rank, world, setup, a)
+        row["x_floor"] = row["seconds"] / rows[0]["seconds"] if rows else 1.0
+        rows.append(row)
+        table.row(**{"setup": setup, "ms/step": row["seconds"] * 1e3, "x floor": row["x_floor"],
+                     "stage": row["stage"], "MB sent/step": row["bytes_sent"] / 1e6})
+    return rows
+
+
+def run(args: argparse.Namespace) -> bool:
+    a = dict(params=args.params, width=args.width, batch=args.batch, steps=args.steps,
+             untimed=args.untimed, optimizers=args.optimizers.split(","))
+    rank, rows = launch.run_everywhere(measure, args.nproc, a,
+                                       backend=launch.local_backend(args.nproc))
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "step", "config": vars(args), "results": rows}, f, indent=1)
+    return True
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    unknown = [o for o in args.optimizers.split(",") if o not in OPTIMIZERS]
+    if unknown:
+        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {','.join(OPTIMIZERS)}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=count_arg, default="25M",
+                   help="about this many parameters (25M = 25 * 2^20)")
+    p.add_argument("--width", type=int_arg(8), default=2048, help="MLP width")
+    p.add_argument("--batch", type=int_arg(1), default=16, help="samples per rank")
+    p.add_argument("--steps", type=int_arg(1), default=10, help="timed steps per setup")
+    p.add_argument("--untimed", type=int_arg(0), default=10,
+                   help="untimed steps first (the onebit optimizers also run their warmup)")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma list")
+    p.add_argument("--nproc", type=int_arg(1), default=4, help="local ranks when not launched")
+    p.add_argument("--json", help="write results to this JSON file")
