@@ -144,17 +144,17 @@ class ZeroOneAdam(OnebitOptimizer):
             denom = self._denominators(i, group, v, bc2, c["var_updates"])
             # Tensors that never saw a gradient do not move (guards.py).
             ps, ms, ds = only_seen(seen, params, m, denom)
-            upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
-                                 out=self._scratch("update", i, ms))
-            if upd:  # (empty when no tensor of the group has seen a gradient)
-                torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
                 anchors = self._anchors(params)
-                if upd:
-                    torch._foreach_add_(only_seen(seen, u)[0], upd)
+                self._accumulate_(group, ps, ms, ds, *only_seen(seen, u, anchors), bc1, sync)
                 c["lrs"][i] += group["lr"]
-            F.add_updates_(ps, upd)
+            else:
+                upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
+                                     out=self._scratch("update", i, ms))
+                if upd:  # (empty when no tensor of the group has seen a gradient)
+                    torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
+                F.add_updates_(ps, upd)
             if sync:
                 self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i],
                                        seen, masks)
@@ -162,6 +162,24 @@ class ZeroOneAdam(OnebitOptimizer):
         if sync:
             c["last_sync"] = t
         self._advance_intervals(t, frozen)
+
+    def _accumulate_(self, group, ps, ms, ds, us, anchors, bc1: float, sync: bool) -> None:
+        """A frozen step's displacement d = -lr * (m / bc1 / denom + wd * p)
+        added to the accumulators u, and p moved to anchor + u -- in two or
+        three passes, without materialising d. A sync step leaves p alone:
+        the sync sets it to the new common point."""
+        if not ps:
+            return
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd:
+            torch._foreach_add_(us, [p.float() for p in ps], alpha=-lr * wd)
+        torch._foreach_addcdiv_(us, ms, ds, value=-lr / bc1)
+        if not sync:
+            for p, a, u in zip(ps, anchors, us):
+                if p.dtype == torch.float32:
+                    torch.add(a, u, out=p)
+                else:  # in fp32, rounded once
+                    p.copy_(a.float() + u)
 
     def _graphed_local_step(self, t, groups, grads) -> None:
         """A local step (frozen, not a sync) as one graphed region. It has no
@@ -228,15 +246,25 @@ class ZeroOneAdam(OnebitOptimizer):
             self._mask_(group, m)
             mask_unseen_(m, masks, seen)
             return
-        torch._foreach_mul_(u, denom)
-        self._compressed_average_(i, u)
-        self._mask_(group, u)
-        mask_unseen_(u, masks, seen)
-        for mi, ui in zip(m, u):
-            mi.copy_(ui).mul_(-bc1 / lrs)
-        torch._foreach_div_(u, denom)
-        for p, a, ui in zip(*only_seen(seen, params, anchors, u)):
-            a.add_(ui.to(a.dtype))
+        if self.world_size == 1:
+            avg = torch._foreach_mul(u, denom)  # the mean over one rank
+        else:
+            # u * denom goes straight into the fused buffer, and the average
+            # is read from there: no pass to scale u, none to copy it back.
+            self._flat_buffer(i, u)
+            avg = self._views(i, u)
+            for ui, di, out in zip(u, denom, avg):
+                torch.mul(ui, di, out=out)
+            self._compressed_allreduce_flat(i)
+        self._mask_(group, avg)
+        mask_unseen_(avg, masks, seen)
+        for mi, ai in zip(m, avg):
+            torch.mul(ai, -bc1 / lrs, out=mi)
+        for p, a, ai, di in zip(*only_seen(seen, params, anchors, avg, denom)):
+            if a.dtype == torch.float32:
+                a.addcdiv_(ai, di)
+            else:  # divide in fp32, round once
+                a.add_((ai / di).to(a.dtype))
             p.copy_(a)
         torch._foreach_zero_(u)
 
