@@ -128,9 +128,8 @@ class OnebitLamb(FreezeStepOptimizer):
         m_last = self._scratch("momentum before this step", i, m)
         torch._foreach_copy_(m_last, m)
         F.update_momentum_(m, gs, beta1)
-        torch._foreach_mul_(m, scaling)
-        self._compressed_average_(i, m)  # one fused exchange for the whole group
-        torch._foreach_div_(m, scaling)
+        # One fused exchange for the whole group, of the momenta brought to one RMS.
+        self._compressed_average_(i, m, scaling)
         self._mask_(group, m)
         seen, masks = self._seen(i, group, v, "frozen")
         mask_unseen_(m, masks, seen)
