@@ -14,3 +14,16 @@ for bs in "64 bfloat16" "128 bfloat16" "256 bfloat16" "256 float32" "1024 float3
     --block-size "$1" --scale-dtype "$2"
 done
 python -m onebit.bench convergence --steps 1000   # 1-bit optimizers vs baselines on digits
+# Shaped links (root; 4 network namespaces on this machine, egress shaped by tbf). One thread
+# per rank: the "hosts" share this machine's 2 cores, which LOCAL_WORLD_SIZE=1 does not say.
+if [ "$(id -u)" = 0 ] && [ -x ../shared/tools/shaped_net.sh ]; then
+  for rate in 100mbit 1gbit; do
+    for piece in 0 2M auto; do                # the pipelining table
+      ../shared/tools/shaped_net.sh run 4 $rate -- .venv/bin/python -m onebit.bench -b 64M -e 64M \
+        -w 1 -n 3 --piece-size $piece
+    done
+  done
+  OMP_NUM_THREADS=1 ../shared/tools/shaped_net.sh run 4 1gbit -- .venv/bin/python -m onebit.bench step
+  OMP_NUM_THREADS=1 ../shared/tools/shaped_net.sh run 4 100mbit -- .venv/bin/python -m onebit.bench step \
+    --steps 5 --untimed 8
+fi
