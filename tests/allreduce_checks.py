@@ -112,3 +112,44 @@ def check_fused_rounds(backend, rank, p, gather, round_scale=lambda s: s):
         assert not flat[mask].any()
         copies = gather(flat)
         assert all(torch.equal(copies[0], c_) for c_ in copies), "output differs across ranks"
+
+
+def check_hierarchical_rounds(backend, rank, p, nodes, gather):
+    """ROUNDS hierarchical allreduces of a FUSED buffer against the
+    three-stage reference (reference.hierarchical_round), lockstep like
+    check_rounds: the all-zero tensor comes back exactly zero, the errors are
+    the shard's and match, every rank ends with the same bits."""
+    from reference import hierarchical_round
+
+    block = backend.block_size
+    layout = backend.layout(FUSED)
+    wn, sn = layout.error_sizes
+    assert wn == layout.padded // len(nodes[0]) and sn == wn // len(nodes)
+    werr, serr = torch.zeros(wn), torch.zeros(sn)
+    for r in range(ROUNDS):
+        parts = fused_inputs(rank, r)
+        flat = torch.zeros(layout.numel)
+        for view, t in zip(layout.views(flat, [t.shape for t in parts]), parts):
+            view.copy_(t)
+        every = [gather(t) for t in parts]
+        bufs = [[every[j][i].double().numpy() for j in range(len(parts))] for i in range(p)]
+        werrs = [w.double().numpy() for w in gather(werr)]
+        serrs = [s.double().numpy() for s in gather(serr)]
+        out = backend.compressed_allreduce(flat, werr, serr, layout=layout)
+        assert out is flat
+        ref_outs, ref_w, ref_s, c = hierarchical_round(bufs, werrs, serrs, block, nodes)
+        for j, (o, ref) in enumerate(zip(layout.views(flat, [t.shape for t in parts]), ref_outs)):
+            if j == ZERO_TENSOR:
+                assert not o.any(), "an all-zero tensor must come back exactly zero"
+                continue
+            scale = np.abs(ref).max()
+            cj = c[layout.offsets[j]:layout.offsets[j] + FUSED[j]]
+            keep = np.abs(cj) > 1e-5 * scale
+            assert keep.mean() > 0.98
+            _close(o, ref, keep, scale)
+        big = max(np.abs(ref_w[rank]).max(), 1e-30)
+        _close(werr, ref_w[rank], slice(None), big)
+        _close(serr, ref_s[rank], slice(None), big)
+        copies = gather(flat)
+        assert all(torch.equal(copies[0], c_) for c_ in copies), "output differs across ranks"
+    return flat, werr, serr

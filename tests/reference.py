@@ -45,6 +45,36 @@ def compress(x, real, block, round_scale):
     return q, np.where(real, x - q, 0.0), s
 
 
+def compressed_round(xs, worker_errors, server_errors, real, block, round_scale=lambda s: s):
+    """One compressed allreduce of already placed buffers xs[i] (N each,
+    zeros where `real` is False) across len(xs) simulated ranks.
+    Returns (output[N], new worker_errors, new server_errors, c[N])."""
+    p, n = len(xs), len(xs[0])
+    chunk = n // p
+    qs, new_w = [], []
+    for i in range(p):
+        q, err, _ = compress(xs[i] + worker_errors[i], real, block, round_scale)
+        qs.append(q)
+        new_w.append(err)
+    out, new_s, server_values = np.zeros(n), [], np.zeros(n)
+    for k in range(p):
+        part = slice(k * chunk, (k + 1) * chunk)
+        c = np.mean([q[part] for q in qs], axis=0) + server_errors[k]
+        c = np.where(real[part], c, 0.0)
+        q, err, _ = compress(c, real[part], block, round_scale)
+        new_s.append(err)
+        out[part] = q
+        server_values[part] = c
+    return out, new_w, new_s, server_values
+
+
+def place(tensors, offsets, n):
+    x = np.zeros(n)
+    for o, t in zip(offsets, tensors):
+        x[o:o + len(t)] = t
+    return x
+
+
 def reference_round(tensors, worker_errors, server_errors, block, round_scale=lambda s: s):
     """One compressed allreduce across p simulated ranks.
 
@@ -60,23 +90,45 @@ def reference_round(tensors, worker_errors, server_errors, block, round_scale=la
     sizes = [len(t) for t in tensors[0]]
     offsets, n, real = placement(sizes, block, p)
     assert len(worker_errors[0]) == n, (len(worker_errors[0]), n)
-    chunk = n // p
-    qs, new_w = [], []
-    for i in range(p):
-        x = worker_errors[i].copy()
-        for o, t in zip(offsets, tensors[i]):
-            x[o:o + len(t)] += t
-        q, err, _ = compress(x, real, block, round_scale)
-        qs.append(q)
-        new_w.append(err)
-    out, new_s, server_values = np.zeros(n), [], np.zeros(n)
-    for k in range(p):
-        part = slice(k * chunk, (k + 1) * chunk)
-        c = np.mean([q[part] for q in qs], axis=0) + server_errors[k]
-        c = np.where(real[part], c, 0.0)
-        q, err, _ = compress(c, real[part], block, round_scale)
-        new_s.append(err)
-        out[part] = q
-        server_values[part] = c
-    outputs = [out[o:o + s] for o, s in zip(offsets, sizes)]
-    return outputs, new_w, new_s, server_values
+    xs = [place(ts, offsets, n) for ts in tensors]
+    out, new_w, new_s, c = compressed_round(xs, worker_errors, server_errors, real, block,
+                                            round_scale)
+    return [out[o:o + s] for o, s in zip(offsets, sizes)], new_w, new_s, c
+
+
+def hierarchical_round(tensors, worker_errors, server_errors, block, nodes):
+    """The hierarchical allreduce (full precision inside a node, 1 bit
+    between nodes) across simulated ranks, from its three-stage definition:
+
+    - place the tensors as for K*M ranks (K ranks on each of M nodes), N
+      elements, and cut N into K shards of S = N/K;
+    - each node averages its ranks' buffers exactly;
+    - shard s: the compressed allreduce above among the M nodes, node n
+      played by its s-th rank (nodes[n][s]) with that rank's errors
+      (worker S, server S/M); with one node, the exact mean and no errors;
+    - every rank's output is the concatenation of the shards.
+
+    tensors, worker_errors, server_errors: indexed by rank. Returns
+    (outputs per tensor, new worker_errors, new server_errors, c[N]) with
+    errors indexed by rank as given.
+    """
+    k, m = len(nodes[0]), len(nodes)
+    sizes = [len(t) for t in tensors[0]]
+    offsets, n, real = placement(sizes, block, k * m)
+    s_len = n // k
+    means = [np.mean([place(tensors[r], offsets, n) for r in ranks], axis=0) for ranks in nodes]
+    out, c = np.zeros(n), np.zeros(n)
+    new_w, new_s = list(worker_errors), list(server_errors)
+    for s in range(k):
+        part = slice(s * s_len, (s + 1) * s_len)
+        if m == 1:
+            out[part], c[part] = means[0][part], means[0][part]
+            continue
+        members = [ranks[s] for ranks in nodes]
+        o, w, sv, cs = compressed_round([mean[part] for mean in means],
+                                        [worker_errors[r] for r in members],
+                                        [server_errors[r] for r in members], real[part], block)
+        out[part], c[part] = o, cs
+        for r, w_, s_ in zip(members, w, sv):
+            new_w[r], new_s[r] = w_, s_
+    return [out[o:o + s] for o, s in zip(offsets, sizes)], new_w, new_s, c

@@ -81,11 +81,12 @@ def test_parameters_bitwise_identical_on_3_ranks_through_both_stages(cls_name):
 
 
 # ------------------------------------------- compression vs simulation --
-def simulate_onebit_adam(p0, world, steps, freeze, lr, betas, eps):
+def simulate_onebit_adam(p0, world, steps, freeze, lr, betas, eps, exchange=reference_round):
     """1-bit Adam on `world` simulated ranks in float64, from the paper:
     warmup = Adam on the mean gradient; after freeze, v fixed, each rank's
     momentum gets its local gradient, and the compressed allreduce of
-    reference.py averages the momenta. Bias correction as documented."""
+    reference.py (or `exchange`, same signature) averages the momenta. Bias
+    correction as documented."""
     shapes = [p.shape for p in p0]
     sizes = [p.numel() for p in p0]
     numel = sum(sizes)
@@ -106,7 +107,7 @@ def simulate_onebit_adam(p0, world, steps, freeze, lr, betas, eps):
             v = betas[1] * v + (1 - betas[1]) * g * g
         else:
             local = [np.split(betas[0] * m + (1 - betas[0]) * g, cuts) for g in grads]
-            outs, werrs, serrs, _ = reference_round(local, werrs, serrs, BLOCK)
+            outs, werrs, serrs, _ = exchange(local, werrs, serrs, BLOCK)
             m = np.concatenate(outs)
         bc1, bc2 = 1 - betas[0] ** t, 1 - betas[1] ** min(t, freeze)
         params = params - lr * (m / bc1) / (np.sqrt(v / bc2) + eps)

@@ -2,6 +2,8 @@
 
   get_backend()                 the accelerator's default (onebit_backend())
   get_backend("mpi")            MpiBackend over MPI.COMM_WORLD
+  get_backend("hierarchical")   full precision inside a node, 1 bit between nodes
+                                (hierarchical.py; "mpi_hierarchical" over MPI)
   register_backend("mine", factory)   add a vendor's backend
 """
 from __future__ import annotations
@@ -51,8 +53,25 @@ def _mpi_factory(group=None, **kw):
     return MpiBackend(**kw)
 
 
+def _hierarchical_factory(**kw):
+    from .hierarchical import torch_hierarchical
+
+    return torch_hierarchical(**kw)
+
+
+def _mpi_hierarchical_factory(group=None, **kw):
+    from .hierarchical import mpi_hierarchical
+
+    if group is not None:
+        raise ValueError("the mpi_hierarchical backend takes an MPI communicator (comm=...), "
+                         "not a torch group")
+    return mpi_hierarchical(**kw)
+
+
 register_backend("compressed", CompressedBackend)
 register_backend("mpi", _mpi_factory)
+register_backend("hierarchical", _hierarchical_factory)
+register_backend("mpi_hierarchical", _mpi_hierarchical_factory)
 
 
 def get_backend(name: Optional[str] = None, group=None, **kwargs) -> CompressedAllreduceBase:

@@ -63,6 +63,11 @@ class BlockLayout:
         self._on: Dict[Tuple[str, torch.device, tuple], torch.Tensor] = {}
 
     @property
+    def error_sizes(self) -> Tuple[int, int]:
+        """(worker, server) error elements for this layout: N and N / p."""
+        return self.padded, self.chunk
+
+    @property
     def key(self) -> tuple:
         """What two ranks must agree on for their messages to line up."""
         return (self.padded, self.block, tuple(self.sizes))

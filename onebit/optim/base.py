@@ -70,7 +70,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
         if self.world_size > 1:
             # MPI has its own communicator and no deadlines; torch.distributed
             # backends take the process group and the deadline.
-            mpi = self.comm_backend_name == "mpi"
+            mpi = self.comm_backend_name.startswith("mpi")
             kwargs = {"cuda_aware": cuda_aware} if mpi else {"timeout_s": timeout_s}
             group = None if mpi else process_group
             # The optimizer checks gradients (and agrees across ranks) itself.
@@ -296,7 +296,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
         with that group's error-feedback buffers."""
         flat, layout = self._flat[index]
         errors = self._errors.get(index)
-        if errors is None or errors[0].numel() != layout.padded:
+        if errors is None or (errors[0].numel(), errors[1].numel()) != layout.error_sizes:
             errors = self._errors[index] = self._restored_errors(index, layout, flat.device)
         self.backend.compressed_allreduce(flat, *errors, layout=layout)
 

@@ -209,7 +209,8 @@ class Checkpoints:
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore what `error_feedback_state_dict` saved on this rank. At
-        another world size, rank, block size or wire format, or from another
+        another world size, rank, block size, wire format or backend layout
+        (flat against hierarchical), or from another
         step than the loaded optimizer state's, the buffers mean nothing
         here: they restart from zero (DeepSpeed's choice) and this returns
         False. Call it after `load_state_dict`, which resets them."""
@@ -218,6 +219,14 @@ class Checkpoints:
                 state.get("block_size"), state.get("step")) == (
                     self.world_size, rank, WIRE_FORMAT_VERSION, self.block_size,
                     self.counters["step"])
+        if same and self.world_size > 1:
+            # Buffers saved under another layout (say the hierarchical backend's
+            # shards against the flat one's) have other sizes and meanings.
+            for i, g in state["groups"].items():
+                sizes = [p.numel() for p in self._trainable(self.param_groups[int(i)])] \
+                    if int(i) < len(self.param_groups) else None
+                if not sizes or g["layout"] != repr(self.backend.layout(sizes).key):
+                    same = False
         self.reset_compression_errors()
         self._saved_errors = {int(i): g for i, g in state["groups"].items()} if same else {}
         return same
@@ -227,5 +236,5 @@ class Checkpoints:
         saved = self._saved_errors.get(index) if keep else self._saved_errors.pop(index, None)
         if saved is not None and saved["layout"] == repr(layout.key):
             return saved["worker"].to(device), saved["server"].to(device)
-        n = layout.padded
-        return torch.zeros(n, device=device), torch.zeros(n // self.world_size, device=device)
+        worker, server = layout.error_sizes
+        return torch.zeros(worker, device=device), torch.zeros(server, device=device)

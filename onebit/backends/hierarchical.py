@@ -1,0 +1,392 @@
+"""The hierarchical compressed allreduce: full precision inside a node, 1 bit
+only between nodes.
+
+With K ranks on each of M nodes, the flat algorithm has every rank compress
+its whole buffer and send it over the network: a node pushes K times the
+inter-node bytes it needs, and p = K*M workers each add their sign noise.
+Here the buffer of N elements (N a multiple of B*K*M) is cut into K shards
+of S = N/K elements, and
+
+  1. inside each node, a full-precision (fp32) reduce-scatter: local rank s
+     ends with the node's mean of shard s;
+  2. between nodes, the flat error-compensated 1-bit allreduce of shard s
+     among the M ranks with local rank s (one per node), written once in
+     base.py and run unchanged on that group;
+  3. inside each node, an all-gather of the shards.
+
+Stage 2 gives every node the same bits of shard s, and stage 3 copies them,
+so every rank ends with the same bits. The error buffers belong to stage 2:
+worker S elements, server S/M. Tensors start on block boundaries of the
+whole buffer and S is a multiple of B*M, so every block lies inside one
+shard and keeps its own scale: with one rank per node this is the flat
+algorithm, bit for bit; on one node it is an exact fp32 mean (no network
+between nodes, nothing to compress, the errors stay zero).
+
+Node groups: `node_of_rank` (the node index of every rank of the group)
+when given; else $ONEBIT_RANKS_PER_NODE, else the launcher's local world size
+(torchrun's LOCAL_WORLD_SIZE, Open MPI's and MPICH's equivalents) with ranks
+numbered node by node (rank = node * K + LOCAL_RANK, checked). Over MPI the
+default is the shared-memory split of the communicator.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives, launch
+from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase, stable_digest
+from .layout import BlockLayout
+from .stats import TrafficStats, fp32_allreduce_bytes
+
+RANKS_PER_NODE_ENV = "ONEBIT_RANKS_PER_NODE"
+
+# torch 2.13 deprecates reduce_scatter_tensor in favour of reduce_scatter_single.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class HierarchicalLayout:
+    """A fused buffer as the hierarchical allreduce cuts it.
+
+    `full` places the tensors for K*M ranks (so N divides into K shards of
+    whole B*M units); `shard` is this rank's shard as the flat algorithm
+    sees it: the pieces of tensors inside it, on M ranks. Offsets, views and
+    the buffer length are those of `full`; the error buffers are the shard's.
+    """
+
+    def __init__(self, sizes: Sequence[int], block: int, ranks_per_node: int, nodes: int,
+                 local_rank: int) -> None:
+        self.full = BlockLayout(sizes, block, ranks_per_node * nodes)
+        self.ranks_per_node, self.nodes = ranks_per_node, nodes
+        self.shard_numel = self.full.padded // ranks_per_node
+        lo = local_rank * self.shard_numel
+        hi = lo + self.shard_numel
+        # Every tensor starts on a block boundary and so does the shard, so
+        # the pieces inside it sit exactly where BlockLayout would put them.
+        pieces = [min(o + s, hi) - max(o, lo) for o, s in zip(self.full.offsets, self.full.sizes)
+                  if max(o, lo) < min(o + s, hi)]
+        self.shard = BlockLayout(pieces, block, nodes, padded=self.shard_numel)
+        self.shard_start = lo
+        self.sizes, self.offsets, self.numel = self.full.sizes, self.full.offsets, self.full.numel
+        self.block, self.padded = block, self.full.padded
+
+    @property
+    def error_sizes(self):
+        """(worker, server) error elements: the shard's."""
+        return self.shard.error_sizes
+
+    @property
+    def key(self) -> tuple:
+        return ("hierarchical", self.ranks_per_node, self.nodes) + self.full.key
+
+    def views(self, flat: torch.Tensor, shapes) -> List[torch.Tensor]:
+        return self.full.views(flat, shapes)
+
+
+def node_map(size: int, rank: int, node_of_rank: Optional[Sequence[int]], gather_ints):
+    """(nodes: lists of group ranks per node, in local order). `gather_ints(list)`
+    returns every rank's list (an all-gather), used to check that all ranks
+    see the same layout and that the launcher numbered ranks node by node."""
+    if node_of_rank is None:
+        raw = os.environ.get(RANKS_PER_NODE_ENV)
+        if raw is not None:
+            if not raw.isdigit() or int(raw) < 1:
+                raise ValueError(f"${RANKS_PER_NODE_ENV} must be a positive integer, got {raw!r}")
+            k, local = int(raw), rank % int(raw)
+        else:
+            k, local = launch.local_world_size(), int(os.environ.get("LOCAL_RANK", rank))
+        k = min(k, size)
+        every = gather_ints([k, local])
+        if len({k_ for k_, _ in every}) != 1:
+            raise ValueError("ranks disagree on the ranks per node: " + ", ".join(
+                f"rank {r}: {k_}" for r, (k_, _) in enumerate(every)))
+        if size % k:
+            raise ValueError(f"{size} ranks do not split into nodes of {k}; pass node_of_rank or "
+                             f"set ${RANKS_PER_NODE_ENV}")
+        wrong = [r for r, (_, loc) in enumerate(every) if loc % k != r % k]
+        if wrong and raw is None:
+            raise ValueError(f"ranks {wrong} have a LOCAL_RANK that does not follow rank = node * "
+                             f"{k} + LOCAL_RANK; pass node_of_rank (the node of every rank) or "
+                             f"set ${RANKS_PER_NODE_ENV} for this layout")
+        node_of_rank = [r // k for r in range(size)]
+    node_of_rank = [int(n) for n in node_of_rank]
+    if len(node_of_rank) != size:
+        raise ValueError(f"node_of_rank names {len(node_of_rank)} ranks; the group has {size}")
+    if gather_ints(node_of_rank) != [node_of_rank] * size:
+        raise ValueError("ranks disagree on node_of_rank: every rank must pass the same list")
+    nodes: Dict[int, List[int]] = {}
+    for r, n in enumerate(node_of_rank):
+        nodes.setdefault(n, []).append(r)
+    nodes_list = [nodes[n] for n in sorted(nodes)]
+    if len({len(n) for n in nodes_list}) != 1:
+        raise ValueError("every node needs the same number of ranks, got " + ", ".join(
+            f"node {n}: {len(rs)}" for n, rs in sorted(nodes.items())))
+    return nodes_list
+
+
+class HierarchicalBackend:
+    """compressed_allreduce in three stages (module docstring).
+
+    net: the flat compressed backend among the ranks with this local rank
+    (one per node); node: the full-precision transport inside this node
+    (`reduce_scatter(send[K*S], recv[S])` summing, `all_gather(send[S],
+    recv[K*S])`). Use `torch_hierarchical` or `mpi_hierarchical` to build one.
+    The API is CompressedAllreduceBase's: `layout`, `error_sizes`,
+    `compressed_allreduce`, `stats` (all bytes this rank sent) and
+    `net_stats` (the inter-node ones alone).
+    """
+
+    name = "hierarchical"
+
+    def __init__(self, net: CompressedAllreduceBase, node, nodes: List[List[int]], rank: int,
+                 check_finite: bool = True) -> None:
+        self.net, self.node, self.nodes = net, node, nodes
+        self.ranks_per_node, self.node_count = len(nodes[0]), len(nodes)
+        self._rank = rank
+        self.local_rank = next(n.index(rank) for n in nodes if rank in n)
+        self.block_size, self.scale_dtype = net.block_size, net.scale_dtype
+        self.check_finite = check_finite
+        self.piece_size, self.pipeline = net.piece_size, net.pipeline
+        self.stats = TrafficStats()
+        self.node_stats = TrafficStats()  # inside the node, full precision
+        self._layouts: Dict[tuple, HierarchicalLayout] = {}
+        self._staging: Dict[tuple, tuple] = {}
+        self._agreed: set = set()
+
+    @property
+    def net_stats(self) -> TrafficStats:
+        return self.net.stats
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self.ranks_per_node * self.node_count
+
+    def layout(self, sizes) -> HierarchicalLayout:
+        key = tuple(int(s) for s in sizes)
+        made = self._layouts.get(key)
+        if made is None:
+            made = self._layouts[key] = HierarchicalLayout(
+                key, self.block_size, self.ranks_per_node, self.node_count, self.local_rank)
+        return made
+
+    def error_sizes(self, numel: int):
+        return self.layout([numel]).error_sizes
+
+    def compressed_allreduce(self, buffer_m: torch.Tensor, worker_error: torch.Tensor,
+                             server_error: torch.Tensor, local_rank=None,
+                             layout: Optional[HierarchicalLayout] = None) -> torch.Tensor:
+        """The mean of `buffer_m` across all ranks (same contract as the flat
+        backend's, with the shard-sized errors of `error_sizes`)."""
+        started = time.perf_counter()
+        if not isinstance(buffer_m, torch.Tensor) or not buffer_m.is_floating_point():
+            raise ValueError(f"buffer_m must be a floating-point tensor, got "
+                             f"{getattr(buffer_m, 'dtype', type(buffer_m).__name__)}")
+        layout = layout if layout is not None else self.layout([buffer_m.numel()])
+        if not isinstance(layout, HierarchicalLayout) or layout.nodes != self.node_count or \
+                layout.ranks_per_node != self.ranks_per_node:
+            raise ValueError("layout must come from this backend's layout(sizes)")
+        if buffer_m.numel() != layout.numel:
+            raise ValueError(f"buffer_m has {buffer_m.numel()} elements; the layout needs "
+                             f"{layout.numel}")
+        want = layout.error_sizes
+        for name, t, n in (("worker_error", worker_error, want[0]),
+                           ("server_error", server_error, want[1])):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != n \
+                    or t.device != buffer_m.device or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous float32 tensor of {n} elements on "
+                                 f"{buffer_m.device} (the shard's: error_sizes), got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{getattr(t, 'shape', '')} on {getattr(t, 'device', '-')}")
+        if buffer_m.numel() == 0:
+            worker_error.zero_()
+            server_error.zero_()
+            return buffer_m
+        if self.check_finite:
+            self.net._check_finite(buffer_m)
+        device, k = buffer_m.device, self.ranks_per_node
+        staging, shard = self._buffers(layout, device)
+        self._agree(layout, device)
+        numel = layout.numel
+        staging[:numel].copy_(buffer_m.detach().reshape(-1))
+        node_s = 0.0
+        if k > 1:
+            t = time.perf_counter()
+            self.node.reduce_scatter(staging, shard)
+            node_s += time.perf_counter() - t
+            shard.div_(k)  # the node's mean
+        before = self.net.stats.snapshot()
+        if self.node_count > 1:
+            self.net.compressed_allreduce(shard[:layout.shard.numel], worker_error, server_error,
+                                          layout=layout.shard)
+        if k > 1:
+            t = time.perf_counter()
+            self.node.all_gather(shard, staging)
+            node_s += time.perf_counter() - t
+        buffer_m.detach().copy_(staging[:numel].view(buffer_m.shape))
+        # Inside the node: a ring reduce-scatter and all-gather of fp32 each
+        # send (K - 1) shards.
+        node_bytes = 2 * (k - 1) * layout.shard_numel * 4
+        self.node_stats.add(node_bytes, node_bytes, 0, node_s)
+        net = self.net.stats.since(before)
+        self.stats.add(net["bytes_sent"] + node_bytes, net["bytes_received"] + node_bytes,
+                       fp32_allreduce_bytes(sum(layout.sizes), self.size),
+                       net["comm_s"] + node_s, time.perf_counter() - started - net["comm_s"] - node_s)
+        return buffer_m
+
+    def _agree(self, layout: HierarchicalLayout, device: torch.device) -> None:
+        """The first time a layout is seen, every rank checks that all ranks
+        pass the same one, so a mismatch is a ValueError on every rank, never
+        a hang: the ranks of each node compare theirs, then one rank per
+        node (the cross-node group) compares the nodes' verdicts."""
+        if layout.key in self._agreed:
+            return
+        mine = torch.tensor([layout.padded, stable_digest(layout.key)], dtype=torch.int64,
+                            device=device)
+        every = mine.view(1, 2)
+        if self.ranks_per_node > 1:
+            every = torch.empty(self.ranks_per_node, 2, dtype=torch.int64, device=device)
+            self.node.all_gather(mine.view(torch.uint8), every.view(torch.uint8).view(-1))
+        node_agrees = int(len({tuple(r) for r in every.tolist()}) == 1)
+        verdicts = torch.tensor([node_agrees, stable_digest(every.tolist())], dtype=torch.int64,
+                                device=device)
+        if self.node_count > 1:
+            verdicts = self.net._share(verdicts)
+        verdicts = verdicts.view(-1, 2).tolist()
+        if not all(ok for ok, _ in verdicts) or len({d for _, d in verdicts}) != 1:
+            raise ValueError("ranks disagree on the compressed buffer (padded size, tensor "
+                             f"sizes); this rank has N={layout.padded} for sizes "
+                             f"{layout.sizes[:8]}{'...' if len(layout.sizes) > 8 else ''}; "
+                             "every rank must pass the same")
+        self._agreed.add(layout.key)
+
+    def _buffers(self, layout: HierarchicalLayout, device: torch.device):
+        """The full-length staging buffer (zeros past the tensors, which stay
+        zero: every stage keeps pads at zero) and this rank's shard of it.
+        With one rank per node the shard is the staging buffer itself."""
+        key = (layout.key, device)
+        made = self._staging.get(key)
+        if made is None:
+            staging = torch.zeros(layout.padded, device=device)
+            shard = staging if self.ranks_per_node == 1 else torch.zeros(layout.shard_numel,
+                                                                         device=device)
+            made = self._staging[key] = (staging, shard)
+        return made
+
+
+class TorchNode:
+    """Full-precision collectives inside a node over a torch.distributed group."""
+
+    def __init__(self, group, timeout_s: Optional[float]) -> None:
+        self.group, self.timeout_s = group, timeout_s
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        collectives.run("hierarchical stage 1 (reduce-scatter inside the node)",
+                        lambda: _reduce_scatter_flat(recv, send, group=self.group, async_op=True),
+                        self.timeout_s, self.group)
+
+    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        collectives.run("hierarchical stage 3 (all-gather inside the node)",
+                        lambda: collectives.all_gather_flat(recv, send, group=self.group,
+                                                            async_op=True),
+                        self.timeout_s, self.group)
+
+
+def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
+                       check_finite: bool = True, timeout_s: Optional[float] = None,
+                       block_size: int = DEFAULT_BLOCK_SIZE,
+                       scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
+                       piece_size: Optional[int] = None) -> HierarchicalBackend:
+    """The hierarchical backend over torch.distributed: node groups and
+    cross-node groups made with dist.new_group (every rank of the world must
+    create it, as with any new group)."""
+    from .compressed import CompressedBackend
+
+    timeout_s = collectives.check_timeout(timeout_s)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("the hierarchical backend needs torch.distributed initialised "
+                           "(dist.init_process_group) before it is created")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def gather_ints(values):
+        mine = torch.tensor(values, dtype=torch.int64)
+        every = torch.empty(size * len(values), dtype=torch.int64)
+        collectives.run("hierarchical node map (all-gather)",
+                        lambda: collectives.all_gather_flat(every, mine, group=group, async_op=True),
+                        timeout_s, group)
+        return every.view(size, -1).tolist()
+
+    nodes = node_map(size, rank, node_of_rank, gather_ints)
+    world = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    # Every rank creates every group, in the same order (torch's rule).
+    node_groups = [dist.new_group([world(r) for r in ranks]) for ranks in nodes]
+    cross_groups = [dist.new_group([world(n[s]) for n in nodes]) for s in range(len(nodes[0]))]
+    mine = next(i for i, n in enumerate(nodes) if rank in n)
+    local = nodes[mine].index(rank)
+    net = CompressedBackend(group=cross_groups[local], check_finite=False, timeout_s=timeout_s,
+                            block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size)
+    backend = HierarchicalBackend(net, TorchNode(node_groups[mine], timeout_s), nodes, rank,
+                                  check_finite=check_finite)
+    backend.timeout_s = timeout_s
+    return backend
+
+
+class MpiNode:
+    """Full-precision collectives inside a node over an MPI communicator
+    (device tensors staged through host memory)."""
+
+    def __init__(self, comm) -> None:
+        from mpi4py import MPI
+
+        self.comm, self._float, self._byte, self._sum = comm, MPI.FLOAT, MPI.BYTE, MPI.SUM
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device.type == "cpu" else t.cpu()
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        out = self._host(recv)
+        self.comm.Reduce_scatter_block([self._host(send).numpy(), self._float],
+                                       [out.numpy(), self._float], op=self._sum)
+        if out is not recv:
+            recv.copy_(out)
+
+    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        out = self._host(recv)  # any dtype: moved as bytes
+        self.comm.Allgather([self._host(send).view(torch.uint8).numpy(), self._byte],
+                            [out.view(torch.uint8).numpy(), self._byte])
+        if out is not recv:
+            recv.copy_(out)
+
+
+def mpi_hierarchical(comm=None, node_of_rank: Optional[Sequence[int]] = None,
+                     cuda_aware: bool = False, check_finite: bool = True,
+                     block_size: int = DEFAULT_BLOCK_SIZE,
+                     scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
+                     piece_size: Optional[int] = None) -> HierarchicalBackend:
+    """The hierarchical backend over MPI. Node groups: `node_of_rank`, else
+    $ONEBIT_RANKS_PER_NODE, else MPI's shared-memory split (the ranks that
+    share this machine's memory)."""
+    from .mpi import MpiBackend, _mpi
+
+    MPI = _mpi()
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if node_of_rank is None and RANKS_PER_NODE_ENV not in os.environ:
+        shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        leader = shared.allreduce(rank, op=MPI.MIN)  # the node's name: its lowest rank
+        shared.Free()
+        node_of_rank = comm.allgather(leader)
+    nodes = node_map(size, rank, node_of_rank, lambda values: comm.allgather(list(values)))
+    mine = next(i for i, n in enumerate(nodes) if rank in n)
+    local = nodes[mine].index(rank)
+    node_comm = comm.Split(color=mine, key=local)
+    cross_comm = comm.Split(color=local, key=mine)
+    net = MpiBackend(cuda_aware=cuda_aware, comm=cross_comm, check_finite=False,
+                     block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size)
+    return HierarchicalBackend(net, MpiNode(node_comm), nodes, rank, check_finite=check_finite)
