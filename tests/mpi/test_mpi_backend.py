@@ -91,3 +91,58 @@ def test_gloo_and_mpi_backends_agree_bitwise(backend, gloo, numel):
         outs = [b.compressed_allreduce(m.clone(), *st) for b, st in zip((backend, other), states)]
         assert torch.equal(outs[0], outs[1])
         assert torch.equal(states[0][0], states[1][0]) and torch.equal(states[0][1], states[1][1])
+
+
+def _layouts(p):
+    """Every node map with equal nodes of consecutive ranks: K ranks per node."""
+    return [[r // k for r in range(p)] for k in range(1, p + 1) if p % k == 0]
+
+
+def test_mpi_hierarchical_matches_three_stage_reference():
+    from allreduce_checks import check_hierarchical_rounds
+    from onebit.backends.hierarchical import mpi_hierarchical
+
+    rank, p = COMM.Get_rank(), COMM.Get_size()
+    for node_of_rank in _layouts(p):
+        b = mpi_hierarchical(node_of_rank=node_of_rank, block_size=64)
+        nodes = [[r for r in range(p) if node_of_rank[r] == n] for n in sorted(set(node_of_rank))]
+        assert b.nodes == nodes
+        check_hierarchical_rounds(b, rank, p, nodes, mpi_gather)
+
+
+def test_mpi_hierarchical_default_nodes_are_the_shared_memory_split():
+    """mpirun on this one machine: one node of every rank, an exact mean."""
+    from onebit.backends import get_backend
+
+    rank, p = COMM.Get_rank(), COMM.Get_size()
+    b = get_backend("mpi_hierarchical")
+    assert b.nodes == [list(range(p))]
+    m = make_inputs(rank, 1000, 0)
+    every = torch.stack(mpi_gather(m))
+    werr, serr = (torch.zeros(n) for n in b.error_sizes(1000))
+    b.compressed_allreduce(m, werr, serr)
+    torch.testing.assert_close(m, every.mean(0), rtol=0, atol=1e-6)
+    assert not werr.any() and not serr.any()
+
+
+def test_gloo_and_mpi_hierarchical_agree_bitwise(gloo):
+    """Bitwise with up to 2 ranks per node; with 3 or more, the two
+    libraries' fp32 reduce-scatters may add in other orders (here that is one
+    node: an exact mean, equal to rounding)."""
+    from onebit.backends.hierarchical import mpi_hierarchical, torch_hierarchical
+
+    rank, p = COMM.Get_rank(), COMM.Get_size()
+    for node_of_rank in _layouts(p):
+        pair = (mpi_hierarchical(node_of_rank=node_of_rank),
+                torch_hierarchical(node_of_rank=node_of_rank))
+        wn, sn = pair[0].error_sizes(77777)
+        states = [(torch.zeros(wn), torch.zeros(sn)) for _ in range(2)]
+        for r in range(3):
+            m = make_inputs(rank, 77777, r)
+            outs = [b.compressed_allreduce(m.clone(), *st) for b, st in zip(pair, states)]
+            if pair[0].ranks_per_node > 2:
+                assert pair[0].node_count == 1
+                torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+                continue
+            assert torch.equal(outs[0], outs[1])
+            assert all(torch.equal(a, b) for a, b in zip(*states))
