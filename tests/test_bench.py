@@ -12,10 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {"size", "count", "type", "backend", "time", "algbw", "busbw", "wire", "speedup", "wrong"}
 
 
-def bench(*args, launcher=(), timeout=300):
+def bench(*args, launcher=(), timeout=300, env=None):
     cmd = [*launcher, sys.executable, "-m", "onebit.bench", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -47,6 +47,26 @@ def test_bench_piece_sizes_give_the_same_bits(tmp_path):
                     "--piece-size", piece)
         assert "# Out of bounds values : 0 OK" in out, out
         assert "# pipelined pieces per payload: " + (counts or "1M:") in out, out
+
+
+def test_bench_hierarchical_backend_beside_the_flat_one(tmp_path):
+    """4 local ranks as 2 nodes of 2: the hierarchical rows match their own
+    float64 simulation, and each rank sends a third of the flat bytes over the
+    network (its shard among 2 nodes instead of its buffer among 4 ranks)."""
+    out = bench("--nproc", "4", "--backend", "compressed,hierarchical", "-b", "64K", "-e", "256K",
+                "-f", "4", "-w", "1", "-n", "2", "--json", str(tmp_path / "h.json"),
+                env={"ONEBIT_RANKS_PER_NODE": "2"})
+    rows = json.loads((tmp_path / "h.json").read_text())["results"]
+    assert all(r["wrong"] == 0 for r in rows), out
+    flat = {r["count"]: r for r in rows if r["backend"] == "compressed"}
+    hier = {r["count"]: r for r in rows if r["backend"] == "hierarchical"}
+    assert sorted(hier) == [16384, 65536]
+    for count, r in hier.items():
+        shard_chunk = count // 2 // 2  # N/K elements, served by M = 2 nodes
+        assert r["wire"] == 2 * 1 * (shard_chunk // 8 + shard_chunk // 256 * 4)
+        assert flat[count]["wire"] == 3 * r["wire"]
+        assert r["node_tx"] is None  # no interface named: loopback
+    assert "# pipelined pieces per payload (hierarchical): " in out
 
 
 def test_step_bench_times_every_setup_against_the_floor(tmp_path):

@@ -8,7 +8,12 @@ dist.all_reduce in fp32 and fp16, on the same ranks:
   size     logical fp32 payload in bytes (4 * count)
   time     per iteration, the slowest rank's (max-reduced), in microseconds
   algbw    size / time, GB/s;  busbw = algbw * 2(p-1)/p, as nccl-tests
-  wire     bytes each rank sends per iteration
+  wire     bytes each rank sends per iteration over the network (hierarchical:
+           its 1-bit stage between nodes; the full-precision stages stay inside
+           the node)
+  node_tx  bytes per iteration counted on this host's network interface
+           ($GLOO_SOCKET_IFNAME, as shaped_net.sh sets it; "-" elsewhere): what
+           left rank 0's node, by the kernel's count
   speedup  fp32 all_reduce time / this row's time
   #wrong   elements off an fp64 reference (compressed: a float64 simulation
            of the algorithm; all_reduce: the float64 sum), checked once per size
@@ -27,12 +32,13 @@ import torch.distributed as dist
 from .. import launch
 from ..accelerator import get_accelerator
 from ..backends.pipeline import TUNING_CALLS
-from .reference import count_wrong, simulate
+from .reference import count_wrong, simulate, simulate_hierarchical
 from .table import Table, int_arg, piece_arg, progress, size_arg
 
 COLUMNS = [("size(B)", 12, "d"), ("count", 10, "d"), ("type", 6, "s"), ("backend", 15, "s"),
            ("time(us)", 11, ".1f"), ("algbw", 7, ".2f"), ("busbw", 7, ".2f"),
-           ("wire(B)", 11, "d"), ("speedup", 7, ".2f"), ("#wrong", 6, "d")]
+           ("wire(B)", 11, "d"), ("node_tx(B)", 11, "s"), ("speedup", 7, ".2f"),
+           ("#wrong", 6, "d")]
 
 
 MAX_SIZES = 1000
@@ -74,15 +80,52 @@ def _slowest(seconds: float) -> float:
     return t.item()
 
 
-def _timed(fn, warmup: int, iters: int) -> float:
+def _nic_tx_bytes():
+    """Bytes this host's interface has sent, if the launcher named it
+    (GLOO_SOCKET_IFNAME) and the kernel shows it; else None."""
+    import os
+
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        with open(f"/sys/class/net/{name}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def _timed(fn, warmup: int, iters: int):
+    """(the slowest rank's seconds per call, this host's interface bytes per
+    call or None)."""
     for _ in range(warmup):
         fn()
     dist.barrier()
+    tx0 = _nic_tx_bytes()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     get_accelerator().synchronize()
-    return _slowest((time.perf_counter() - t0) / iters)
+    took = time.perf_counter() - t0
+    tx1 = _nic_tx_bytes()
+    tx = (tx1 - tx0) // iters if tx0 is not None and tx1 is not None else None
+    return _slowest(took / iters), tx
+
+
+def _network_stage(backend, count: int):
+    """(the backend whose 1-bit collectives cross the network, its layout of
+    a `count` buffer): the backend itself, or a hierarchical one's
+    cross-node backend and this rank's shard."""
+    layout = backend.layout([count])
+    if hasattr(layout, "shard"):
+        return backend.net, layout.shard
+    return backend, layout
+
+
+def _wire_bytes(backend, count: int) -> int:
+    """Bytes each rank sends per call over the network (wire format v2): its
+    all-to-all rows and its all-gather row to each of p - 1 peers."""
+    net, layout = _network_stage(backend, count)
+    chunk = layout.chunk
+    return 2 * (net.size - 1) * (chunk // 8 + chunk // net.block_size * net.scale_dtype.itemsize)
 
 
 def _gather_to_rank0(t: torch.Tensor) -> List[torch.Tensor]:
@@ -104,7 +147,9 @@ def _check_compressed(backend, count: int, device) -> int:
     backend.compressed_allreduce(m, werr, serr)
     wrong = 0
     if dist.get_rank() == 0:
-        expected, c = simulate(*inputs, backend.block_size)
+        nodes = getattr(backend, "nodes", None)
+        expected, c = (simulate(*inputs, backend.block_size) if nodes is None
+                       else simulate_hierarchical(*inputs, backend.block_size, nodes))
         wrong = count_wrong(m.cpu(), expected, c)
     return _broadcast_int(wrong)
 
@@ -161,9 +206,9 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
         rows = []
         for dtype, label in ((torch.float32, "fp32"), (torch.float16, "fp16")):
             x = torch.randn(count).to(dtype).to(device)
-            t = _timed(lambda: dist.all_reduce(x), args.warmup, args.iters)
+            t, tx = _timed(lambda: dist.all_reduce(x), args.warmup, args.iters)
             wire = 2 * (world - 1) * count * x.element_size() // world
-            rows.append(dict(type=label, backend="all_reduce", time=t, wire=wire,
+            rows.append(dict(type=label, backend="all_reduce", time=t, wire=wire, node_tx=tx,
                              wrong=_check_all_reduce(count, dtype, device)))
         for name, backend in backends.items():
             n, ns = backend.error_sizes(count)
@@ -171,11 +216,11 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
             werr, serr = torch.zeros(n, device=device), torch.zeros(ns, device=device)
             # The piece-count tuner's trial calls are warmup too: time its choice.
             warmup = args.warmup + (TUNING_CALLS if backend.piece_size is None else 0)
-            t = _timed(lambda: backend.compressed_allreduce(m, werr, serr), warmup, args.iters)
-            # Per message: the chunk's sign bytes and its block scales (wire format v2).
-            wire = 2 * (world - 1) * (ns // 8 + ns // backend.block_size * backend.scale_dtype.itemsize)
-            rows.append(dict(type="fp32", backend=name, time=t, wire=wire,
-                             pieces=backend.pipeline.count(backend.layout([count]).key, n, world),
+            t, tx = _timed(lambda: backend.compressed_allreduce(m, werr, serr), warmup, args.iters)
+            net, layout = _network_stage(backend, count)
+            rows.append(dict(type="fp32", backend=name, time=t, wire=_wire_bytes(backend, count),
+                             node_tx=tx,
+                             pieces=net.pipeline.count(layout.key, layout.padded, net.size),
                              wrong=_check_compressed(backend, count, device)))
         base = rows[0]["time"]
         for r in rows:
@@ -184,7 +229,9 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
                      busbw=algbw * 2 * (world - 1) / world, speedup=base / r["time"])
             table.row(**{"size(B)": r["size"], "count": count, "type": r["type"],
                          "backend": r["backend"], "time(us)": r["time"] * 1e6, "algbw": algbw,
-                         "busbw": r["busbw"], "wire(B)": r["wire"], "speedup": r["speedup"],
+                         "busbw": r["busbw"], "wire(B)": r["wire"],
+                         "node_tx(B)": "-" if r["node_tx"] is None else str(r["node_tx"]),
+                         "speedup": r["speedup"],
                          "#wrong": r["wrong"]})
         results.extend(rows)
         if bar:
@@ -202,15 +249,18 @@ def _footer(rows: List[Dict]) -> None:
         avg = sum(r["busbw"] for r in rs) / len(rs)
         sp = sum(r["speedup"] for r in rs) / len(rs)
         print(f"# {key:<18} avg busbw {avg:7.3f} GB/s   avg speedup vs fp32 all_reduce {sp:6.2f}x")
-    pieces = [f"{r['size'] >> 20}M:{r['pieces']}" for r in rows if "pieces" in r]
-    if pieces:
-        print(f"# pipelined pieces per payload: {' '.join(pieces)}")
+    compressed = list(dict.fromkeys(r["backend"] for r in rows if "pieces" in r))
+    for name in compressed:
+        pieces = [f"{r['size'] >> 20}M:{r['pieces']}" for r in rows if r["backend"] == name
+                  and "pieces" in r]
+        which = f" ({name})" if len(compressed) > 1 else ""
+        print(f"# pipelined pieces per payload{which}: {' '.join(pieces)}")
     wrong = sum(r["wrong"] for r in rows)
     print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
 
 
 def run(args: argparse.Namespace) -> bool:
-    if "mpi" in args.backend.split(",") and not launch.under_mpirun():
+    if any(b.startswith("mpi") for b in args.backend.split(",")) and not launch.under_mpirun():
         raise SystemExit("--backend mpi needs the ranks to be started by mpirun, e.g.\n"
                          "  mpirun -n 4 python -m onebit.bench --backend compressed,mpi\n"
                          "(MPI itself comes with: pip install 'onebit[mpi]')")
@@ -256,7 +306,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-w", "--warmup", type=int_arg(0), default=2, help="warmup iterations")
     p.add_argument("-n", "--iters", type=int_arg(1), default=10, help="timed iterations")
     p.add_argument("--nproc", type=int_arg(1), default=4, help="local ranks when not launched")
-    p.add_argument("--backend", default="compressed", help="comma list: compressed,mpi")
+    p.add_argument("--backend", default="compressed",
+                   help="comma list: compressed,hierarchical,mpi,mpi_hierarchical")
     p.add_argument("--piece-size", dest="piece_size", type=piece_arg, default=None,
                    help="elements per pipelined piece of the compressed allreduce: 0 for one "
                         "piece, default auto (timed on the first calls)")

@@ -5,7 +5,7 @@ rules: one scale per block of B elements over its real elements (the first
 numel of the buffer), no error and no value at the padding."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -22,16 +22,19 @@ def _compress(x: torch.Tensor, real: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def simulate(buffers: List[torch.Tensor], worker_errors: List[torch.Tensor],
-             server_errors: List[torch.Tensor], block: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(output[numel], server values c[N]) for one compressed allreduce."""
+             server_errors: List[torch.Tensor], block: int,
+             real: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(output[numel], server values c[N]) for one compressed allreduce.
+    `real` (default: the first numel of N) marks the elements that exist."""
     p, n, numel = len(buffers), worker_errors[0].numel(), buffers[0].numel()
     chunk = n // p
-    real = torch.zeros(n, dtype=torch.float64)
-    real[:numel] = 1.0
+    if real is None:
+        real = torch.zeros(n, dtype=torch.float64)
+        real[:numel] = 1.0
     compressed = []
     for b, e in zip(buffers, worker_errors):
         x = e.double() * real
-        x[:numel] += b.double().reshape(-1)
+        x[:numel] += b.double().reshape(-1) * real[:numel]
         compressed.append(_compress(x, real, block))
     out, c_all = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
     for k in range(p):
@@ -40,6 +43,37 @@ def simulate(buffers: List[torch.Tensor], worker_errors: List[torch.Tensor],
         out[part] = _compress(c, real[part], block)
         c_all[part] = c
     return out[:numel], c_all
+
+
+def simulate_hierarchical(buffers: List[torch.Tensor], worker_errors: List[torch.Tensor],
+                          server_errors: List[torch.Tensor], block: int,
+                          nodes: List[List[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The same for the hierarchical allreduce: each node's exact mean, then
+    shard s (S = N/K of the buffer padded for K*M ranks) compressed among the
+    nodes by their s-th ranks (whose errors are S and S/M long); one node:
+    the exact mean. Ranks index `buffers` and the errors."""
+    k, m, numel = len(nodes[0]), len(nodes), buffers[0].numel()
+    unit = block * k * m
+    n = max(unit, -(-numel // unit) * unit)
+    s_len = n // k
+    real = torch.zeros(n, dtype=torch.float64)
+    real[:numel] = 1.0
+    means = []
+    for ranks in nodes:
+        x = torch.zeros(n, dtype=torch.float64)
+        x[:numel] = torch.stack([buffers[r].double().reshape(-1) for r in ranks]).mean(0)
+        means.append(x)
+    out, c = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
+    for s in range(k):
+        part = slice(s * s_len, (s + 1) * s_len)
+        if m == 1:
+            out[part] = c[part] = means[0][part]
+            continue
+        members = [ranks[s] for ranks in nodes]
+        o, cs = simulate([x[part] for x in means], [worker_errors[r] for r in members],
+                         [server_errors[r] for r in members], block, real[part])
+        out[part], c[part] = o, cs
+    return out[:numel], c
 
 
 def count_wrong(result: torch.Tensor, expected: torch.Tensor, server_values: torch.Tensor,
