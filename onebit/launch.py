@@ -23,6 +23,8 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
+from .accelerator.placement import local_world_size  # noqa: F401 - re-exported
+
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
@@ -36,15 +38,6 @@ def under_mpirun() -> bool:
 
 def launched_externally() -> bool:
     return under_torchrun() or under_mpirun()
-
-
-def local_world_size() -> int:
-    """Ranks on this machine, as the launcher tells it (torchrun, Open MPI,
-    MPICH/Hydra); 1 when it does not."""
-    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        if os.environ.get(var, "").isdigit():
-            return max(1, int(os.environ[var]))
-    return 1
 
 
 def share_cores() -> int:

@@ -37,12 +37,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import collectives, launch
+from .. import collectives
+from ..accelerator.placement import RANKS_PER_NODE_ENV, local_world_size
 from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase, stable_digest
 from .layout import BlockLayout
 from .stats import TrafficStats, fp32_allreduce_bytes
-
-RANKS_PER_NODE_ENV = "ONEBIT_RANKS_PER_NODE"
 
 # torch 2.13 deprecates reduce_scatter_tensor in favour of reduce_scatter_single.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -97,7 +96,7 @@ def node_map(size: int, rank: int, node_of_rank: Optional[Sequence[int]], gather
                 raise ValueError(f"${RANKS_PER_NODE_ENV} must be a positive integer, got {raw!r}")
             k, local = int(raw), rank % int(raw)
         else:
-            k, local = launch.local_world_size(), int(os.environ.get("LOCAL_RANK", rank))
+            k, local = local_world_size(), int(os.environ.get("LOCAL_RANK", rank))
         k = min(k, size)
         every = gather_ints([k, local])
         if len({k_ for k_, _ in every}) != 1:

@@ -91,7 +91,8 @@ def _optimizer(name: str, params, a: dict):
 
     steps, lr = a["steps"], a["lr"]
     f = max(1, int(a["freeze"] * steps))
-    wire = dict(block_size=a["block_size"], scale_dtype=a["scale_dtype"])
+    wire = dict(block_size=a["block_size"], scale_dtype=a["scale_dtype"],
+                comm_backend_name=a.get("backend"))
     if name == "Adam":
         return torch.optim.Adam(params, lr=lr)
     if name == "OnebitAdam":
@@ -101,7 +102,8 @@ def _optimizer(name: str, params, a: dict):
     if name == "OnebitLamb":
         return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=f, **wire)
     if name == "Lamb":  # the same code, kept in warmup
-        return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=10 * steps)
+        return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=10 * steps,
+                                 comm_backend_name="compressed")
     raise ValueError(name)
 
 
@@ -175,7 +177,8 @@ def compare(a: dict) -> tuple:
     """(rows: one per pair, averaged over seeds; runs: every run)."""
     pairs = [p for p in PAIRS if p[0] in a.get("only", [p[0]])]
     names = list(dict.fromkeys(n for pair in pairs for n in pair))
-    runs = launch.spawn_local(_all_runs, a["nproc"], names, a["seeds"], a, threads=1)[0]
+    env = {"ONEBIT_RANKS_PER_NODE": str(a["ranks_per_node"])} if a.get("ranks_per_node") else None
+    runs = launch.spawn_local(_all_runs, a["nproc"], names, a["seeds"], a, threads=1, env=env)[0]
     by = collections.defaultdict(list)
     for r in runs:
         by[r["optimizer"]].append(r)
@@ -223,7 +226,9 @@ def run(args: argparse.Namespace) -> bool:
           f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}) "
           f"schedule={a['schedule']}" + (f" warmup={a['warmup']:.0%}" if a['schedule'] == "cosine" else "")
           + f" seeds={a['seeds']} "
-          f"block_size={a['block_size']} scale_dtype={a['scale_dtype']}")
+          f"block_size={a['block_size']} scale_dtype={a['scale_dtype']}"
+          + (f" backend={a['backend']}" if a.get("backend") else "")
+          + (f" ranks/node={a['ranks_per_node']}" if a.get("ranks_per_node") else ""))
     print(f"#{'optimizer':>12} {'baseline':>9} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} finite ok")
     rows, runs = compare(a)
@@ -244,6 +249,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--freeze is a fraction of the steps in (0, 1), got {args.freeze:g}")
     if not 0 <= args.warmup < 1:
         raise ValueError(f"--warmup is a fraction of the steps in [0, 1), got {args.warmup:g}")
+    if args.ranks_per_node and args.nproc % args.ranks_per_node:
+        raise ValueError(f"--nproc ({args.nproc}) must be a multiple of --ranks-per-node "
+                         f"({args.ranks_per_node})")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
 
@@ -272,5 +280,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["float32", "bfloat16"])
     p.add_argument("--only", nargs="+", default=[p[0] for p in PAIRS],
                    choices=[p[0] for p in PAIRS], help="run only these pairs")
+    p.add_argument("--backend", default=None,
+                   help="the 1-bit optimizers' comm backend (default: the accelerator's)")
+    p.add_argument("--ranks-per-node", dest="ranks_per_node", type=int_arg(1), default=None,
+                   help="simulate nodes of this many local ranks (for --backend hierarchical)")
     p.add_argument("--json")
     p.add_argument("--plot", help="write the held-out loss curves to this PNG")
