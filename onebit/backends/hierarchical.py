@@ -41,10 +41,9 @@ from .. import collectives
 from ..accelerator.placement import RANKS_PER_NODE_ENV, local_world_size
 from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase, stable_digest
 from .layout import BlockLayout
+from .node import MpiNode, TorchNode
+from .shm import ShmNode
 from .stats import TrafficStats, fp32_allreduce_bytes
-
-# torch 2.13 deprecates reduce_scatter_tensor in favour of reduce_scatter_single.
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class HierarchicalLayout:
@@ -152,7 +151,7 @@ class HierarchicalBackend:
         self.stats = TrafficStats()
         self.node_stats = TrafficStats()  # inside the node, full precision
         self._layouts: Dict[tuple, HierarchicalLayout] = {}
-        self._staging: Dict[tuple, tuple] = {}
+        self._shards: Dict[tuple, torch.Tensor] = {}
         self._agreed: set = set()
 
     @property
@@ -210,8 +209,8 @@ class HierarchicalBackend:
         if self.check_finite:
             self.net._check_finite(buffer_m)
         device, k = buffer_m.device, self.ranks_per_node
-        staging, shard = self._buffers(layout, device)
         self._agree(layout, device)
+        staging, shard = self._buffers(layout, device)
         numel = layout.numel
         staging[:numel].copy_(buffer_m.detach().reshape(-1))
         node_s = 0.0
@@ -221,9 +220,11 @@ class HierarchicalBackend:
             node_s += time.perf_counter() - t
             shard.div_(k)  # the node's mean
         before = self.net.stats.snapshot()
+        mine = shard[:layout.shard.numel]
         if self.node_count > 1:
-            self.net.compressed_allreduce(shard[:layout.shard.numel], worker_error, server_error,
-                                          layout=layout.shard)
+            self.net.compressed_allreduce(mine, worker_error, server_error, layout=layout.shard)
+        else:  # the exact mean; its pads come back zero as the 1-bit ones do
+            mine.index_fill_(0, layout.shard.pads(device)[:layout.shard.inner_pads], 0.0)
         if k > 1:
             t = time.perf_counter()
             self.node.all_gather(shard, staging)
@@ -266,45 +267,32 @@ class HierarchicalBackend:
         self._agreed.add(layout.key)
 
     def _buffers(self, layout: HierarchicalLayout, device: torch.device):
-        """The full-length staging buffer (zeros past the tensors, which stay
-        zero: every stage keeps pads at zero) and this rank's shard of it.
-        With one rank per node the shard is the staging buffer itself."""
+        """(staging, shard): the full-length buffer the node transport
+        reduces from and gathers into (its own, shared memory for ShmNode;
+        asked for every call, as the transport may have grown it), and this
+        rank's shard. With one rank per node the shard is the staging buffer
+        itself. What lies past the tensors is never read into a result."""
+        staging = self.node.staging(layout.padded, device)
+        if self.ranks_per_node == 1:
+            return staging, staging
         key = (layout.key, device)
-        made = self._staging.get(key)
-        if made is None:
-            staging = torch.zeros(layout.padded, device=device)
-            shard = staging if self.ranks_per_node == 1 else torch.zeros(layout.shard_numel,
-                                                                         device=device)
-            made = self._staging[key] = (staging, shard)
-        return made
-
-
-class TorchNode:
-    """Full-precision collectives inside a node over a torch.distributed group."""
-
-    def __init__(self, group, timeout_s: Optional[float]) -> None:
-        self.group, self.timeout_s = group, timeout_s
-
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        collectives.run("hierarchical stage 1 (reduce-scatter inside the node)",
-                        lambda: _reduce_scatter_flat(recv, send, group=self.group, async_op=True),
-                        self.timeout_s, self.group)
-
-    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        collectives.run("hierarchical stage 3 (all-gather inside the node)",
-                        lambda: collectives.all_gather_flat(recv, send, group=self.group,
-                                                            async_op=True),
-                        self.timeout_s, self.group)
+        shard = self._shards.get(key)
+        if shard is None:
+            shard = self._shards[key] = torch.zeros(layout.shard_numel, device=device)
+        return staging, shard
 
 
 def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
                        check_finite: bool = True, timeout_s: Optional[float] = None,
                        block_size: int = DEFAULT_BLOCK_SIZE,
                        scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
-                       piece_size: Optional[int] = None) -> HierarchicalBackend:
+                       piece_size: Optional[int] = None,
+                       shared_memory: bool = True) -> HierarchicalBackend:
     """The hierarchical backend over torch.distributed: node groups and
     cross-node groups made with dist.new_group (every rank of the world must
-    create it, as with any new group)."""
+    create it, as with any new group). Inside a node, host tensors move
+    through shared memory (shm.py) where the node's ranks share it, else
+    over the node group (`shared_memory=False` forces that)."""
     from .compressed import CompressedBackend
 
     timeout_s = collectives.check_timeout(timeout_s)
@@ -330,37 +318,13 @@ def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
     local = nodes[mine].index(rank)
     net = CompressedBackend(group=cross_groups[local], check_finite=False, timeout_s=timeout_s,
                             block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size)
-    backend = HierarchicalBackend(net, TorchNode(node_groups[mine], timeout_s), nodes, rank,
-                                  check_finite=check_finite)
+    node = None
+    if shared_memory and len(nodes[0]) > 1:
+        node = ShmNode.connect(node_groups[mine], local, len(nodes[0]), timeout_s)
+    backend = HierarchicalBackend(net, node or TorchNode(node_groups[mine], timeout_s), nodes,
+                                  rank, check_finite=check_finite)
     backend.timeout_s = timeout_s
     return backend
-
-
-class MpiNode:
-    """Full-precision collectives inside a node over an MPI communicator
-    (device tensors staged through host memory)."""
-
-    def __init__(self, comm) -> None:
-        from mpi4py import MPI
-
-        self.comm, self._float, self._byte, self._sum = comm, MPI.FLOAT, MPI.BYTE, MPI.SUM
-
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.device.type == "cpu" else t.cpu()
-
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        out = self._host(recv)
-        self.comm.Reduce_scatter_block([self._host(send).numpy(), self._float],
-                                       [out.numpy(), self._float], op=self._sum)
-        if out is not recv:
-            recv.copy_(out)
-
-    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        out = self._host(recv)  # any dtype: moved as bytes
-        self.comm.Allgather([self._host(send).view(torch.uint8).numpy(), self._byte],
-                            [out.view(torch.uint8).numpy(), self._byte])
-        if out is not recv:
-            recv.copy_(out)
 
 
 def mpi_hierarchical(comm=None, node_of_rank: Optional[Sequence[int]] = None,
