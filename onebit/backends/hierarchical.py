@@ -151,7 +151,6 @@ class HierarchicalBackend:
         self.stats = TrafficStats()
         self.node_stats = TrafficStats()  # inside the node, full precision
         self._layouts: Dict[tuple, HierarchicalLayout] = {}
-        self._shards: Dict[tuple, torch.Tensor] = {}
         self._agreed: set = set()
 
     @property
@@ -210,35 +209,44 @@ class HierarchicalBackend:
             self.net._check_finite(buffer_m)
         device, k = buffer_m.device, self.ranks_per_node
         self._agree(layout, device)
-        staging, shard = self._buffers(layout, device)
-        numel = layout.numel
-        staging[:numel].copy_(buffer_m.detach().reshape(-1))
-        node_s = 0.0
-        if k > 1:
-            t = time.perf_counter()
-            self.node.reduce_scatter(staging, shard)
-            node_s += time.perf_counter() - t
-            shard.div_(k)  # the node's mean
         before = self.net.stats.snapshot()
+        if k == 1:  # one rank per node: the flat algorithm on the same layout
+            self.net.compressed_allreduce(buffer_m, worker_error, server_error, layout=layout.shard)
+            self._count(layout, before, 0.0, started)
+            return buffer_m
+        numel = layout.numel
+        staging = self.node.staging(layout.padded, device)
+        staging[:numel].copy_(buffer_m.detach().reshape(-1))
+        t = time.perf_counter()
+        shard = self.node.reduce_scatter(staging, layout.shard_numel)
+        node_s = time.perf_counter() - t
+        shard.div_(k)  # the node's mean
         mine = shard[:layout.shard.numel]
         if self.node_count > 1:
             self.net.compressed_allreduce(mine, worker_error, server_error, layout=layout.shard)
         else:  # the exact mean; its pads come back zero as the 1-bit ones do
             mine.index_fill_(0, layout.shard.pads(device)[:layout.shard.inner_pads], 0.0)
-        if k > 1:
-            t = time.perf_counter()
-            self.node.all_gather(shard, staging)
-            node_s += time.perf_counter() - t
-        buffer_m.detach().copy_(staging[:numel].view(buffer_m.shape))
-        # Inside the node: a ring reduce-scatter and all-gather of fp32 each
-        # send (K - 1) shards.
-        node_bytes = 2 * (k - 1) * layout.shard_numel * 4
+        inplace = buffer_m.dtype == torch.float32 and buffer_m.is_contiguous()
+        out = buffer_m.detach().view(-1) if inplace else torch.empty(numel, device=device)
+        t = time.perf_counter()
+        self.node.all_gather(shard, out)
+        node_s += time.perf_counter() - t
+        if not inplace:
+            buffer_m.detach().copy_(out.view(buffer_m.shape))
+        self._count(layout, before, node_s, started)
+        return buffer_m
+
+    def _count(self, layout: HierarchicalLayout, before: dict, node_s: float,
+               started: float) -> None:
+        """Add a call to the counters. Inside the node the shards move as a
+        ring reduce-scatter and all-gather of fp32 would move them: (K - 1)
+        shards each way; between nodes, what the flat backend counted."""
+        node_bytes = 2 * (self.ranks_per_node - 1) * layout.shard_numel * 4
         self.node_stats.add(node_bytes, node_bytes, 0, node_s)
         net = self.net.stats.since(before)
         self.stats.add(net["bytes_sent"] + node_bytes, net["bytes_received"] + node_bytes,
                        fp32_allreduce_bytes(sum(layout.sizes), self.size),
                        net["comm_s"] + node_s, time.perf_counter() - started - net["comm_s"] - node_s)
-        return buffer_m
 
     def _agree(self, layout: HierarchicalLayout, device: torch.device) -> None:
         """The first time a layout is seen, every rank checks that all ranks
@@ -265,21 +273,6 @@ class HierarchicalBackend:
                              f"{layout.sizes[:8]}{'...' if len(layout.sizes) > 8 else ''}; "
                              "every rank must pass the same")
         self._agreed.add(layout.key)
-
-    def _buffers(self, layout: HierarchicalLayout, device: torch.device):
-        """(staging, shard): the full-length buffer the node transport
-        reduces from and gathers into (its own, shared memory for ShmNode;
-        asked for every call, as the transport may have grown it), and this
-        rank's shard. With one rank per node the shard is the staging buffer
-        itself. What lies past the tensors is never read into a result."""
-        staging = self.node.staging(layout.padded, device)
-        if self.ranks_per_node == 1:
-            return staging, staging
-        key = (layout.key, device)
-        shard = self._shards.get(key)
-        if shard is None:
-            shard = self._shards[key] = torch.zeros(layout.shard_numel, device=device)
-        return staging, shard
 
 
 def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,

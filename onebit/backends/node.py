@@ -1,8 +1,16 @@
-"""Full-precision collectives among the ranks of one node, for the
-hierarchical allreduce's stages 1 and 3: `reduce_scatter(send[K*S], recv[S])`
-(sums, in a fixed order per library), `all_gather(send[S], recv[K*S])`, and
-`staging(n, device)`, the buffer the caller writes its input into (shm.py's
-transport hands out shared memory there)."""
+"""Full-precision collectives among the K ranks of one node, for the
+hierarchical allreduce's stages 1 and 3:
+
+  staging(n, device)          where the caller writes its input (n = K*S);
+  reduce_scatter(staging, S)  this rank's shard of the sum over the node's
+                              ranks (a fixed order per library), a tensor
+                              the caller may change until all_gather;
+  all_gather(shard, out)      out = every rank's shard in local-rank order,
+                              cut at out.numel().
+
+shm.py's transport hands out shared memory as staging and sums in place
+there; these two move the data over a torch group or an MPI communicator.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -17,15 +25,32 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class PrivateStaging:
-    """A node transport's staging buffers when it has no shared memory:
-    one zeroed tensor per size and device, kept."""
+    """Staging and shard buffers of a transport without shared memory: one
+    zeroed tensor per purpose, size and device, kept."""
+
+    def _kept(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        made = self.__dict__.setdefault("_kept_buffers", {})
+        t = made.get((name, numel, device))
+        if t is None:
+            t = made[(name, numel, device)] = torch.zeros(numel, device=device)
+        return t
 
     def staging(self, numel: int, device: torch.device) -> torch.Tensor:
-        made = self.__dict__.setdefault("_staging", {})
-        t = made.get((numel, device))
-        if t is None:
-            t = made[(numel, device)] = torch.zeros(numel, device=device)
-        return t
+        return self._kept("staging", numel, device)
+
+    def reduce_scatter(self, staging: torch.Tensor, shard_numel: int) -> torch.Tensor:
+        shard = self._kept("shard", shard_numel, staging.device)
+        self._reduce_scatter(staging, shard)
+        return shard
+
+    def all_gather(self, shard: torch.Tensor, out: torch.Tensor) -> None:
+        full = shard.numel() * self.size
+        if out.numel() == full:
+            self._all_gather(shard, out)
+            return
+        staging = self._kept("gathered", full, shard.device)
+        self._all_gather(shard, staging)
+        out.copy_(staging[:out.numel()])
 
 
 class TorchNode(PrivateStaging):
@@ -33,13 +58,14 @@ class TorchNode(PrivateStaging):
 
     def __init__(self, group, timeout_s: Optional[float]) -> None:
         self.group, self.timeout_s = group, timeout_s
+        self.size = dist.get_world_size(group)
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         collectives.run("hierarchical stage 1 (reduce-scatter inside the node)",
                         lambda: _reduce_scatter_flat(recv, send, group=self.group, async_op=True),
                         self.timeout_s, self.group)
 
-    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         collectives.run("hierarchical stage 3 (all-gather inside the node)",
                         lambda: collectives.all_gather_flat(recv, send, group=self.group,
                                                             async_op=True),
@@ -54,18 +80,19 @@ class MpiNode(PrivateStaging):
         from mpi4py import MPI
 
         self.comm, self._float, self._byte, self._sum = comm, MPI.FLOAT, MPI.BYTE, MPI.SUM
+        self.size = comm.Get_size()
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device.type == "cpu" else t.cpu()
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         out = self._host(recv)
         self.comm.Reduce_scatter_block([self._host(send).numpy(), self._float],
                                        [out.numpy(), self._float], op=self._sum)
         if out is not recv:
             recv.copy_(out)
 
-    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def _all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         out = self._host(recv)  # any dtype: moved as bytes
         self.comm.Allgather([self._host(send).view(torch.uint8).numpy(), self._byte],
                             [out.view(torch.uint8).numpy(), self._byte])

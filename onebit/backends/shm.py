@@ -7,8 +7,9 @@ slower than the 1-bit exchange between nodes it was meant to feed. Here each
 rank owns one shared segment (a file in /dev/shm, unlinked as soon as every
 rank has mapped it, so nothing is left behind even by a crash); a rank writes
 into its own segment and reads the others', and the node group's gloo
-barriers order the two. The sums run in local-rank order, so every rank of
-every node adds the same way.
+barriers order the two. Stage 1 sums shard s in place in region s of local
+rank s's segment and stage 2 works on it there, so stage 3 reads every
+shard straight from its owner's segment into the result.
 
 `ShmNode.connect` checks that the segments really are shared (ranks that
 only think they share a machine see other files) and returns None where they
@@ -98,7 +99,7 @@ class ShmNode:
         return ok
 
     def _is_mine(self, t: torch.Tensor) -> bool:
-        """Whether `t` lies in this rank's segment (the staging buffer)."""
+        """Whether `t` lies in this rank's segment."""
         return bool(self._segments) and t.device.type == "cpu" and \
             t.untyped_storage().data_ptr() == self._segments[self.local_rank].untyped_storage().data_ptr()
 
@@ -115,28 +116,30 @@ class ShmNode:
                         lambda: dist.barrier(group=self.group, async_op=True),
                         self.timeout_s, self.group)
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """recv = the sum over local ranks of their send's shard (local rank
-        order); send is this rank's `staging`."""
-        if not self._is_mine(send):
-            return self.over_group.reduce_scatter(send, recv)
-        s = recv.numel()
-        lo = self.local_rank * s
+    def reduce_scatter(self, staging: torch.Tensor, shard_numel: int) -> torch.Tensor:
+        """The sum over local ranks of region s (s = this local rank) of every
+        segment, added into region s of this rank's own segment (which no
+        other rank reads until all_gather): its own input, then the others'
+        in local-rank order. Returned as the shard."""
+        if not self._is_mine(staging):
+            return self.over_group.reduce_scatter(staging, shard_numel)
+        lo, hi = self.local_rank * shard_numel, (self.local_rank + 1) * shard_numel
         self.barrier()  # every rank has written its input
-        torch.add(self._segments[0][lo:lo + s], self._segments[1][lo:lo + s], out=recv)
-        for seg in self._segments[2:]:
-            recv.add_(seg[lo:lo + s])
-
-    def all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """recv = every local rank's send, in local-rank order; recv must be
-        this rank's `staging` (its own shard is published there)."""
-        if not self._is_mine(recv):
-            return self.over_group.all_gather(send, recv)
-        s = send.numel()
-        mine = self._segments[self.local_rank]
-        mine[self.local_rank * s:(self.local_rank + 1) * s].copy_(send)
-        self.barrier()  # every shard is published
+        shard = self._segments[self.local_rank][lo:hi]  # this rank's own input there
         for k, seg in enumerate(self._segments):
             if k != self.local_rank:
-                recv[k * s:(k + 1) * s].copy_(seg[k * s:(k + 1) * s])
+                shard.add_(seg[lo:hi])
+        return shard
+
+    def all_gather(self, shard: torch.Tensor, out: torch.Tensor) -> None:
+        """out = every local rank's shard (each in region k of its own
+        segment, where reduce_scatter left it), cut at out.numel()."""
+        if not self._is_mine(shard):
+            return self.over_group.all_gather(shard, out)
+        s, n = shard.numel(), out.numel()
+        self.barrier()  # every shard is final
+        for k, seg in enumerate(self._segments):
+            lo, hi = k * s, min((k + 1) * s, n)
+            if lo < hi:
+                out[lo:hi].copy_(seg[lo:hi])
         self.barrier()  # nobody overwrites a segment another rank still reads
