@@ -106,3 +106,24 @@ def test_op_builders_by_name():
 def test_abstract_base_cannot_be_instantiated():
     with pytest.raises(TypeError):
         Accelerator()
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, "hierarchical"),       # torchrun, 2 nodes x 4
+    ({"OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, "hierarchical"),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, "compressed"),         # one node
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"}, "compressed"),         # one rank per node
+    ({"WORLD_SIZE": "4"}, "compressed"),                                   # nothing said
+    ({"WORLD_SIZE": "4", "ONEBIT_RANKS_PER_NODE": "2"}, "hierarchical"),  # the override
+], ids=["torchrun-2x4", "openmpi-2x3", "one-node", "one-per-node", "unknown", "override"])
+def test_default_backend_is_hierarchical_on_several_nodes_of_several_ranks(monkeypatch, env,
+                                                                           expected):
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "ONEBIT_RANKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert CpuAccelerator().onebit_backend() == expected
+    from onebit.backends import backend_name
+
+    assert backend_name(None) == get_accelerator().onebit_backend()

@@ -100,8 +100,13 @@ class Accelerator(abc.ABC):
     def communication_backend_name(self) -> str: ...
 
     def onebit_backend(self) -> str:
-        """Name of the default onebit compressed backend for this device."""
-        return "compressed"
+        """Name of the default onebit compressed backend for this device:
+        'hierarchical' when the launcher reports more than one node with
+        more than one rank on each (full precision inside the node, 1 bit
+        between nodes: README, "Multi-node"), else 'compressed'."""
+        from .placement import several_nodes_of_several_ranks
+
+        return "hierarchical" if several_nodes_of_several_ranks() else "compressed"
 
     # ---- kernels -------------------------------------------------------------
     def _op_builders(self) -> dict:
