@@ -67,7 +67,6 @@ class HierarchicalLayout:
         pieces = [min(o + s, hi) - max(o, lo) for o, s in zip(self.full.offsets, self.full.sizes)
                   if max(o, lo) < min(o + s, hi)]
         self.shard = BlockLayout(pieces, block, nodes, padded=self.shard_numel)
-        self.shard_start = lo
         self.sizes, self.offsets, self.numel = self.full.sizes, self.full.offsets, self.full.numel
         self.block, self.padded = block, self.full.padded
 
@@ -111,7 +110,7 @@ def node_map(size: int, rank: int, node_of_rank: Optional[Sequence[int]], gather
                              f"set ${RANKS_PER_NODE_ENV} for this layout")
         node_of_rank = [r // k for r in range(size)]
     node_of_rank = [int(n) for n in node_of_rank]
-    if len(node_of_rank) != size:
+    if len(node_of_rank) != size:  # before the all-gather, whose sizes would not match
         raise ValueError(f"node_of_rank names {len(node_of_rank)} ranks; the group has {size}")
     if gather_ints(node_of_rank) != [node_of_rank] * size:
         raise ValueError("ranks disagree on node_of_rank: every rank must pass the same list")
@@ -130,8 +129,8 @@ class HierarchicalBackend:
 
     net: the flat compressed backend among the ranks with this local rank
     (one per node); node: the full-precision transport inside this node
-    (`reduce_scatter(send[K*S], recv[S])` summing, `all_gather(send[S],
-    recv[K*S])`). Use `torch_hierarchical` or `mpi_hierarchical` to build one.
+    (node.py's interface: staging, reduce_scatter, all_gather). Use
+    `torch_hierarchical` or `mpi_hierarchical` to build one.
     The API is CompressedAllreduceBase's: `layout`, `error_sizes`,
     `compressed_allreduce`, `stats` (all bytes this rank sent) and
     `net_stats` (the inter-node ones alone).

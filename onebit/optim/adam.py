@@ -41,8 +41,10 @@ class OnebitAdam(FreezeStepOptimizer):
         warmup the averaged gradient is clipped; in compression, the local one.
       amsgrad: not supported (raises).
       cuda_aware: for comm_backend_name='mpi': pass device buffers to MPI.
-      comm_backend_name: 'compressed' (torch.distributed), 'mpi', or a
-        registered name; None asks the accelerator (`onebit_backend()`).
+      comm_backend_name: 'compressed' (torch.distributed), 'hierarchical'
+        (full precision inside a node, 1 bit between nodes), 'mpi',
+        'mpi_hierarchical', or a registered name; None asks the accelerator
+        (`onebit_backend()`: 'hierarchical' on several nodes of several ranks).
       process_group: the data-parallel group (default: world).
       timeout_s: deadline of every collective (default $ONEBIT_TIMEOUT_S or
         300 s); a dead or hung peer raises CommunicationError naming the phase.
