@@ -58,7 +58,8 @@ setup(
         "cuda": ["cupy-cuda12x>=13"],
         "xpu": [],  # torch>=2.5 has torch.xpu natively; nothing more to install
         "dev": ["pytest>=7", "pytest-timeout>=2", "pybind11>=2.10", "scikit-learn",
-                "transformers>=4.40", "accelerate>=0.26", "matplotlib"],  # examples and --plot run in the tests
+                "transformers>=4.40", "accelerate>=0.26", "lightning>=2.2",
+                "matplotlib"],  # examples and --plot run in the tests
         "bench": ["matplotlib", "scikit-learn"],
     },
     ext_modules=ext_modules,

@@ -37,13 +37,17 @@ def batches(xtr, ytr, rank, world, batch, seed=0):
         yield xtr[idx], ytr[idx]
 
 
-def fit(forward, opt, data, steps, rank, after_backward=None):
-    """The training loop both examples share; rank 0 prints the loss."""
+def fit(forward, opt, data, steps, rank, after_backward=None, backward=None):
+    """The training loop the examples share; rank 0 prints the loss.
+    `backward(loss)` replaces loss.backward() (Accelerate's)."""
     for step in range(1, steps + 1):
         x, y = next(data)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(forward(x), y)
-        loss.backward()
+        if backward is not None:
+            backward(loss)
+        else:
+            loss.backward()
         if after_backward is not None:
             after_backward()
         opt.step()
@@ -59,6 +63,34 @@ def _comm(opt) -> str:
     ratio = f"{s['compression_ratio']:.1f}x" if s["compression_ratio"] else "-"
     return (f"  [{s['stage']}: sent {s['bytes_sent']} B, {ratio} below fp32, "
             f"error norm {s['worker_error_norm']:.3g}]")
+
+
+class AveragingCheck:
+    """Counts, per stage, the steps whose gradients were already averaged
+    across ranks when backward finished -- what DDP's own allreduce would
+    leave. Each rank sees other data, so local gradients differ; with the
+    onebit hook DDP averages them only where the optimizer needs full
+    precision. Call it after backward, before step (one small all-gather)."""
+
+    def __init__(self, model, opt) -> None:
+        self.param = next(p for p in model.parameters() if p.requires_grad)
+        self.opt = opt
+        self.averaged = {}  # stage -> [steps averaged, steps seen]
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        g = self.param.grad.detach().reshape(-1).contiguous()
+        every = [torch.empty_like(g) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, g)
+        same = all(torch.equal(every[0], e) for e in every[1:])
+        counts = self.averaged.setdefault(self.opt.stage(), [0, 0])
+        counts[0] += int(same)
+        counts[1] += 1
+
+    def report(self) -> str:
+        return ", ".join(f"{stage}: {a} of {n} steps averaged by DDP"
+                         for stage, (a, n) in self.averaged.items())
 
 
 def evaluate(model, xte, yte, rank, label):

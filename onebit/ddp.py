@@ -22,11 +22,16 @@ from .backends.stats import fp32_allreduce_bytes
 
 
 class OnebitHookState:
-    """What the hook needs: the optimizer (it knows the stage) and its group."""
+    """What the hook needs: the optimizer (it knows the stage) and its group.
+
+    Trainers that build the DDP wrapper before the optimizer (PyTorch
+    Lightning's `DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`) can
+    create it empty and set `.optimizer` once the optimizer exists (in
+    `configure_optimizers`); the first backward needs it."""
 
     __slots__ = ("optimizer",)
 
-    def __init__(self, optimizer) -> None:
+    def __init__(self, optimizer=None) -> None:
         self.optimizer = optimizer
 
     def __getstate__(self):
@@ -37,6 +42,9 @@ class OnebitHookState:
 def ddp_comm_hook(state: OnebitHookState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     opt = state.optimizer
+    if opt is None:
+        raise RuntimeError("onebit.ddp_comm_hook: the hook state has no optimizer yet; set "
+                           "state.optimizer = the onebit optimizer before the first backward")
     buf = bucket.buffer()
     if opt.world_size > 1 and opt.needs_full_precision_gradients():
         opt._grads_averaged_externally = True

@@ -137,6 +137,7 @@ def test_local_ranks_use_gloo_without_a_device_per_rank():
     ["lm", "--steps", "0"], ["optim", "-n", "0"], ["soak", "--nproc", "0"],
     ["--piece-size", "-1"], ["--piece-size", "many"], ["step", "--params", "0"],
     ["step", "--optimizers", "adamw"], ["step", "--steps", "0"],
+    ["lm", "--nproc", "3", "--ranks-per-node", "2"], ["lm", "--ranks-per-node", "0"],
 ])
 def test_bad_bench_flags_are_usage_errors(flags):
     """argparse's usage error and exit status 2, at once: no loop, no traceback."""

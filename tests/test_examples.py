@@ -52,3 +52,33 @@ def test_hugging_face_trainer_example_reaches_the_compression_stage():
     line, _ = run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--steps", "30",
                    "--freeze-step", "10"])
     assert "step 30" in line  # the Trainer called our step() every step, past the freeze
+
+
+def _ddp_check(out, hooked):
+    """The examples' `--check` line: DDP averaged every warmup step and, with
+    the hook, no compression step (each rank sees other data, so averaged
+    gradients are equal on every rank and local ones are not)."""
+    (line,) = [l for l in out.splitlines() if l.startswith("ddp check:")]
+    assert "warmup: 20 of 20 steps averaged" in line, line
+    assert f"compression: {0 if hooked else 60} of 60 steps averaged" in line, line
+
+
+def run_with_output(cmd, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    acc = float(re.search(r"final: .* accuracy ([\d.]+)%", proc.stdout).group(1))
+    return proc.stdout, acc
+
+
+@pytest.mark.parametrize("example", ["accelerate_digits.py", "lightning_digits.py"])
+@pytest.mark.parametrize("hooked", [True, False], ids=["hook", "without-hook"])
+def test_trainer_recipes_send_no_full_precision_gradients_after_the_freeze(example, hooked):
+    """Hugging Face Accelerate and PyTorch Lightning on 2 CPU ranks: with the
+    recipe, DDP averages in warmup only; without the hook (the mistake the
+    check is there to catch) it averages every step."""
+    cmd = [sys.executable, str(ROOT / "examples" / example), "--nproc", "2", "--steps", "80",
+           "--freeze-step", "20", "--check"] + ([] if hooked else ["--without-hook"])
+    out, acc = run_with_output(cmd)
+    _ddp_check(out, hooked)
+    assert acc > 80.0

@@ -1,0 +1,60 @@
+"""Hugging Face Accelerate with a onebit optimizer: `accelerator.prepare(...)`
+wraps the model in DistributedDataParallel; register the onebit hook on that
+wrapper, so DDP averages gradients only where the optimizer needs full
+precision and sends nothing once 1-bit compression starts:
+
+  python examples/accelerate_digits.py --nproc 2           (local ranks)
+  torchrun --nproc-per-node 2 examples/accelerate_digits.py
+  accelerate launch --num_processes 2 examples/accelerate_digits.py
+
+The recipe is the three lines marked `# onebit`. `--check` also counts the
+steps whose gradients DDP had averaged (expected: every warmup step, no
+compression step).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+import onebit
+from onebit import launch
+from onebit.bench.convergence import load_digits_split
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_digits import AveragingCheck, batches, evaluate, fit, make_model_and_groups  # noqa: E402
+
+
+def train(rank, world, steps, freeze_step, check, hook=True):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    xtr, ytr, xte, yte = load_digits_split()
+    model, groups = make_model_and_groups(xtr)
+    opt = onebit.OnebitAdam(groups, lr=3e-3, freeze_step=freeze_step)  # onebit
+    ddp, prepared = accelerator.prepare(model, opt)
+    if hook:
+        ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)  # onebit
+    verify = AveragingCheck(model, opt) if check else None
+    fit(ddp, prepared, batches(xtr, ytr, rank, world, 32), steps, rank, after_backward=verify,
+        backward=accelerator.backward)
+    if verify is not None and rank == 0:
+        print(f"ddp check: {verify.report()}", flush=True)
+    return evaluate(model, xte, yte, rank, f"Accelerate + OnebitAdam on {world} ranks")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--freeze-step", type=int, default=60)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--check", action="store_true", help="count steps DDP averaged, per stage")
+    p.add_argument("--without-hook", dest="hook", action="store_false",
+                   help="leave the hook out, to see DDP average every step (the mistake)")
+    args = p.parse_args(argv)
+    launch.run_everywhere(train, args.nproc, args.steps, args.freeze_step, args.check, args.hook)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
