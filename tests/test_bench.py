@@ -69,6 +69,33 @@ def test_bench_hierarchical_backend_beside_the_flat_one(tmp_path):
     assert "# pipelined pieces per payload (hierarchical): " in out
 
 
+def test_probe_fits_the_link_it_is_given():
+    """fit_link recovers a latency and bandwidth from times made with them,
+    and predict() applies the documented formulas."""
+    from onebit.bench.probe import fit_link, predict
+
+    world, latency, bandwidth = 4, 2e-3, 12.5e6  # 100 Mbit/s
+    sizes = [1 << 16, 1 << 18, 1 << 20]
+    times = [latency + 2 * 3 / 4 * 4 * n / bandwidth for n in sizes]
+    got_latency, got_bandwidth = fit_link(sizes, times, world)
+    assert abs(got_latency - latency) < 1e-9 and abs(got_bandwidth / bandwidth - 1) < 1e-9
+    p = predict(1 << 24, world, latency, bandwidth, compress_per_element=0.0)
+    assert abs(p["fp32_s"] - (latency + 1.5 * 4 * (1 << 24) / bandwidth)) < 1e-9
+    wire = 1.5 * (1 << 24) * (1 / 8 + 4 / 256) / bandwidth
+    assert abs(p["onebit_s"] - (2 * latency + wire)) < 1e-9  # no compute: the wire alone
+    assert p["saving_s"] == p["fp32_s"] - p["onebit_s"] > 0
+
+
+def test_probe_measures_predicts_and_advises(tmp_path):
+    out = bench("probe", "--nproc", "2", "--params", "1M", "--iters", "2", "--verify",
+                "--verify-iters", "1", "--total-steps", "1000", "--json", str(tmp_path / "p.json"))
+    r = json.loads((tmp_path / "p.json").read_text())["result"]
+    assert r["latency_s"] >= 0 and r["bandwidth_Bps"] > 0 and r["compress_s_per_element"] > 0
+    assert set(r["predicted"]) >= {"fp32_s", "onebit_s", "saving_s"}
+    assert r["measured"]["fp32_s"] > 0 and r["measured"]["onebit_s"] > 0
+    assert "recommendation: " in out and "freeze_step: 15-25% of the training steps (150..250" in out
+
+
 def test_step_bench_times_every_setup_against_the_floor(tmp_path):
     out = bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "2",
                 "--untimed", "1", "--json", str(tmp_path / "s.json"))
@@ -138,6 +165,7 @@ def test_local_ranks_use_gloo_without_a_device_per_rank():
     ["--piece-size", "-1"], ["--piece-size", "many"], ["step", "--params", "0"],
     ["step", "--optimizers", "adamw"], ["step", "--steps", "0"],
     ["lm", "--nproc", "3", "--ranks-per-node", "2"], ["lm", "--ranks-per-node", "0"],
+    ["probe", "--params", "0"], ["probe", "--iters", "0"],
 ])
 def test_bad_bench_flags_are_usage_errors(flags):
     """argparse's usage error and exit status 2, at once: no loop, no traceback."""

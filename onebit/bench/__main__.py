@@ -1,13 +1,13 @@
-"""python -m onebit.bench [allreduce|kernels|lm|convergence|optim|soak|step] ...  (allreduce is the default)."""
+"""python -m onebit.bench [allreduce|kernels|lm|convergence|optim|probe|soak|step] ...  (allreduce is the default)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import allreduce, convergence, kernels, lm, optim, soak, step
+from . import allreduce, convergence, kernels, lm, optim, probe, soak, step
 
 COMMANDS = {"allreduce": allreduce, "kernels": kernels, "lm": lm, "convergence": convergence,
-            "optim": optim, "soak": soak, "step": step}
+            "optim": optim, "probe": probe, "soak": soak, "step": step}
 
 
 def main(argv=None) -> int:

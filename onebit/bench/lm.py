@@ -139,7 +139,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(a))
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     held = _batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
-    curve, finite = [], True
+    curve, finite, error_norms = [], True, []
 
     def held_out_loss() -> float:
         model.eval()
@@ -164,9 +164,12 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         sched.step()
         finite = finite and math.isfinite(loss.item()) and all(
             bool(torch.isfinite(p).all()) for p in model.parameters())
+        if hasattr(opt, "comm_stats"):  # the error-feedback residual, step by step
+            error_norms.append((t, opt.comm_stats()["worker_error_norm"]))
         if t % a["every"] == 0 or t == a["steps"]:
             curve.append((t, held_out_loss()))
-    return {"optimizer": name, "seed": seed, "curve": curve, "final": curve[-1][1], "finite": finite}
+    return {"optimizer": name, "seed": seed, "curve": curve, "final": curve[-1][1], "finite": finite,
+            "error_norms": error_norms}
 
 
 def _all_runs(rank: int, world: int, names: List[str], seeds: List[int], a: dict):
