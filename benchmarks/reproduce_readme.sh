@@ -14,6 +14,10 @@ for bs in "64 bfloat16" "128 bfloat16" "256 bfloat16" "256 float32" "1024 float3
     --block-size "$1" --scale-dtype "$2"
 done
 python -m onebit.bench convergence --steps 1000   # 1-bit optimizers vs baselines on digits
+for backend in compressed hierarchical; do        # flat vs hierarchical (2 simulated nodes of 2)
+  python -m onebit.bench lm --steps 240 --batch 8 --every 40 --backend $backend --ranks-per-node 2
+done
+python benchmarks/error_norm.py                   # docs/error_norm.png
 # Shaped links (root; 4 network namespaces on this machine, egress shaped by tbf). One thread
 # per rank: the "hosts" share this machine's 2 cores, which LOCAL_WORLD_SIZE=1 does not say.
 if [ "$(id -u)" = 0 ] && [ -x ../shared/tools/shaped_net.sh ]; then
@@ -22,6 +26,13 @@ if [ "$(id -u)" = 0 ] && [ -x ../shared/tools/shaped_net.sh ]; then
       ../shared/tools/shaped_net.sh run 4 $rate -- .venv/bin/python -m onebit.bench -b 64M -e 64M \
         -w 1 -n 3 --piece-size $piece
     done
+  done
+  for rate in 100mbit 1gbit; do              # multi-node: 2 hosts x 2 ranks, flat vs hierarchical
+    PER_HOST=2 ../shared/tools/shaped_net.sh run 2 $rate -- .venv/bin/python -m onebit.bench \
+      -b 64M -e 64M -w 1 -n 5 --backend compressed,hierarchical
+  done
+  for rate in none 1gbit 100mbit; do         # the probe's prediction against the measured saving
+    ../shared/tools/shaped_net.sh run 4 $rate -- .venv/bin/python -m onebit.bench probe --verify
   done
   OMP_NUM_THREADS=1 ../shared/tools/shaped_net.sh run 4 1gbit -- .venv/bin/python -m onebit.bench step
   OMP_NUM_THREADS=1 ../shared/tools/shaped_net.sh run 4 100mbit -- .venv/bin/python -m onebit.bench step \

@@ -32,7 +32,7 @@ from .. import launch
 from ..backends.pipeline import PIECE_SIZE
 from .table import count_arg, int_arg
 
-PROBE_SIZES = (1 << 16, 1 << 18, 1 << 20)  # fp32 elements: 256 KB .. 4 MB
+PROBE_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # fp32 elements: 256 KB .. 16 MB
 COMPRESS_ELEMENTS = 1 << 22
 
 
