@@ -258,7 +258,7 @@ def test_world_size_one_issues_no_collective():
 def test_get_backend_registry():
     from onebit.backends import get_backend, register_backend
 
-    with pytest.raises(ValueError, match=r"known: \['compressed', 'mpi'"):
+    with pytest.raises(ValueError, match=r"known: \['compressed', 'hierarchical', 'mpi', 'mpi_hierarchical'\]"):
         get_backend("nccl-magic")
     made = []
     register_backend("vendor", lambda group=None, **kw: made.append(kw) or "vendor-backend")
