@@ -55,6 +55,38 @@ def test_matches_three_stage_reference(node_of_rank, shared_memory):
     assert run_workers(_rounds, p, node_of_rank, shared_memory, timeout=240) == [True] * p
 
 
+def _shm_full_on_one_rank(rank, p):
+    """Rank 1's /dev/shm has room for the 8-float probe but not for the
+    buffer (as in a container with a small --shm-size): every rank warns and
+    moves to the node's gloo group, and the result is still right."""
+    import errno
+    import os
+    import warnings
+
+    from onebit.backends.hierarchical import torch_hierarchical
+
+    if rank == 1:
+        real = os.posix_fallocate
+
+        def full(fd, offset, nbytes):
+            if nbytes > 1024:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, offset, nbytes)
+        os.posix_fallocate = full
+    b = torch_hierarchical(node_of_rank=[0] * p, block_size=64, shared_memory=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_hierarchical_rounds(b, rank, p, _nodes([0] * p), _gather(p))
+    said = [str(w.message) for w in caught if "/dev/shm" in str(w.message)]
+    assert len(said) == 1 and "over gloo" in said[0], said
+    assert b.node._given_up and not b.node._segments
+    return True
+
+
+def test_a_full_dev_shm_on_one_rank_falls_back_to_gloo_on_every_rank():
+    assert run_workers(_shm_full_on_one_rank, 3, timeout=120) == [True] * 3
+
+
 def _one_rank_per_node_is_flat(rank, p):
     """K = 1: the same bits as the flat backend, output and both errors,
     round after round."""

@@ -13,12 +13,19 @@ shard straight from its owner's segment into the result.
 
 `ShmNode.connect` checks that the segments really are shared (ranks that
 only think they share a machine see other files) and returns None where they
-are not, so the caller keeps the gloo transport.
+are not, so the caller keeps the gloo transport. A segment is allocated with
+posix_fallocate rather than ftruncate: on a /dev/shm too small for it
+(Docker's default is 64 MB) that raises ENOSPC here, where a sparse file
+would kill the process with SIGBUS on the first write past the end. If any
+rank of the node cannot grow its segment, every rank of the node warns once
+and moves its stages to the gloo group for good.
 """
 from __future__ import annotations
 
+import errno
 import os
 import uuid
+import warnings
 from typing import List, Optional
 
 import torch
@@ -42,6 +49,7 @@ class ShmNode:
         self.group, self.local_rank, self.size, self.timeout_s = group, local_rank, size, timeout_s
         self._segments: List[torch.Tensor] = []  # every local rank's, mapped here
         self._capacity = 0
+        self._given_up = False  # a segment could not grow: the gloo group from now on
         self.over_group = TorchNode(group, timeout_s)
 
     @classmethod
@@ -73,29 +81,31 @@ class ShmNode:
         return every.tolist()
 
     def _map(self, numel: int) -> bool:
-        """(Re)create this rank's segment of `numel` floats and map everyone's;
-        False where a peer's cannot be mapped. Every rank runs the same
-        collectives whatever happens, so none is left waiting.
+        """(Re)create this rank's segment of `numel` floats and map everyone's.
+        True on every rank of the node, or False on every one (then nothing
+        is mapped): every rank runs the same collectives whatever happens,
+        so none is left waiting.
         Names: local rank 0's random tag (shared), then the local rank."""
         tag = int(self._gather_floats([float(uuid.uuid4().int % (1 << 52))])[0])
         names = [f"{SHM_DIR}/onebit-{tag:013x}-{r}" for r in range(self.size)]
         ok = True
         try:
             with open(names[self.local_rank], "wb") as f:
-                f.truncate(4 * numel)
+                _allocate(f.fileno(), 4 * numel)
         except OSError:
             ok = False
-        self.barrier()  # every file exists
+        ok = all(self._gather_floats([float(ok)]))  # also: every file exists
+        segments = []
         try:
             if ok:
-                self._segments = [torch.from_file(n, shared=True, size=numel, dtype=torch.float32)
-                                  for n in names]
+                segments = [torch.from_file(n, shared=True, size=numel, dtype=torch.float32)
+                            for n in names]
         except (OSError, RuntimeError):
             ok = False
-        self.barrier()  # everyone has mapped everything
+        ok = all(self._gather_floats([float(ok)]))  # also: everyone has mapped everything
         if os.path.exists(names[self.local_rank]):
             os.unlink(names[self.local_rank])  # the mappings stay; the name goes
-        self._capacity = numel if ok else 0
+        self._segments, self._capacity = (segments, numel) if ok else ([], 0)
         return ok
 
     def _is_mine(self, t: torch.Tensor) -> bool:
@@ -104,10 +114,18 @@ class ShmNode:
             t.untyped_storage().data_ptr() == self._segments[self.local_rank].untyped_storage().data_ptr()
 
     def staging(self, numel: int, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu":
+        if device.type != "cpu" or self._given_up:
             return self.over_group.staging(numel, device)
-        if numel > self._capacity:
-            self._map(numel)  # every rank asks for the same size: the layout was agreed
+        # Every rank asks for the same size (the layout was agreed), so every
+        # rank maps, or gives up, alike.
+        if numel > self._capacity and not self._map(numel):
+            self._given_up = True
+            warnings.warn(
+                f"onebit hierarchical: a rank of this node could not allocate {4 * numel} bytes "
+                f"in {SHM_DIR} (is it full, or small? Docker's default is 64 MB: raise it with "
+                f"--shm-size); the node's full-precision stages go over gloo from now on",
+                RuntimeWarning, stacklevel=2)
+            return self.over_group.staging(numel, device)
         return self._segments[self.local_rank][:numel]
 
     # --------------------------------------------------------- collectives --
@@ -143,3 +161,14 @@ class ShmNode:
             if lo < hi:
                 out[lo:hi].copy_(seg[lo:hi])
         self.barrier()  # nobody overwrites a segment another rank still reads
+
+
+def _allocate(fd: int, nbytes: int) -> None:
+    """Reserve nbytes for the file: ENOSPC now rather than SIGBUS later.
+    File systems without fallocate get a sparse file, as before."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)
