@@ -139,14 +139,16 @@ def test_onebit_adam_compression_stage_matches_independent_simulation(world):
 
 def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_beta=0.9,
                          min_coeff=0.01, max_coeff=10.0, factor_min=0.5, factor_max=4.0,
-                         threshold=0.1):
+                         threshold=0.1, trust_ratio="frozen"):
     """1-bit LAMB on `world` simulated ranks in float64, per tensor, from the
     paper (Li et al. 2021, Alg. 1) with OnebitLamb's documented choices:
     warmup = LAMB on the mean gradient, tracking a running average of the
     clamped trust ratio; after freeze, each rank's momentum (scaled once to a
     common RMS) goes through reference.py's compressed allreduce, a fresh
     variance follows the gradient implied by the momentum change, and the
-    trust ratio is the frozen one times a clamped max(denom / fresh denom)."""
+    trust ratio is the frozen one times a clamped max(denom / fresh denom).
+    trust_ratio="fresh": after the freeze too, LAMB's clamped ||p|| / ||update||
+    of this step's update (averaged momentum, frozen variance)."""
     b1, b2 = betas
     shapes = [p.shape for p in p0]
     sizes = [int(np.prod(sh)) for sh in shapes]
@@ -198,6 +200,11 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
             denom_fresh = np.sqrt(fresh[i] / bc2) + eps
             prelim = (m[i] / bc1) / denom
             upd = prelim + wd * params[i]
+            if trust_ratio == "fresh":
+                w, u = norm(params[i]), norm(upd)
+                coeff = min(max(w / u, min_coeff), max_coeff) if w > 0 and u > 0 else 1.0
+                params[i] = params[i] - lr * coeff * upd
+                continue
             factor = float(np.max(denom / denom_fresh)) if denom.size else 1.0
             if norm(upd) > 0:
                 ratio = min(1.0, norm(prelim) / norm(upd))
@@ -209,18 +216,23 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
     return np.concatenate(params)
 
 
+@pytest.mark.parametrize("trust_ratio", ["fresh", "frozen"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_onebit_lamb_compression_stage_matches_independent_simulation(world):
+def test_onebit_lamb_compression_stage_matches_independent_simulation(world, trust_ratio):
     steps, freeze = 14, 5
     got = run_workers(_synthetic_run, world, "OnebitLamb", steps,
-                      dict(freeze_step=freeze, lr=1e-2, weight_decay=0.01), timeout=120)
+                      dict(freeze_step=freeze, lr=1e-2, weight_decay=0.01, trust_ratio=trust_ratio),
+                      timeout=120)
     expected = simulate_onebit_lamb(make_params(seed=0), world, steps, freeze, 1e-2,
-                                    (0.9, 0.999), 1e-8, 0.01)
+                                    (0.9, 0.999), 1e-8, 0.01, trust_ratio=trust_ratio)
     at_freeze = simulate_onebit_lamb(make_params(seed=0), world, freeze, freeze, 1e-2,
                                      (0.9, 0.999), 1e-8, 0.01)
     # The compression stage moved the params: the comparison is not vacuous.
     assert np.abs(expected - at_freeze).mean() > 5e-3
     np.testing.assert_allclose(got[0], expected, rtol=0, atol=2e-5)  # seen: 4e-7
+    other = simulate_onebit_lamb(make_params(seed=0), world, steps, freeze, 1e-2, (0.9, 0.999),
+                                 1e-8, 0.01, trust_ratio={"fresh": "frozen"}.get(trust_ratio, "fresh"))
+    assert np.abs(other - expected).max() > 1e-3  # the two rules really differ here
 
 
 # ------------------------------------------------------------- the mask --

@@ -100,7 +100,8 @@ def _optimizer(name: str, params, a: dict):
     if name == "ZeroOneAdam":
         return onebit.ZeroOneAdam(params, lr=lr, var_freeze_step=f, **wire)
     if name == "OnebitLamb":
-        return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=f, **wire)
+        return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=f,
+                                 trust_ratio=a.get("trust_ratio", "frozen"), **wire)
     if name == "Lamb":  # the same code, kept in warmup
         return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=10 * steps,
                                  comm_backend_name="compressed")
@@ -226,7 +227,8 @@ def run(args: argparse.Namespace) -> bool:
     a = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     print(f"# onebit.bench lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
           f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
-          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}) "
+          f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}, "
+          f"trust_ratio={a.get('trust_ratio', 'frozen')}) "
           f"schedule={a['schedule']}" + (f" warmup={a['warmup']:.0%}" if a['schedule'] == "cosine" else "")
           + f" seeds={a['seeds']} "
           f"block_size={a['block_size']} scale_dtype={a['scale_dtype']}"
@@ -270,6 +272,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=0.1, help="warmup, fraction of steps")
     p.add_argument("--lamb-lr-scale", dest="lamb_lr_scale", type=float, default=3.0,
                    help="LAMB's lr is this times --lr")
+    p.add_argument("--trust-ratio", dest="trust_ratio", choices=["frozen", "fresh"], default="frozen",
+                   help="OnebitLamb's compression-stage trust ratio")
     p.add_argument("--vocab", type=int_arg(1), default=4096, help="words in the vocabulary (+ <unk>)")
     p.add_argument("--dim", type=int_arg(1), default=64)
     p.add_argument("--layers", type=int_arg(1), default=2)
