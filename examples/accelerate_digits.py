@@ -11,7 +11,6 @@ The recipe is the three lines marked `# onebit`. `--check` also counts the
 steps whose gradients DDP had averaged (expected: every warmup step, no
 compression step).
 """
-import argparse
 import os
 import sys
 
@@ -22,7 +21,8 @@ from onebit import launch
 from onebit.bench.convergence import load_digits_split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_digits import AveragingCheck, batches, evaluate, fit, make_model_and_groups  # noqa: E402
+from train_digits import (AveragingCheck, batches, evaluate, fit,  # noqa: E402
+                          make_model_and_groups, recipe_parser)
 
 
 def train(rank, world, steps, freeze_step, check, hook=True):
@@ -44,14 +44,7 @@ def train(rank, world, steps, freeze_step, check, hook=True):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--freeze-step", type=int, default=60)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--check", action="store_true", help="count steps DDP averaged, per stage")
-    p.add_argument("--without-hook", dest="hook", action="store_false",
-                   help="leave the hook out, to see DDP average every step (the mistake)")
-    args = p.parse_args(argv)
+    args = recipe_parser(__doc__).parse_args(argv)
     launch.run_everywhere(train, args.nproc, args.steps, args.freeze_step, args.check, args.hook)
     return 0
 

@@ -15,7 +15,6 @@ The recipe is the lines marked `# onebit`. `--check` also counts the steps
 whose gradients DDP had averaged (expected: every warmup step, no
 compression step).
 """
-import argparse
 import os
 import sys
 
@@ -25,21 +24,14 @@ import onebit
 from onebit.bench.convergence import load_digits_split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_digits import AveragingCheck, make_model_and_groups  # noqa: E402
+from train_digits import AveragingCheck, make_model_and_groups, recipe_parser  # noqa: E402
 
 
 def main(argv=None):
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--freeze-step", type=int, default=60)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--check", action="store_true", help="count steps DDP averaged, per stage")
-    p.add_argument("--without-hook", dest="hook", action="store_false",
-                   help="leave the hook out, to see DDP average every step (the mistake)")
-    args = p.parse_args(argv)
+    args = recipe_parser(__doc__).parse_args(argv)
 
     xtr, ytr, xte, yte = load_digits_split()
     hook_state = onebit.OnebitHookState()  # onebit: the optimizer joins it below

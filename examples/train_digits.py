@@ -93,6 +93,19 @@ class AveragingCheck:
                          for stage, (a, n) in self.averaged.items())
 
 
+def recipe_parser(description):
+    """The trainer recipes' command line (accelerate_digits.py, lightning_digits.py)."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--freeze-step", type=int, default=60)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--check", action="store_true", help="count steps DDP averaged, per stage")
+    p.add_argument("--without-hook", dest="hook", action="store_false",
+                   help="leave the hook out, to see DDP average every step (the mistake)")
+    return p
+
+
 def evaluate(model, xte, yte, rank, label):
     """Test accuracy in percent; rank 0 prints the one `final:` line."""
     with torch.no_grad():

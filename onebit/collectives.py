@@ -13,8 +13,9 @@ import datetime
 import math
 import numbers
 import os
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -82,3 +83,13 @@ def run(phase: str, begin: Callable[[], "dist.Work"], timeout_s: Optional[float]
         group=None) -> None:
     """Start an async collective with `begin()` and wait for it, bounded."""
     start(phase, begin, timeout_s, group).wait()
+
+
+def gather_numbers(phase: str, values: list, dtype: torch.dtype, group=None,
+                   timeout_s: Optional[float] = None) -> List[list]:
+    """Every rank's `values` (a few numbers, as many on each rank), one list
+    per rank of `group`, through one bounded all-gather of host tensors."""
+    mine = torch.tensor(values, dtype=dtype)
+    every = torch.empty(dist.get_world_size(group) * len(values), dtype=dtype)
+    run(phase, lambda: all_gather_flat(every, mine, group=group, async_op=True), timeout_s, group)
+    return every.view(-1, len(values)).tolist() if values else []

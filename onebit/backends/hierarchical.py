@@ -294,12 +294,8 @@ def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
     size, rank = dist.get_world_size(group), dist.get_rank(group)
 
     def gather_ints(values):
-        mine = torch.tensor(values, dtype=torch.int64)
-        every = torch.empty(size * len(values), dtype=torch.int64)
-        collectives.run("hierarchical node map (all-gather)",
-                        lambda: collectives.all_gather_flat(every, mine, group=group, async_op=True),
-                        timeout_s, group)
-        return every.view(size, -1).tolist()
+        return collectives.gather_numbers("hierarchical node map (all-gather)", values,
+                                          torch.int64, group, timeout_s)
 
     nodes = node_map(size, rank, node_of_rank, gather_ints)
     world = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)

@@ -72,13 +72,10 @@ class ShmNode:
 
     # -------------------------------------------------------------- setup --
     def _gather_floats(self, values) -> List[float]:
-        mine = torch.tensor(values, dtype=torch.float64)
-        every = torch.empty(self.size * len(values), dtype=torch.float64)
-        collectives.run("shared-memory setup (all-gather inside the node)",
-                        lambda: collectives.all_gather_flat(every, mine, group=self.group,
-                                                            async_op=True),
-                        self.timeout_s, self.group)
-        return every.tolist()
+        """Every local rank's values, one after another."""
+        every = collectives.gather_numbers("shared-memory setup (all-gather inside the node)",
+                                           values, torch.float64, self.group, self.timeout_s)
+        return [x for row in every for x in row]
 
     def _map(self, numel: int) -> bool:
         """(Re)create this rank's segment of `numel` floats and map everyone's.

@@ -139,7 +139,7 @@ class OnebitLamb(FreezeStepOptimizer):
         return coeffs
 
     def _compressed_step(self, i, group, params, gs, t) -> None:
-        beta1, beta2 = group["betas"]
+        beta1 = group["betas"][0]
         m, v = self._moments(group, params, gs)
         if any("scaling_coeff" not in self.state[p] for p in params):
             # The first compressed step; or late joiners just out of their warmup
