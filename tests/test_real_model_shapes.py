@@ -33,7 +33,7 @@ class TinyLM(torch.nn.Module):
         return self.out(self.emb(tokens) * (1.0 + self.gain))
 
 
-def _train(rank, world, cls_name, steps, lr_lambda, unused_group=False):
+def _train(rank, world, cls_name, steps, lr_lambda, unused_group=False, late_rows=False):
     import onebit
 
     model = TinyLM()
@@ -48,7 +48,9 @@ def _train(rank, world, cls_name, steps, lr_lambda, unused_group=False):
     rare0 = model.emb.weight[48:].detach().clone()
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
-        tokens = torch.randint(0, 48, (32,), generator=g)  # rows 48..63 never appear
+        # Rows 48..63 never appear; with late_rows, 48..55 do once v froze.
+        high = 56 if late_rows and opt.counters["step"] >= 6 else 48
+        tokens = torch.randint(0, high, (32,), generator=g)
         loss = torch.nn.functional.cross_entropy(model(tokens), tokens)
         opt.zero_grad()
         loss.backward()
@@ -81,6 +83,17 @@ def test_unused_params_and_absent_rows_stay_put_and_replicas_match(cls_name, unu
     assert rare_moved < 0.01, rare_moved
     for params, _, _ in outs[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(params0, params))
+
+
+@pytest.mark.parametrize("cls_name", ALL)
+def test_rows_first_seen_after_the_freeze_move_only_by_weight_decay(cls_name):
+    """Rows 48..55 get gradients only after v froze, so their v is 0: the
+    1-bit momentum (and 0/1 Adam's local momentum, which no exchange masks)
+    must not move them; m / (sqrt(0) + eps) would move them by ~1e6 * lr."""
+    outs = run_workers(_train, 3, cls_name, 24, None, False, True, timeout=180)
+    for _, loss, rare_moved in outs:
+        assert math.isfinite(loss)
+        assert rare_moved < 0.01, rare_moved  # the bound of the test above
 
 
 def _to_zero(step):

@@ -10,8 +10,10 @@ same run, as baselines:
              bucketed and overlapped with backward by DDP);
 then each onebit optimizer in its compression stage (the warmup and
 `--untimed` more steps run first, untimed), used drop-in: step() exchanges
-1-bit momentum itself. Times are the slowest rank's mean per step; `x floor`
-is that over the floor's.
+1-bit momentum itself; with `--overlap` (default both) 1-bit Adam and LAMB
+also run with overlap_backward=True (rows `+overlap`), which starts each
+bucket's exchange during backward. Times are the slowest rank's mean per
+step; `x floor` is that over the floor's.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from .. import launch
 from .table import Table, count_arg, int_arg
 
-COLUMNS = [("setup", 14, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
+COLUMNS = [("setup", 19, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
            ("stage", 12, "s"), ("MB sent/step", 12, ".2f")]
 OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 FREEZE = 2  # warmup steps before the compression stage (each is a full-precision allreduce)
@@ -44,14 +46,32 @@ def _model(params: int, width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers[:-1])
 
 
-def _onebit(name: str, params):
+OVERLAP = "+overlap"  # the setup's name suffix for overlap_backward=True
+OVERLAPPED = ("onebitadam", "onebitlamb")  # 0/1 Adam's syncs cannot start in backward
+
+
+def _onebit(setup: str, params):
     import onebit
 
+    name, overlap = setup.removesuffix(OVERLAP), setup.endswith(OVERLAP)
+    kw = dict(lr=LR, overlap_backward=overlap)
     if name == "onebitadam":
-        return onebit.OnebitAdam(params, lr=LR, freeze_step=FREEZE)
+        return onebit.OnebitAdam(params, freeze_step=FREEZE, **kw)
     if name == "zerooneadam":
-        return onebit.ZeroOneAdam(params, lr=LR, var_freeze_step=FREEZE)
-    return onebit.OnebitLamb(params, lr=LR, freeze_step=FREEZE)
+        return onebit.ZeroOneAdam(params, var_freeze_step=FREEZE, **kw)
+    return onebit.OnebitLamb(params, freeze_step=FREEZE, **kw)
+
+
+def setups(optimizers: List[str], overlap: str) -> List[str]:
+    """The rows after the baselines: each optimizer without overlap_backward
+    and/or with it (`overlap`: off, on, both)."""
+    out = []
+    for name in optimizers:
+        if overlap != "on" or name not in OVERLAPPED:
+            out.append(name)
+        if overlap != "off" and name in OVERLAPPED:
+            out.append(name + OVERLAP)
+    return out
 
 
 def _time(rank: int, world: int, setup: str, a: dict) -> Dict:
@@ -74,10 +94,11 @@ def _time(rank: int, world: int, setup: str, a: dict) -> Dict:
         torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
 
-    untimed = a["untimed"] + (FREEZE if setup in OPTIMIZERS else 0)
+    onebit = setup not in ("floor", "ddp+adam")
+    untimed = a["untimed"] + (FREEZE if onebit else 0)
     for _ in range(untimed):
         step()
-    stats = opt.comm_stats() if setup in OPTIMIZERS else None
+    stats = opt.comm_stats() if onebit else None
     sent_before = stats["total_bytes_sent"] if stats else 0
     dist.barrier()
     t0 = time.perf_counter()
@@ -87,7 +108,7 @@ def _time(rank: int, world: int, setup: str, a: dict) -> Dict:
     slowest = torch.tensor([mine], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     row = {"setup": setup, "seconds": slowest.item(), "stage": "", "bytes_sent": 0.0}
-    if setup in OPTIMIZERS:
+    if onebit:
         stats = opt.comm_stats()
         row["stage"] = stats["stage"]
         row["bytes_sent"] = (stats["total_bytes_sent"] - sent_before) / a["steps"]
@@ -106,7 +127,7 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
               f"steps={a['steps']} after {a['untimed']} untimed (+{FREEZE} warmup for onebit)")
         table.header()
     rows = []
-    for setup in ["floor", "ddp+adam"] + a["optimizers"]:
+    for setup in ["floor", "ddp+adam"] + setups(a["optimizers"], a["overlap"]):
         row = _time(rank, world, setup, a)
         row["x_floor"] = row["seconds"] / rows[0]["seconds"] if rows else 1.0
         rows.append(row)
@@ -117,7 +138,7 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
 
 def run(args: argparse.Namespace) -> bool:
     a = dict(params=args.params, width=args.width, batch=args.batch, steps=args.steps,
-             untimed=args.untimed, optimizers=args.optimizers.split(","))
+             untimed=args.untimed, optimizers=args.optimizers.split(","), overlap=args.overlap)
     rank, rows = launch.run_everywhere(measure, args.nproc, a,
                                        backend=launch.local_backend(args.nproc))
     if rank == 0 and args.json:
@@ -141,5 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--untimed", type=int_arg(0), default=10,
                    help="untimed steps first (the onebit optimizers also run their warmup)")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma list")
+    p.add_argument("--overlap", choices=("off", "on", "both"), default="both",
+                   help="time 1-bit Adam and LAMB without and/or with overlap_backward=True "
+                        "(rows named +overlap)")
     p.add_argument("--nproc", type=int_arg(1), default=4, help="local ranks when not launched")
     p.add_argument("--json", help="write results to this JSON file")

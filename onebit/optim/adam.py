@@ -64,6 +64,12 @@ class OnebitAdam(FreezeStepOptimizer):
         of 8; default 256). Each tensor starts on its own blocks. Smaller
         blocks follow the data more closely and send more scale bytes.
       scale_dtype: "float32" (default) or "bfloat16": the scales on the wire.
+      overlap_backward: start each bucket's compressed exchange during
+        backward, as soon as its gradients are accumulated, and only wait
+        for it in step() (onebit.optim.overlap): the same bits as without.
+        Needs max_grad_norm=0; with gradient accumulation, run all but the
+        last micro-batch inside `with optimizer.no_overlap():`.
+      bucket_cap_mb: the size of those buckets (fp32 MB), as DDP's.
     Elements whose v is exactly 0 are not moved by the 1-bit momentum, and a
     tensor whose v is 0 everywhere is not updated at all (see
     onebit.optim.guards).
@@ -82,14 +88,16 @@ class OnebitAdam(FreezeStepOptimizer):
                  comm_backend_name: Optional[str] = None, process_group=None,
                  timeout_s: Optional[float] = None, check_replicas_every: int = 0,
                  graph_capture: bool = False,
-                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32") -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
+                 overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("freeze_step", freeze_step, minimum=0)
         self.freeze_step = freeze_step
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
                          timeout_s, check_replicas_every, graph_capture,
-                         block_size=block_size, scale_dtype=scale_dtype)
+                         block_size=block_size, scale_dtype=scale_dtype,
+                         overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
 
     def _update(self, t, groups, grads) -> None:
         compress = self.compression_started(t)
@@ -101,13 +109,14 @@ class OnebitAdam(FreezeStepOptimizer):
                 continue
             beta1, beta2 = group["betas"]
             m, v = self._moments(group, params, gs)
-            F.update_momentum_(m, gs, beta1)
+            if not self._overlapping():  # else it was done during backward (overlap.py)
+                F.update_momentum_(m, gs, beta1)
             if not compress:
                 F.update_variance_(v, gs, beta2)
             version = "frozen" if compress else None
             seen, masks = self._seen(i, group, v, version)
             if compress:
-                self._compressed_average_(i, m)
+                self._exchange_(i, m)
                 self._mask_(group, m)
                 mask_unseen_(m, masks, seen)
             bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))

@@ -41,8 +41,12 @@ class RankAgreement:
         if not bad:
             bad = not all(self._finite(g) for g in grads_by_group)
         if self.world_size > 1:
+            # Third column: a bucket exchanged during backward must be done
+            # again (overlap.py); every rank then redoes it, or none.
             table = self._gather_int64("agreeing on the trainable params and on skipping a "
-                                       "non-finite step", [int(bad), self._trainable_digest])
+                                       "non-finite step", [int(bad), self._trainable_digest,
+                                                           int(self._overlap_stale())])
+            self._agree_overlap_stale(bool(table[:, 2].max() > 0))
             if len(set(table[:, 1].tolist())) > 1:
                 raise ValueError(
                     f"{type(self).__name__}: ranks disagree on which parameters require grad "

@@ -21,14 +21,17 @@ from ..graphs import GraphedRegion
 from . import functional as F
 from .agreement import RankAgreement, ReplicaDivergenceError  # noqa: F401 - re-exported
 from .checkpoints import COUNTERS_KEY, Checkpoints
-from .checks import (check_block_size, check_flag, check_positive_int, scale_dtype_from)
+from .checks import (check_block_size, check_flag, check_number, check_positive_int,
+                     scale_dtype_from)
 from .guards import ZeroVarianceGuard
 from .late import LateJoiners
+from .overlap import Overlapping, exchange_group
 from .telemetry import Telemetry
 
 
 
-class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.optim.Optimizer):
+class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overlapping,
+                      torch.optim.Optimizer):
     """Base class; see OnebitAdam for the user-facing documentation.
 
     `process_group` is the data-parallel group (default: the world, or no
@@ -42,7 +45,8 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
     def __init__(self, params, defaults: dict, comm_backend_name: Optional[str], cuda_aware: bool,
                  process_group=None, timeout_s: Optional[float] = None,
                  check_replicas_every: int = 0, graph_capture: bool = False,
-                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32") -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
+                 overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
         # What the subclass set before calling us: its stage settings
         # (freeze_step, var_update_scaler, ...), part of the rank fingerprint.
         settings = {k: v for k, v in vars(self).items() if isinstance(v, (int, float, str, tuple))}
@@ -56,6 +60,10 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
         self.block_size = settings["block_size"] = block_size
         self.scale_dtype = scale_dtype_from(scale_dtype)
         settings["scale_dtype"] = str(self.scale_dtype)
+        check_flag("overlap_backward", overlap_backward)
+        check_number("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True)
+        # Both decide the bucket plan, which every rank must share.
+        settings["overlap_backward"], settings["bucket_cap_mb"] = overlap_backward, bucket_cap_mb
         super().__init__(params, defaults)
         self.timeout_s = timeout_s
         self.check_replicas_every = check_replicas_every
@@ -73,6 +81,8 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
             mpi = self.comm_backend_name.startswith("mpi")
             kwargs = {"cuda_aware": cuda_aware} if mpi else {"timeout_s": timeout_s}
             group = None if mpi else process_group
+            if overlap_backward and not mpi:  # the communication thread's own group (overlap.py)
+                group = exchange_group(process_group)
             # The optimizer checks gradients (and agrees across ranks) itself.
             self.backend = get_backend(self.comm_backend_name, group=group, check_finite=False,
                                        block_size=block_size, scale_dtype=self.scale_dtype,
@@ -94,6 +104,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
         self._last_step: Dict[str, object] = {}
         self._window = self._traffic_snapshot()  # traffic since the last step ended
         self._share_counters(self._initial_counters())
+        self._setup_overlap(overlap_backward, bucket_cap_mb)
 
     # ------------------------------------------------------------ counters --
     def _initial_counters(self) -> dict:
@@ -142,10 +153,17 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
         # Before any collective that depends on them, the ranks agree on which
         # params train (else the exchanges would not match: gloo aborts the
         # process) and on skipping a non-finite step, in one tiny all-gather.
-        if self._skip_for_nonfinite(grads + late_grads):
+        try:
+            skip = self._skip_for_nonfinite(grads + late_grads)
+        except BaseException:
+            self._end_overlap()  # undoes what backward exchanged (overlap.py)
+            raise
+        if skip:
+            self._end_overlap()
             self._skipped_steps += 1
             self._end_window(t, stage, skipped=True)
             return loss
+        exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
         if full:
             for i, gs in enumerate(grads):
                 self._average_(i, gs)
@@ -154,7 +172,13 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
                 self._average_(-1 - i, gs)
         self._grads_averaged_externally = False  # the DDP hook's promise covers one step
         self.counters["step"] = t
-        self._update(t, groups, grads)
+        try:
+            if exchanged_in_buckets:  # wait for them (a GradScaler's unscaling: exchange again)
+                self._overlap.settle([ps for _, ps in groups], grads,
+                                     relaunch=getattr(self, "grad_scale", None) is not None)
+            self._update(t, groups, grads)
+        finally:
+            self._end_overlap()
         self._late_step(late, late_grads)
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and self._replicas_should_match(t)):
@@ -179,6 +203,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
         if self.world_size > 1:
             self._check_ranks_agree(self._settings)
             self._broadcast_parameters(groups=self.param_groups[-1:])
+        self._watch_group(self.param_groups[-1])
         self._on_group_added()
 
     def _on_group_added(self) -> None:
@@ -295,10 +320,16 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, torch.
         """The compressed allreduce of group `index`'s flat buffer, in place,
         with that group's error-feedback buffers."""
         flat, layout = self._flat[index]
+        self.backend.compressed_allreduce(flat, *self._error_buffers(index), layout=layout)
+
+    def _error_buffers(self, index) -> tuple:
+        """(worker_error, server_error) of fused buffer `index` (a group
+        index, or a bucket's key): restored from a checkpoint, or zeros."""
+        flat, layout = self._flat[index]
         errors = self._errors.get(index)
         if errors is None or (errors[0].numel(), errors[1].numel()) != layout.error_sizes:
             errors = self._errors[index] = self._restored_errors(index, layout, flat.device)
-        self.backend.compressed_allreduce(flat, *errors, layout=layout)
+        return errors
 
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
@@ -474,6 +505,16 @@ class FreezeStepOptimizer(OnebitOptimizer):
 
     def needs_full_precision_gradients(self) -> bool:
         return not self.compression_started()
+
+    def _exchange_during_backward(self) -> bool:
+        return self.world_size > 1 and self.compression_started()
+
+    def _exchange_input_(self, index, params, grads, out) -> None:
+        """The new momentum beta1 * m + (1 - beta1) * g, into `out`: m itself
+        changes only when step() commits it."""
+        m = [self._state_tensor(p, "exp_avg") for p in params]
+        torch._foreach_copy_(out, m)
+        F.update_momentum_(out, grads, self.param_groups[index]["betas"][0])
 
     def _variance_frozen(self) -> bool:
         return self.compression_started()

@@ -1,7 +1,7 @@
 """1-bit LAMB (Li et al., 2021, arXiv 2104.06069)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -56,7 +56,8 @@ class OnebitLamb(FreezeStepOptimizer):
                  process_group=None, timeout_s: Optional[float] = None,
                  check_replicas_every: int = 0,
                  block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
-                 trust_ratio: str = "frozen") -> None:
+                 trust_ratio: str = "frozen", overlap_backward: bool = False,
+                 bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("OnebitLamb", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt, max_coeff=max_coeff,
                                  min_coeff=min_coeff)
@@ -78,7 +79,8 @@ class OnebitLamb(FreezeStepOptimizer):
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
                          timeout_s, check_replicas_every,
-                         block_size=block_size, scale_dtype=scale_dtype)
+                         block_size=block_size, scale_dtype=scale_dtype,
+                         overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
 
     def _staged_state(self):
@@ -141,19 +143,15 @@ class OnebitLamb(FreezeStepOptimizer):
     def _compressed_step(self, i, group, params, gs, t) -> None:
         beta1 = group["betas"][0]
         m, v = self._moments(group, params, gs)
-        if any("scaling_coeff" not in self.state[p] for p in params):
-            # The first compressed step; or late joiners just out of their warmup
-            # (late.py): they get their coefficient, the others keep theirs.
-            for p, s in zip(params, F.lamb_momentum_scales(m)):
-                self.state[p].setdefault("scaling_coeff", s)
-        scaling = [self.state[p]["scaling_coeff"] for p in params]
+        scaling = self._scaling_coeffs(params, m)
         frozen = self.trust_ratio == "frozen"
         if frozen:
             m_last = self._scratch("momentum before this step", i, m)
             torch._foreach_copy_(m_last, m)
-        F.update_momentum_(m, gs, beta1)
+        if not self._overlapping():  # else it was done during backward (overlap.py)
+            F.update_momentum_(m, gs, beta1)
         # One fused exchange for the whole group, of the momenta brought to one RMS.
-        self._compressed_average_(i, m, scaling)
+        self._exchange_(i, m, scaling)
         self._mask_(group, m)
         seen, masks = self._seen(i, group, v, "frozen")
         mask_unseen_(m, masks, seen)
@@ -165,6 +163,23 @@ class OnebitLamb(FreezeStepOptimizer):
                                   self._denominators(i, group, v, bc2, "frozen"), bc1)
             return
         self._frozen_ratio_step(i, group, params, m, v, m_last, seen, bc1, bc2)
+
+    def _scaling_coeffs(self, params, m) -> List[float]:
+        """Each trained param's momentum scale for the exchange, set from m
+        (before this step's gradient) on the first compressed step; late
+        joiners just out of their warmup (late.py) get theirs then, the
+        others keep theirs."""
+        if any("scaling_coeff" not in self.state[p] for p in params):
+            for p, s in zip(params, F.lamb_momentum_scales(m)):
+                self.state[p].setdefault("scaling_coeff", s)
+        return [self.state[p]["scaling_coeff"] for p in params]
+
+    def _exchange_input_(self, index, params, grads, out) -> None:
+        super()._exchange_input_(index, params, grads, out)
+        trained = self._trainable(self.param_groups[index])
+        self._scaling_coeffs(trained, [self._state_tensor(p, "exp_avg") for p in trained])
+        for p, o in zip(params, out):
+            o.mul_(self.state[p]["scaling_coeff"])
 
     def _frozen_ratio_step(self, i, group, params, m, v, m_last, seen, bc1, bc2) -> None:
         """The paper's compression-stage update (trust_ratio="frozen")."""

@@ -35,6 +35,11 @@ class ZeroOneAdam(OnebitOptimizer):
     graph_capture: capture the local steps between syncs (momentum, update,
     accumulator: no communication at all) into one graph and replay it; see
     OnebitAdam. The sync steps and the steps before var_freeze_step run eagerly.
+
+    overlap_backward: see OnebitAdam; here it starts the 1-bit gradient
+    exchanges (before var_freeze_step) during backward. A sync step's input
+    is the local steps' displacement, which only step() knows, so syncs are
+    exchanged in step() as without it.
     """
 
     _adam_compatible = True  # loads torch.optim.Adam checkpoints (checkpoints.py)
@@ -48,7 +53,8 @@ class ZeroOneAdam(OnebitOptimizer):
                  comm_backend_name: Optional[str] = None, process_group=None,
                  timeout_s: Optional[float] = None, check_replicas_every: int = 0,
                  graph_capture: bool = False,
-                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32") -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
+                 overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("ZeroOneAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("var_freeze_step", var_freeze_step, minimum=0)
@@ -61,7 +67,8 @@ class ZeroOneAdam(OnebitOptimizer):
         self.local_step_clipper = local_step_clipper
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
                          timeout_s, check_replicas_every, graph_capture,
-                         block_size=block_size, scale_dtype=scale_dtype)
+                         block_size=block_size, scale_dtype=scale_dtype,
+                         overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
 
     def _initial_counters(self) -> dict:
         return {"optimizer": type(self).__name__, "step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
@@ -114,6 +121,15 @@ class ZeroOneAdam(OnebitOptimizer):
     def needs_full_precision_gradients(self) -> bool:
         return self._variance_step(self.counters["step"] + 1)
 
+    def _exchange_during_backward(self) -> bool:
+        # Only the 1-bit gradient steps: a sync step's input needs the local
+        # steps' accumulators, which step() computes.
+        t = self.counters["step"] + 1
+        return self.world_size > 1 and not self.frozen(t) and not self._variance_step(t)
+
+    def _exchange_input_(self, index, params, grads, out) -> None:
+        torch._foreach_copy_(out, grads)
+
     def _update(self, t, groups, grads) -> None:
         c = self.counters
         frozen, full = self.frozen(t), self._variance_step(t)
@@ -136,8 +152,9 @@ class ZeroOneAdam(OnebitOptimizer):
                 F.update_variance_(v, gs, beta2)
             seen, masks = self._seen(i, group, v, c["var_updates"])
             if not full and not frozen:
-                self._compressed_average_(i, gs)
+                self._exchange_(i, gs)
                 self._mask_(group, gs)
+            if not full:  # the exchanged or local gradient moves nothing v never saw
                 mask_unseen_(gs, masks, seen)
             F.update_momentum_(m, gs, beta1)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
@@ -194,8 +211,8 @@ class ZeroOneAdam(OnebitOptimizer):
             m, v = self._moments(group, params, gs)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
             self._anchors(params)  # the first local step remembers the common point
-            seen, _ = self._seen(i, group, v, c["var_updates"])
-            plan.append(SimpleNamespace(seen=seen,
+            seen, masks = self._seen(i, group, v, c["var_updates"])
+            plan.append(SimpleNamespace(seen=seen, masks=masks,
                 group=group, params=params, m=m, grads=self._static_copy(i, gs),
                 u=[self._state_tensor(p, "momentum_accumulator") for p in params],
                 denom=self._denominators(i, group, v, bc2, c["var_updates"]),
@@ -204,6 +221,7 @@ class ZeroOneAdam(OnebitOptimizer):
 
         def local_step():
             for s in plan:
+                mask_unseen_(s.grads, s.masks, s.seen)
                 F.update_momentum_(s.m, s.grads, s.group["betas"][0])
                 torch._foreach_copy_(s.grads, s.m)  # the gradients' buffer is free now
                 F.local_step_from_tensors_(*only_seen(s.seen, s.params, s.u, s.grads, s.denom),
@@ -212,7 +230,8 @@ class ZeroOneAdam(OnebitOptimizer):
         # The key names what the graph baked in: addresses, and Python floats.
         floats = tuple((s.group["betas"][0], s.group["weight_decay"], tuple(s.seen)) for s in plan)
         self._graphed("local step", (floats, tensor_key(*(x for s in plan for x in (
-            s.params, s.m, s.grads, s.u, s.denom, [s.scalars])))), local_step)
+            s.params, s.m, s.grads, s.u, s.denom, [k for k in s.masks if k is not None],
+            [s.scalars])))), local_step)
 
     def _anchors(self, params):
         """The last synced point of each param, kept exactly: recomputing it

@@ -1,0 +1,344 @@
+"""Starting the 1-bit exchange during backward (`overlap_backward=True`).
+
+A post-accumulate-grad hook on every trained parameter marks it ready. Once
+every parameter of a bucket is ready, the bucket's exchange input (1-bit
+Adam and LAMB: the new momentum; 0/1 Adam before its freeze: the gradient)
+is written into the bucket's own fused buffer, and its compressed allreduce
+is queued on one communication thread, so it runs while backward goes on.
+step() waits for the buckets and applies the update.
+
+Why the result is bitwise the fused one. Every tensor starts on its own
+blocks, and every sign, scale and error is decided per block
+(backends/base.py), so which buffer a tensor travels in changes which rank
+serves its blocks, never their bits. The new momentum goes into the bucket,
+not into the optimizer's state, so nothing is committed before step() has
+agreed that the step is finite; each bucket's error buffers are copied
+before its exchange and put back when the step is skipped or refused.
+
+Why the collectives match across ranks. Every rank launches the buckets in
+the same order: bucket k only after k - 1. A param whose .grad was None at
+the last step is not waited for (it counts as zero, as in step()); a bucket
+still waiting when backward ends is launched by step(), still in order. The
+exchanges run on one thread, over a process group of their own, so a
+collective that the main thread (or DDP) issues on its group cannot
+interleave with them differently on different ranks.
+
+When a launched bucket's gradients change (a param thought unused gets a
+gradient after all, or a second backward before step()), the bucket is
+stale: step() agrees on that in the all-gather it makes anyway, and then
+every rank puts the errors back and exchanges every bucket again from the
+final gradients. Correct, but not overlapped: for gradient accumulation, run
+all but the last micro-batch inside `with optimizer.no_overlap():`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
+
+import torch
+
+FIRST_BUCKET_MB = 1.0  # the last layers' gradients come first: start on the wire early (as DDP)
+
+
+class Bucket:
+    """Some consecutive trained params of one group, exchanged together."""
+
+    def __init__(self, key: tuple, params: List[torch.Tensor], positions: List[int]) -> None:
+        self.key = key  # (group index, bucket number): names its fused buffer and errors
+        self.index = key[0]
+        self.params = params
+        self.positions = positions  # where the params sit in the group's trained list
+        self.waiting: set = set()
+        self.future = None  # the queued exchange
+        self.backup: Optional[tuple] = None  # the errors as they were before it
+
+
+def plan_buckets(trained: List[List[torch.Tensor]], cap: int, first_cap: int) -> List[Bucket]:
+    """Buckets in the order backward usually produces gradients: the groups
+    and their params in reverse, cut at `cap` elements (the first at
+    `first_cap`), never across a group."""
+    buckets = []
+    for i in reversed(range(len(trained))):
+        params, positions, size = [], [], 0
+        for j in reversed(range(len(trained[i]))):
+            limit = first_cap if not buckets else cap
+            n = trained[i][j].numel()
+            if params and size + n > limit:
+                buckets.append(Bucket((i, len(buckets)), params, positions))
+                params, positions, size = [], [], 0
+            params.append(trained[i][j])
+            positions.append(j)
+            size += n
+        if params:
+            buckets.append(Bucket((i, len(buckets)), params, positions))
+    return buckets
+
+
+def signature(trained: List[List[torch.Tensor]]) -> tuple:
+    return tuple(tuple(id(p) for p in ps) for ps in trained)
+
+
+class BackwardOverlap:
+    """The hooks, the bucket plan and the communication thread of one optimizer."""
+
+    def __init__(self, optimizer, bucket_cap_mb: float) -> None:
+        self.opt = optimizer
+        self.cap = max(1, int(bucket_cap_mb * 2 ** 20) // 4)
+        self.first_cap = min(self.cap, int(FIRST_BUCKET_MB * 2 ** 20) // 4)
+        self.buckets: List[Bucket] = []
+        self.of_param: Dict[int, Bucket] = {}
+        self.signature = None
+        self.launched = 0  # buckets launched so far in this step, in order
+        self.planned = False  # whether this backward has checked the plan
+        self.stale = False  # a launched bucket's gradients changed since (agreed in step())
+        # Params that had no .grad at the last step are not waited for (a
+        # head or a branch unused so far would hold back every later bucket);
+        # if one gets a gradient after all, its bucket goes stale.
+        self.absent: set = set()
+        self.enabled = True  # off inside no_overlap()
+        self.settled = False  # step() has waited for every bucket
+        self._warned = False
+        self._hooked: set = set()
+        # Bucket exchanges started during backward and by step(), exchanges
+        # done again, and the seconds step() waited for them.
+        self.stats = {"launched_in_backward": 0, "launched_in_step": 0, "redone": 0,
+                      "wait_s": 0.0}
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="onebit-exchange")
+
+    # ------------------------------------------------------------- hooks --
+    def watch(self, params) -> None:
+        """Hook every param that can receive a gradient (once each)."""
+        for p in params:
+            if id(p) not in self._hooked and p.requires_grad and p.is_leaf:
+                p.register_post_accumulate_grad_hook(self._ready)
+                self._hooked.add(id(p))
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self.enabled or not self.opt._exchange_during_backward():
+            return
+        if not self.planned:
+            self._plan(self.opt._trained_lists())
+            self.planned = True
+        bucket = self.of_param.get(id(p))
+        if bucket is None:
+            return
+        if bucket.future is not None:
+            self.stale = True  # a second backward: step() exchanges again
+            return
+        bucket.waiting.discard(id(p))
+        while self.launched < len(self.buckets) and not self.buckets[self.launched].waiting:
+            self._launch(self.buckets[self.launched], None)
+
+    @contextlib.contextmanager
+    def no_overlap(self):
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
+    # -------------------------------------------------------------- plan --
+    def _plan(self, trained: List[List[torch.Tensor]]) -> None:
+        sig = signature(trained)
+        if sig != self.signature:
+            self.signature = sig
+            self.buckets = plan_buckets(trained, self.cap, self.first_cap)
+            self.of_param = {id(p): b for b in self.buckets for p in b.params}
+        for b in self.buckets:
+            b.waiting = {id(p) for p in b.params} - self.absent
+
+    def layouts(self, trained: List[List[torch.Tensor]]) -> Dict[tuple, object]:
+        """Bucket key -> its layout, for the trained params `trained`."""
+        return {b.key: self.opt.backend.layout([p.numel() for p in b.params])
+                for b in plan_buckets(trained, self.cap, self.first_cap)}
+
+    # ---------------------------------------------------------- exchange --
+    def _launch(self, bucket: Bucket, grads: Optional[List[torch.Tensor]]) -> None:
+        """Write the bucket's exchange input and queue its exchange.
+        grads: the step's own gradients of its params (None: read .grad)."""
+        opt = self.opt
+        self.stats["launched_in_step" if grads is not None else "launched_in_backward"] += 1
+        if grads is None:
+            grads = opt._gradients(bucket.params)
+        opt._flat_buffer(bucket.key, bucket.params)
+        views = opt._views(bucket.key, bucket.params)
+        opt._exchange_input_(bucket.index, bucket.params, grads, views)
+        bucket.future = self._thread.submit(self._exchange, bucket)
+        self.launched += 1
+
+    def _exchange(self, bucket: Bucket) -> None:
+        """On the communication thread: keep the errors, then exchange."""
+        worker, server = self.opt._error_buffers(bucket.key)
+        if bucket.backup is None or bucket.backup[0].shape != worker.shape:
+            bucket.backup = (torch.empty_like(worker), torch.empty_like(server))
+        bucket.backup[0].copy_(worker)
+        bucket.backup[1].copy_(server)
+        self.opt._compressed_allreduce_flat(bucket.key)
+
+    def settle(self, trained: List[List[torch.Tensor]], grads: List[List[torch.Tensor]],
+               relaunch: bool) -> None:
+        """step(), before the update: make sure every bucket was launched
+        from this step's gradients and the same plan, then wait for all.
+        relaunch: the gradients step() uses differ from what backward saw
+        (a GradScaler unscaled them): exchange again from `grads`."""
+        redo = self.stale or relaunch or signature(trained) != self.signature
+        if redo and self.launched:
+            if self.stale and not self._warned:
+                self._warned = True
+                warnings.warn("onebit overlap_backward: gradients changed after their bucket was "
+                              "exchanged (a param unused at the last step got one, or several "
+                              "backward passes ran before step()); the buckets are exchanged "
+                              "again at step(). With gradient accumulation, run all but the last "
+                              "micro-batch inside `with optimizer.no_overlap():`",
+                              RuntimeWarning, stacklevel=4)
+            self.stats["redone"] += self.launched
+            self.abandon()
+        if redo or not self.planned:
+            self._plan(trained)
+            self.planned = True
+        for b in self.buckets[self.launched:]:
+            self._launch(b, [grads[b.index][j] for j in b.positions])
+        started = time.perf_counter()
+        for b in self.buckets:
+            b.future.result()  # a CommunicationError of the thread surfaces here
+        self.stats["wait_s"] += time.perf_counter() - started
+        self.settled = True
+
+    def collect_(self, index: int, out: List[torch.Tensor],
+                 scales: Optional[List[float]] = None) -> None:
+        """Group `index`'s exchanged values into `out` (its trained params'
+        order), divided by `scales` when the input was scaled."""
+        for b in self.buckets:
+            if b.index != index:
+                continue
+            views = self.opt._views(b.key, b.params)
+            for j, v in zip(b.positions, views):
+                if scales is None:
+                    out[j].copy_(v)
+                else:
+                    torch.div(v, scales[j], out=out[j])
+
+    def abandon(self) -> None:
+        """Wait for every launched exchange and put its errors back: as if
+        this step's exchanges never happened."""
+        failure = None
+        for b in self.buckets:
+            if b.future is None:
+                continue
+            try:
+                b.future.result()
+            except BaseException as exc:  # noqa: BLE001 - the first one is re-raised below
+                failure = failure or exc
+            if b.backup is not None and failure is None:
+                worker, server = self.opt._error_buffers(b.key)
+                worker.copy_(b.backup[0])
+                server.copy_(b.backup[1])
+            b.future = None
+        self.launched = 0
+        if failure is not None:
+            raise failure
+
+    def end_step(self) -> None:
+        """After step(): exchanges nobody collected are undone; the next
+        backward starts a new plan check."""
+        if not self.settled and self.launched:
+            self.abandon()
+        self.absent = {id(p) for b in self.buckets for p in b.params if p.grad is None}
+        for b in self.buckets:
+            b.future = None
+        self.launched, self.planned, self.stale, self.settled = 0, False, False, False
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def exchange_group(process_group):
+    """A process group of the same ranks as `process_group` (None: the
+    world), for the exchanges of the communication thread alone."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(process_group if process_group is not None
+                                         else dist.group.WORLD)
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+class Overlapping:
+    """The optimizer's side of the overlap (a mixin of OnebitOptimizer)."""
+
+    _overlap: Optional[BackwardOverlap] = None
+
+    def _setup_overlap(self, overlap_backward: bool, bucket_cap_mb: float) -> None:
+        if not overlap_backward or self.world_size == 1:
+            return
+        if self.graph_capture:
+            raise ValueError("overlap_backward=True and graph_capture=True cannot be combined: "
+                             "a graph replays the whole exchange at step()")
+        self._overlap = BackwardOverlap(self, bucket_cap_mb)
+        for group in self.param_groups:
+            self._check_overlap_group(group)
+            self._overlap.watch(group["params"])
+
+    def _check_overlap_group(self, group: dict) -> None:
+        if self._overlap is not None and group["max_grad_norm"] > 0:
+            raise ValueError("overlap_backward=True needs max_grad_norm=0: clipping needs the norm "
+                             "of every gradient, which exists only after backward. Clip before "
+                             "step() yourself, or turn the overlap off")
+
+    def _watch_group(self, group: dict) -> None:
+        """A param group added after construction gets its hooks too."""
+        if self._overlap is not None:
+            self._check_overlap_group(group)
+            self._overlap.watch(group["params"])
+
+    def no_overlap(self):
+        """Context manager: the backward passes inside it start no exchange
+        (gradient accumulation: every micro-batch but the last, as DDP's
+        no_sync). Without overlap_backward it does nothing."""
+        return self._overlap.no_overlap() if self._overlap is not None else contextlib.nullcontext()
+
+    def _trained_lists(self) -> List[List[torch.Tensor]]:
+        return [self._trainable(g) for g in self.param_groups]
+
+    def _exchange_during_backward(self) -> bool:
+        """Whether the coming step's compressed exchange can start during
+        backward (subclasses: in which stages)."""
+        return False
+
+    def _exchange_input_(self, index: int, params, grads, out) -> None:
+        """Write what the coming step exchanges for these params of group
+        `index` into `out` (subclasses)."""
+        raise NotImplementedError
+
+    def _exchange_(self, index: int, tensors: List[torch.Tensor],
+                   scales: Optional[List[float]] = None) -> None:
+        """tensors <- their 1-bit average (times `scales` on the wire): from
+        the buckets exchanged during backward, else one fused exchange now."""
+        if self._overlap is not None and self._overlap.settled:
+            self._overlap.collect_(index, tensors, scales)
+        else:
+            self._compressed_average_(index, tensors, scales)
+
+    def overlap_stats(self) -> Optional[dict]:
+        """With overlap_backward: how many bucket exchanges started during
+        backward and how many in step() (gradients that never arrived, or a
+        GradScaler's step), how many were done again, and the seconds step()
+        spent waiting for them; else None."""
+        return dict(self._overlap.stats) if self._overlap is not None else None
+
+    def _overlap_stale(self) -> bool:
+        return self._overlap is not None and self._overlap.stale
+
+    def _agree_overlap_stale(self, any_rank: bool) -> None:
+        if self._overlap is not None:
+            self._overlap.stale = any_rank
+
+    def _end_overlap(self) -> None:
+        if self._overlap is not None:
+            self._overlap.end_step()
+
+    def _overlapping(self) -> bool:
+        """Whether this step's exchange went through the buckets (step() has settled them)."""
+        return self._overlap is not None and self._overlap.settled

@@ -1,0 +1,254 @@
+"""overlap_backward: bucket exchanges started during backward give the same
+bits as one fused exchange in step(), on real ranks, and lose nothing when a
+step is skipped or refused.
+
+The reference for "the same bits" is the same optimizer without overlap (the
+fused exchange, itself checked against independent float64 simulations in
+test_optim_dist.py); the third run also pipelines every bucket's exchange in
+small pieces. The model looks like a real one: an embedding most of whose
+rows a batch never touches, tensors whose scales differ by 1e4, and a head
+that never gets a gradient."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run_workers
+
+STEPS = {"OnebitAdam": 9, "OnebitLamb": 9, "ZeroOneAdam": 16}
+STAGES = {"OnebitAdam": dict(freeze_step=3), "OnebitLamb": dict(freeze_step=3),
+          # 1-bit gradient steps at 3, 5, 6, 7; syncs after 9
+          "ZeroOneAdam": dict(var_freeze_step=9, var_update_scaler=1, local_step_scaler=2,
+                              local_step_clipper=4)}
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 12)  # a batch touches at most 24 rows
+        self.hidden = torch.nn.Linear(12, 40)
+        self.out = torch.nn.Parameter(torch.randn(40, 6) * 1e2)  # 1e4 x the embedding's scale
+        self.emb.weight.data.mul_(1e-2)
+        self.unused_head = torch.nn.Linear(40, 3)  # its .grad stays None: it must not move
+
+    def forward(self, x):
+        return torch.relu(self.hidden(self.emb(x).mean(1))) @ self.out * 1e-3
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, 300, (8, 3), generator=g), torch.randint(0, 6, (8,), generator=g)
+
+
+def build(cls_name, mode, **kw):
+    import onebit
+    from onebit.backends.pipeline import PieceTuner
+
+    torch.manual_seed(0)
+    model = Model()
+    opt = getattr(onebit, cls_name)(model.parameters(), lr=1e-2, weight_decay=1e-3,
+                                    overlap_backward=mode != "fused",
+                                    bucket_cap_mb=0.004, **STAGES[cls_name], **kw)
+    if mode == "pipelined":
+        opt.backend.pipeline = PieceTuner(256)  # every bucket in pieces of one block per rank
+    return model, opt
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def _train(rank, world, cls_name, mode):
+    import torch.distributed as dist
+
+    model, opt = build(cls_name, mode)
+    head = flat_params(model.unused_head)
+    per_step = []
+    for step in range(STEPS[cls_name]):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        mine = torch.from_numpy(flat_params(model))
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        # 0/1 Adam's ranks differ between syncs by design; they meet at each sync.
+        if opt._replicas_should_match(step + 1):
+            assert all(torch.equal(e, every[0]) for e in every), f"replicas differ at step {step + 1}"
+        per_step.append(mine.numpy().copy())
+    assert np.array_equal(flat_params(model.unused_head), head), "a param without grad moved"
+    return per_step, opt.overlap_stats()
+
+
+@pytest.mark.parametrize("cls_name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bucketed_pipelined_and_fused_give_bitwise_identical_parameters(cls_name, world):
+    runs = {mode: run_workers(_train, world, cls_name, mode, timeout=240)
+            for mode in ("fused", "bucketed", "pipelined")}
+    for mode in ("bucketed", "pipelined"):
+        for rank, (steps, stats) in enumerate(runs[mode]):
+            for t, (a, b) in enumerate(zip(runs["fused"][rank][0], steps)):
+                assert np.array_equal(a, b), (f"{mode} differs from fused on rank {rank} after "
+                                              f"step {t + 1}: max {np.abs(a - b).max()}")
+            # Exchanges really started during backward, and the bucket of the
+            # head that has no gradient was launched by step() on the first one.
+            assert stats["launched_in_backward"] > 0 and stats["launched_in_step"] > 0, stats
+            assert stats["redone"] == 0, stats
+    assert runs["fused"][0][1] is None  # no overlap, no stats
+    assert not np.array_equal(runs["fused"][0][0][0], runs["fused"][0][0][-1])
+
+
+def _nonfinite_on_one_rank(rank, world, use_scaler):
+    """Rank 1's gradient is inf at the first compressed step, after the
+    buckets were exchanged: params, state and error buffers must be as before."""
+    model, opt = build("OnebitAdam", "bucketed")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if use_scaler else None
+    outcome = []
+    for step in range(6):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == 4 and rank == 1:
+            loss = loss * float("inf")
+        if step == 4:
+            before = (flat_params(model), {k: v.clone() for k, v in
+                                           ((k, torch.cat([e.reshape(-1) for e in errs]))
+                                            for k, errs in opt._errors.items())},
+                      [opt.state[p]["exp_avg"].clone() for p in model.parameters()
+                       if "exp_avg" in opt.state[p]])
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step != 4:
+            (scaler.step(opt), scaler.update()) if scaler else opt.step()
+            continue
+        launched = opt.overlap_stats()["launched_in_backward"]
+        try:
+            scaler.step(opt) if scaler else opt.step()
+            outcome.append("skipped")
+        except ValueError as exc:
+            assert "NaN or Inf gradient" in str(exc)
+            outcome.append("raised")
+        assert launched > 0  # the exchange had started before step() saw the inf
+        params, errors, moments = before
+        assert np.array_equal(flat_params(model), params)
+        assert set(errors) == set(opt._errors) and errors
+        for k, e in errors.items():
+            assert torch.equal(torch.cat([t.reshape(-1) for t in opt._errors[k]]), e), k
+        now = [opt.state[p]["exp_avg"] for p in model.parameters() if "exp_avg" in opt.state[p]]
+        assert all(torch.equal(a, b) for a, b in zip(now, moments))
+        if scaler:
+            scaler.update()
+    return outcome, flat_params(model)
+
+
+@pytest.mark.parametrize("use_scaler", [False, True])
+def test_inf_after_buckets_were_exchanged_changes_nothing_on_every_rank(use_scaler):
+    results = run_workers(_nonfinite_on_one_rank, 3, use_scaler, timeout=180)
+    assert [o for o, _ in results] == [["skipped" if use_scaler else "raised"]] * 3
+    assert all(np.array_equal(results[0][1], p) for _, p in results)
+
+
+def _accumulate(rank, world, mode):
+    """Two micro-batches per step: inside no_overlap() (no warning), without
+    it (a warning, every bucket exchanged again), or fused."""
+    model, opt = build("OnebitAdam", "fused" if mode == "fused" else "bucketed")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = batch(rank, 2 * step + micro)
+                ctx = opt.no_overlap() if (mode == "no_overlap" and micro == 0) else _null()
+                with ctx:
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    told = [w for w in caught if "no_overlap" in str(w.message)]
+    return flat_params(model), len(told), opt.overlap_stats()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_gradient_accumulation_with_and_without_no_overlap_matches_fused():
+    fused = run_workers(_accumulate, 2, "fused", timeout=180)
+    quiet = run_workers(_accumulate, 2, "no_overlap", timeout=180)
+    noisy = run_workers(_accumulate, 2, "careless", timeout=180)
+    for (a, _, _), (b, nb, sb), (c, nc, sc) in zip(fused, quiet, noisy):
+        assert np.array_equal(a, b) and np.array_equal(a, c)
+        assert nb == 0 and sb["redone"] == 0 and sb["launched_in_backward"] > 0
+        assert nc == 1 and sc["redone"] > 0  # warned once, exchanged again
+
+
+def _with_scaler(rank, world, mode):
+    model, opt = build("OnebitLamb", mode)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for step in range(7):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    return flat_params(model)
+
+
+def test_grad_scaler_steps_are_exchanged_again_from_unscaled_gradients():
+    fused = run_workers(_with_scaler, 2, "fused", timeout=180)
+    bucketed = run_workers(_with_scaler, 2, "bucketed", timeout=180)
+    assert all(np.array_equal(a, b) for a, b in zip(fused, bucketed))
+
+
+def _resume(rank, world, path, stop):
+    import torch.distributed as dist
+
+    model, opt = build("OnebitAdam", "bucketed")
+    steps = 8
+    if stop:
+        for step in range(stop):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "errors": opt.error_feedback_state_dict()}, f"{path}.{rank}")
+        dist.barrier()
+        model, opt = build("OnebitAdam", "bucketed")
+        saved = torch.load(f"{path}.{rank}", weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        assert opt.load_error_feedback_state_dict(saved["errors"])
+        assert any("." in k for k in saved["errors"]["groups"])  # the buckets' errors
+    for step in range(stop, steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return flat_params(model)
+
+
+def test_resume_with_bucket_error_buffers_is_bitwise_identical(tmp_path):
+    straight = run_workers(_resume, 2, str(tmp_path / "ck"), 0, timeout=180)
+    resumed = run_workers(_resume, 2, str(tmp_path / "ck"), 5, timeout=180)
+    assert all(np.array_equal(a, b) for a, b in zip(straight, resumed))
+
+
+def _refused(rank, world):
+    import onebit
+
+    out = []
+    for kw in (dict(max_grad_norm=1.0), dict(graph_capture=True)):
+        try:
+            onebit.OnebitAdam(Model().parameters(), overlap_backward=True, **kw)
+            out.append("accepted")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_overlap_refuses_clipping_and_graph_capture_clearly():
+    for msgs in run_workers(_refused, 2, timeout=120):
+        assert "max_grad_norm=0" in msgs[0] and "graph_capture" in msgs[1]
