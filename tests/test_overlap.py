@@ -100,8 +100,9 @@ def test_bucketed_pipelined_and_fused_give_bitwise_identical_parameters(cls_name
 
 
 def _nonfinite_on_one_rank(rank, world, use_scaler):
-    """Rank 1's gradient is inf at the first compressed step, after the
-    buckets were exchanged: params, state and error buffers must be as before."""
+    """Rank 1's gradient is inf at a compressed step (without a scaler:
+    after the buckets were exchanged): params, state and error buffers must
+    be as before."""
     model, opt = build("OnebitAdam", "bucketed")
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if use_scaler else None
     outcome = []
@@ -128,7 +129,9 @@ def _nonfinite_on_one_rank(rank, world, use_scaler):
         except ValueError as exc:
             assert "NaN or Inf gradient" in str(exc)
             outcome.append("raised")
-        assert launched > 0  # the exchange had started before step() saw the inf
+        # Without a scaler the exchange had started before step() saw the inf;
+        # with one, buckets wait for step() once a step was scaled.
+        assert (launched == 0) if scaler else (launched > 0), launched
         params, errors, moments = before
         assert np.array_equal(flat_params(model), params)
         assert set(errors) == set(opt._errors) and errors
@@ -193,13 +196,20 @@ def _with_scaler(rank, world, mode):
         scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
         scaler.step(opt)
         scaler.update()
-    return flat_params(model)
+    stats = opt.overlap_stats()
+    return flat_params(model), (stats and dict(stats, buckets=len(opt._overlap.buckets)))
 
 
-def test_grad_scaler_steps_are_exchanged_again_from_unscaled_gradients():
+def test_grad_scaler_steps_are_exchanged_in_step_from_unscaled_gradients():
     fused = run_workers(_with_scaler, 2, "fused", timeout=180)
     bucketed = run_workers(_with_scaler, 2, "bucketed", timeout=180)
-    assert all(np.array_equal(a, b) for a, b in zip(fused, bucketed))
+    for (a, _), (b, stats) in zip(fused, bucketed):
+        assert np.array_equal(a, b)
+        # Buckets that went out scaled are exchanged again (the first
+        # compressed step at most); after a scaled step, backward leaves them
+        # to step() rather than send them twice. 4 compressed steps.
+        assert stats["redone"] == stats["launched_in_backward"] <= stats["buckets"], stats
+        assert stats["launched_in_step"] >= 3 * stats["buckets"], stats
 
 
 def _resume(rank, world, path, stop):
@@ -252,3 +262,28 @@ def _refused(rank, world):
 def test_overlap_refuses_clipping_and_graph_capture_clearly():
     for msgs in run_workers(_refused, 2, timeout=120):
         assert "max_grad_norm=0" in msgs[0] and "graph_capture" in msgs[1]
+
+
+def _under_ddp(rank, world, cls_name, mode):
+    """The same training through DistributedDataParallel with onebit's comm
+    hook (DDP averages warmup gradients, sends nothing after)."""
+    import onebit
+
+    model, opt = build(cls_name, mode)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
+    for step in range(STEPS[cls_name]):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return flat_params(model), opt.overlap_stats()
+
+
+@pytest.mark.parametrize("cls_name", ["OnebitAdam", "ZeroOneAdam"])
+def test_overlap_under_ddp_with_the_comm_hook_matches_fused(cls_name):
+    fused = run_workers(_under_ddp, 3, cls_name, "fused", timeout=180)
+    bucketed = run_workers(_under_ddp, 3, cls_name, "bucketed", timeout=180)
+    for (a, _), (b, stats) in zip(fused, bucketed):
+        assert np.array_equal(a, b), f"max {np.abs(a - b).max()}"
+        assert stats["launched_in_backward"] > 0 and stats["redone"] == 0, stats

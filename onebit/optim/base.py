@@ -1,9 +1,10 @@
 """What the three 1-bit optimizers share: the process group and compressed
-backend (hyper-parameter checks are in checks.py, the zero-variance guard in
-guards.py), gradient averaging, the fused
-compressed allreduce of a list of tensors, GradScaler support, and
-checkpoints. The maths lives in `functional.py`; the stage machines in the
-optimizer classes.
+backend, gradient averaging, the fused compressed allreduce of a list of
+tensors and GradScaler support. The concerns around them live beside it:
+hyper-parameter checks (checks.py), the zero-variance guard (guards.py),
+rank agreement (agreement.py), checkpoints (checkpoints.py), overlap with
+backward (overlap.py), fixed-address buffers for graphs (capture.py). The
+maths lives in `functional.py`; the stage machines in the optimizer classes.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from ..graphs import GraphedRegion
 from . import functional as F
 from .agreement import RankAgreement, ReplicaDivergenceError  # noqa: F401 - re-exported
+from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY, Checkpoints
 from .checks import (check_block_size, check_flag, check_number, check_positive_int,
                      scale_dtype_from)
@@ -31,7 +33,7 @@ from .telemetry import Telemetry
 
 
 class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overlapping,
-                      torch.optim.Optimizer):
+                      StaticBuffers, torch.optim.Optimizer):
     """Base class; see OnebitAdam for the user-facing documentation.
 
     `process_group` is the data-parallel group (default: the world, or no
@@ -97,7 +99,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         self._denoms: Dict[int, tuple] = {}  # group index -> (key, cached denominators)
         self._grads_averaged_externally = False  # set by the DDP hook for one step
         self._graph_regions: Dict[str, GraphedRegion] = {}
-        self._static: Dict[tuple, object] = {}  # buffers kept from step to step (see _scratch)
+        self._static: Dict[tuple, object] = {}  # buffers kept from step to step (see capture.py)
         self._trainable_signature = None  # see _notice_trainable_changes
         self.traffic = TrafficStats()  # full-precision averaging (the backend counts its own)
         self._skipped_steps = 0
@@ -336,50 +338,6 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         self._errors.clear()
 
     # -------------------------------------------------------- graph capture --
-    def _graphed(self, name: str, key, body) -> None:
-        """Run `body` through the GraphedRegion `name` (see onebit.graphs):
-        eagerly at first and where the device has no graphs, then captured
-        once and replayed while `key` stays the same."""
-        region = self._graph_regions.get(name)
-        if region is None:
-            region = self._graph_regions[name] = GraphedRegion()
-        region(key, body)
-
-    def graph_stats(self) -> Dict[str, dict]:
-        """Per graphed region: how many eager runs, captures and replays so far."""
-        return {name: {"eager_runs": r.eager_runs, "captures": r.captures, "replays": r.replays}
-                for name, r in self._graph_regions.items()}
-
-    def _scratch(self, name: str, index: int, like: List[torch.Tensor]) -> List[torch.Tensor]:
-        """fp32 buffers shaped like `like`, kept from step to step: a graph
-        needs fixed addresses, and on the CPU fresh multi-MB tensors cost page
-        faults worth several passes over them."""
-        key = (name, index)
-        bufs = self._static.get(key)
-        if bufs is None or [b.shape for b in bufs] != [t.shape for t in like]:
-            bufs = self._static[key] = [torch.empty(t.shape, dtype=torch.float32, device=t.device)
-                                        for t in like]
-        return bufs
-
-    def _static_copy(self, index: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """fp32 copies of `tensors` at fixed addresses (gradients arrive in
-        new tensors each step; a graph reads from where it was captured)."""
-        bufs = self._scratch("inputs", index, tensors)
-        if bufs:
-            torch._foreach_copy_(bufs, tensors)
-        return bufs
-
-    def _step_scalars(self, index: int, device: torch.device, values) -> torch.Tensor:
-        """A device tensor holding this step's `values` (lr-dependent numbers)
-        at a fixed address, so a replayed graph reads the new values."""
-        key = ("scalars", index)
-        t = self._static.get(key)
-        if t is None or t.device != device or t.numel() != len(values):
-            t = self._static[key] = torch.empty(len(values), dtype=torch.float32, device=device)
-        for j, v in enumerate(values):
-            t[j].fill_(v)  # a kernel argument, not a host-to-device copy: no sync
-        return t
-
     def _collective(self, phase: str, start) -> None:
         collectives.run(f"{type(self).__name__}: {phase}", start, self.timeout_s, self.process_group)
 
@@ -513,8 +471,7 @@ class FreezeStepOptimizer(OnebitOptimizer):
         """The new momentum beta1 * m + (1 - beta1) * g, into `out`: m itself
         changes only when step() commits it."""
         m = [self._state_tensor(p, "exp_avg") for p in params]
-        torch._foreach_copy_(out, m)
-        F.update_momentum_(out, grads, self.param_groups[index]["betas"][0])
+        F.momentum_into(out, m, grads, self.param_groups[index]["betas"][0])
 
     def _variance_frozen(self) -> bool:
         return self.compression_started()

@@ -25,6 +25,13 @@ def update_momentum_(exp_avgs: Tensors, grads: Tensors, beta1: float) -> None:
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
 
 
+def momentum_into(out: Tensors, exp_avgs: Tensors, grads: Tensors, beta1: float) -> None:
+    """out <- beta1 * m + (1 - beta1) * g, m unchanged: one pass, and the
+    same kernel (so the same bits) as update_momentum_."""
+    for o, m, g in zip(out, exp_avgs, grads):
+        torch.lerp(m, g, 1.0 - beta1, out=o)
+
+
 def update_variance_(exp_avg_sqs: Tensors, grads: Tensors, beta2: float) -> None:
     """v <- beta2 * v + (1 - beta2) * g^2"""
     torch._foreach_mul_(exp_avg_sqs, beta2)

@@ -99,6 +99,10 @@ class BackwardOverlap:
         # if one gets a gradient after all, its bucket goes stale.
         self.absent: set = set()
         self.enabled = True  # off inside no_overlap()
+        # A GradScaler hands step() the scale, so what backward saw is scaled
+        # and would be exchanged again: once a step was scaled, the buckets
+        # wait for step() rather than be exchanged twice.
+        self.scaled = False
         self.settled = False  # step() has waited for every bucket
         self._warned = False
         self._hooked: set = set()
@@ -117,7 +121,7 @@ class BackwardOverlap:
                 self._hooked.add(id(p))
 
     def _ready(self, p: torch.Tensor) -> None:
-        if not self.enabled or not self.opt._exchange_during_backward():
+        if not self.enabled or self.scaled or not self.opt._exchange_during_backward():
             return
         if not self.planned:
             self._plan(self.opt._trained_lists())
@@ -184,6 +188,7 @@ class BackwardOverlap:
         from this step's gradients and the same plan, then wait for all.
         relaunch: the gradients step() uses differ from what backward saw
         (a GradScaler unscaled them): exchange again from `grads`."""
+        self.scaled = relaunch
         redo = self.stale or relaunch or signature(trained) != self.signature
         if redo and self.launched:
             if self.stale and not self._warned:
