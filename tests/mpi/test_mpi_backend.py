@@ -146,3 +146,29 @@ def test_gloo_and_mpi_hierarchical_agree_bitwise(gloo):
                 continue
             assert torch.equal(outs[0], outs[1])
             assert all(torch.equal(a, b) for a, b in zip(*states))
+
+
+def _train_over_mpi(overlap):
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Flatten(),
+                                torch.nn.Linear(24, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
+    opt = onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_backend_name="mpi",
+                            overlap_backward=overlap, bucket_cap_mb=0.002)
+    g = torch.Generator().manual_seed(COMM.Get_rank())
+    for _ in range(6):
+        x, y = torch.randint(0, 50, (4, 3), generator=g), torch.randint(0, 5, (4,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt.overlap_stats()
+
+
+def test_mpi_optimizer_overlapped_with_backward_matches_fused(gloo):
+    fused, _ = _train_over_mpi(False)
+    overlapped, stats = _train_over_mpi(True)
+    assert torch.equal(fused, overlapped)
+    assert stats["launched_in_backward"] > 0 and stats["redone"] == 0, stats
+    every = mpi_gather(overlapped)
+    assert all(torch.equal(e, every[0]) for e in every)
