@@ -100,7 +100,8 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
     out = bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "2",
                 "--untimed", "1", "--json", str(tmp_path / "s.json"))
     rows = {r["setup"]: r for r in json.loads((tmp_path / "s.json").read_text())["results"]}
-    assert list(rows) == ["floor", "ddp+adam", "onebitadam", "zerooneadam", "onebitlamb"], out
+    assert list(rows) == ["floor", "ddp+adam", "onebitadam", "onebitadam+overlap", "zerooneadam",
+                          "onebitlamb", "onebitlamb+overlap"], out
     assert rows["floor"]["x_floor"] == 1.0 and all(r["seconds"] > 0 for r in rows.values())
     for name in ("ddp+adam", "onebitadam", "onebitlamb"):
         r = rows[name]
@@ -108,6 +109,19 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
     # Timed in the compression stage: 1-bit traffic, >25x below DDP's fp32 gradients.
     assert rows["onebitadam"]["stage"] == rows["onebitlamb"]["stage"] == "compression"
     assert 0 < rows["onebitadam"]["bytes_sent"] < rows["ddp+adam"]["bytes_sent"] / 25
+    # overlap_backward changes when the exchange starts, not what it sends.
+    for name in ("onebitadam", "onebitlamb"):
+        twin = rows[name + "+overlap"]
+        assert twin["stage"] == "compression" and twin["bytes_sent"] == rows[name]["bytes_sent"]
+
+
+def test_step_bench_overlap_choice_names_the_rows():
+    from onebit.bench.step import setups
+
+    names = ["onebitadam", "zerooneadam"]
+    assert setups(names, "off") == names
+    assert setups(names, "on") == ["onebitadam+overlap", "zerooneadam"]  # 0/1 Adam: not overlapped
+    assert setups(names, "both") == ["onebitadam", "onebitadam+overlap", "zerooneadam"]
 
 
 def test_bench_plot_writes_a_png(tmp_path):
