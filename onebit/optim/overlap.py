@@ -29,6 +29,10 @@ stale: step() agrees on that in the all-gather it makes anyway, and then
 every rank puts the errors back and exchanges every bucket again from the
 final gradients. Correct, but not overlapped: for gradient accumulation, run
 all but the last micro-batch inside `with optimizer.no_overlap():`.
+
+A GradScaler unscales the gradients only in step(), so what backward saw is
+scaled: those buckets are exchanged again from the unscaled gradients, and
+once a step was scaled, later buckets wait for step() instead.
 """
 from __future__ import annotations
 
