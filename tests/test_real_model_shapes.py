@@ -135,3 +135,25 @@ def _lr_zero_group(rank, world):
 def test_zero_one_adam_group_at_lr_zero_keeps_finite_identical_momentum():
     m0, m1 = run_workers(_lr_zero_group, 2, timeout=120)
     assert all(np.array_equal(a, b) for a, b in zip(m0, m1)), "the lr=0 group's m differs after sync"
+
+
+@pytest.mark.parametrize("unseen", [1, 40, 400])  # indices below 1/16 unseen, a bool mask above
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_zero_variance_masks_zero_exactly_the_unseen_elements(unseen, layout):
+    from onebit.optim.guards import ZeroVarianceGuard, mask_unseen_
+
+    g = torch.Generator().manual_seed(unseen)
+    v = torch.rand(8, 6, 4, 5, generator=g) + 0.1  # 960 elements
+    v.view(-1)[torch.randperm(v.numel(), generator=g)[:unseen]] = 0.0
+    t = torch.randn(v.shape, generator=g)
+    if layout == "channels_last":
+        v, t = (x.contiguous(memory_format=torch.channels_last) for x in (v, t))
+    never = torch.zeros(3, 3)
+    seen, masks = ZeroVarianceGuard().check(0, [v, never, v.clone().add_(1)], "frozen")
+    assert seen == [True, False, True] and masks[1] is None and masks[2] is None
+    assert masks[0].dtype == (torch.int64 if unseen * 16 <= v.numel() else torch.bool)
+    expected = torch.where(v == 0, torch.zeros(()), t)  # independent of the guard's masks
+    out = [t.clone(), torch.ones(3, 3), t.clone()]
+    mask_unseen_(out, masks, seen)
+    assert torch.equal(out[0], expected) and int((out[0] == 0).sum()) == unseen
+    assert torch.equal(out[1], torch.zeros(3, 3)) and torch.equal(out[2], t)

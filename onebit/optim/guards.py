@@ -26,8 +26,8 @@ Tensors = List[torch.Tensor]
 
 class ZeroVarianceGuard:
     """Per param group: which tensors have seen a gradient (`seen`), and a
-    bool mask of the elements that have, for the tensors that are only
-    partly seen (None for tensors seen everywhere or nowhere)."""
+    mask of the elements that have, for the tensors that are only partly
+    seen (None for tensors seen everywhere or nowhere; see _mask)."""
 
     def __init__(self) -> None:
         self._cache: Dict[int, tuple] = {}
@@ -46,7 +46,8 @@ class ZeroVarianceGuard:
         counts = (torch.stack([torch.count_nonzero(v) for v in exp_avg_sqs]).tolist()
                   if exp_avg_sqs else [])
         seen = [c > 0 for c in counts]
-        masks = [(v != 0) if 0 < c < v.numel() else None for c, v in zip(counts, exp_avg_sqs)]
+        masks = [_mask(v, c, cached=version is not None) if 0 < c < v.numel() else None
+                 for c, v in zip(counts, exp_avg_sqs)]
         if version is not None:
             self._cache[index] = (version, seen, masks)
         else:
@@ -54,15 +55,36 @@ class ZeroVarianceGuard:
         return seen, masks
 
 
+# A tensor with at most 1/SPARSE of its elements unseen keeps their indices
+# instead of a bool mask: zeroing them then costs in proportion to their
+# number, not a pass over the tensor (dead ReLU rows, a few rare tokens).
+SPARSE = 16
+
+
+def _mask(v: torch.Tensor, nonzero: int, cached: bool) -> torch.Tensor:
+    """The mask of a partly seen tensor: bool where v != 0, or, when few are
+    unseen and the mask is kept (nonzero() is a host sync), the (ndim, k)
+    int64 indices of the elements where v == 0."""
+    if cached and (v.numel() - nonzero) * SPARSE <= v.numel():
+        return torch.nonzero(v == 0).t().contiguous()
+    return v != 0
+
+
 def mask_unseen_(tensors: Tensors, masks: Sequence[Optional[torch.Tensor]],
                  seen: Sequence[bool]) -> None:
     """Zero `tensors` where v == 0: the elements of partly seen tensors, and
-    all of a tensor never seen."""
+    all of a tensor never seen. (Indexed zeroing writes +0 where the product
+    would give -0 for a negative input: equal values, and m's only uses, the
+    update and the next lerp, give the same bits either way.)"""
     for t, mask, ok in zip(tensors, masks, seen):
         if not ok:
             t.zero_()
-        elif mask is not None:
+        elif mask is None:
+            continue
+        elif mask.dtype == torch.bool:
             t.mul_(mask)
+        else:
+            t.index_put_(tuple(mask), torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 def only_seen(seen: Sequence[bool], *lists: Sequence) -> Tuple[list, ...]:
