@@ -139,7 +139,7 @@ def test_onebit_adam_compression_stage_matches_independent_simulation(world):
 
 def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_beta=0.9,
                          min_coeff=0.01, max_coeff=10.0, factor_min=0.5, factor_max=4.0,
-                         threshold=0.1, trust_ratio="frozen"):
+                         threshold=0.1, trust_ratio="frozen", ratio_beta=0.8):
     """1-bit LAMB on `world` simulated ranks in float64, per tensor, from the
     paper (Li et al. 2021, Alg. 1) with OnebitLamb's documented choices:
     warmup = LAMB on the mean gradient, tracking a running average of the
@@ -147,8 +147,10 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
     common RMS) goes through reference.py's compressed allreduce, a fresh
     variance follows the gradient implied by the momentum change, and the
     trust ratio is the frozen one times a clamped max(denom / fresh denom).
-    trust_ratio="fresh": after the freeze too, LAMB's clamped ||p|| / ||update||
-    of this step's update (averaged momentum, frozen variance)."""
+    trust_ratio="fresh": after the freeze too, LAMB's clamped ||p|| / ||update||,
+    the update from the averaged momentum and the frozen variance, its norm
+    taken with a running average (ratio_beta) of the averaged momenta, which
+    starts from the momentum at the freeze."""
     b1, b2 = betas
     shapes = [p.shape for p in p0]
     sizes = [int(np.prod(sh)) for sh in shapes]
@@ -156,7 +158,7 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
     m = [np.zeros(k) for k in sizes]
     v = [np.zeros(k) for k in sizes]
     coeff_freeze, last_factor = [0.0] * len(sizes), [1.0] * len(sizes)
-    fresh, scaling = None, None
+    fresh, scaling, smooth = None, None, None
     _, n, _ = placement(sizes, BLOCK, world)
     werrs, serrs = [np.zeros(n) for _ in range(world)], [np.zeros(n // world) for _ in range(world)]
 
@@ -181,6 +183,7 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
                 params[i] = params[i] - lr * coeff * upd
             if t == freeze:
                 fresh = [x.copy() for x in v]
+                smooth = [x.copy() for x in m]
             continue
         if scaling is None:
             rms = [norm(x) / np.sqrt(x.size) if x.size else 0.0 for x in m]
@@ -201,7 +204,8 @@ def simulate_onebit_lamb(p0, world, steps, freeze, lr, betas, eps, wd, coeff_bet
             prelim = (m[i] / bc1) / denom
             upd = prelim + wd * params[i]
             if trust_ratio == "fresh":
-                w, u = norm(params[i]), norm(upd)
+                smooth[i] = ratio_beta * smooth[i] + (1 - ratio_beta) * m[i]
+                w, u = norm(params[i]), norm((smooth[i] / bc1) / denom + wd * params[i])
                 coeff = min(max(w / u, min_coeff), max_coeff) if w > 0 and u > 0 else 1.0
                 params[i] = params[i] - lr * coeff * upd
                 continue
@@ -233,6 +237,11 @@ def test_onebit_lamb_compression_stage_matches_independent_simulation(world, tru
     other = simulate_onebit_lamb(make_params(seed=0), world, steps, freeze, 1e-2, (0.9, 0.999),
                                  1e-8, 0.01, trust_ratio={"fresh": "frozen"}.get(trust_ratio, "fresh"))
     assert np.abs(other - expected).max() > 1e-3  # the two rules really differ here
+    if trust_ratio == "fresh":  # and the ratio's running average changes the result
+        unsmoothed = simulate_onebit_lamb(make_params(seed=0), world, steps, freeze, 1e-2,
+                                          (0.9, 0.999), 1e-8, 0.01, trust_ratio="fresh",
+                                          ratio_beta=0.0)
+        assert np.abs(unsmoothed - expected).max() > 1e-4
 
 
 # ------------------------------------------------------------- the mask --

@@ -120,7 +120,7 @@ def test_class_specific_checks():
             OnebitLamb(p, **{name: 0.0})
     with pytest.raises(ValueError, match="coeff_beta"):
         OnebitLamb(p, coeff_beta=1.5)
-    with pytest.raises(ValueError, match=r"trust_ratio must be one of \['frozen', 'fresh'\]"):
+    with pytest.raises(ValueError, match=r"trust_ratio must be one of \['fresh', 'frozen'\]"):
         OnebitLamb(p, trust_ratio="DeepSpeed")
     with pytest.raises(ValueError, match="min_coeff"):
         OnebitLamb(p, min_coeff=5.0, max_coeff=1.0)

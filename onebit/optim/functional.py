@@ -82,21 +82,24 @@ def adam_updates(exp_avgs: Tensors, denoms: Tensors, params: Tensors, weight_dec
 
 
 def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
-               weight_decay: float, bc1: float) -> None:
-    """p <- p - lr * ((m / bc1) / denom + weight_decay * p), without
+               weight_decay: float, bc1: float,
+               scales: Optional[Sequence[float]] = None) -> None:
+    """p <- p - lr * s_i * ((m / bc1) / denom + weight_decay * p), without
     materialising the update: decay in place, then one addcdiv (what keeps
-    this as cheap as torch.optim.Adam's foreach step)."""
+    this as cheap as torch.optim.Adam's foreach step). `scales`: per-tensor
+    s_i (LAMB's coefficients), 1 if None."""
     if not params:
         return
+    s = [1.0] * len(params) if scales is None else list(scales)
     fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
     if len(fp32) == len(params):
         if weight_decay:
-            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr / bc1)
+            torch._foreach_mul_(params, [1.0 - lr * si * weight_decay for si in s])
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * si / bc1 for si in s])
         return
     # Low-precision params: compute in fp32, round once.
     upd = adam_updates(exp_avgs, denoms, [p.float() for p in params], weight_decay, bc1)
-    apply_updates_(params, upd, lr)
+    apply_updates_(params, upd, lr, scales)
 
 
 # For a captured graph (onebit.graphs): every number that changes from step
@@ -180,10 +183,13 @@ def norms(tensors: Tensors) -> List[float]:
 
 
 def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
-                      max_coeff: float) -> List[float]:
-    """||p|| / ||u|| clamped to [min_coeff, max_coeff]; 1 where either norm is 0."""
+                      max_coeff: float, updates_scale: float = 1.0) -> List[float]:
+    """||p|| / ||u|| clamped to [min_coeff, max_coeff]; 1 where either norm
+    is 0. u is `updates` times `updates_scale` (a pass saved where the
+    caller's buffers hold a multiple of the update)."""
     out = []
     for w, u in zip(norms([p.float() for p in params]), norms(updates)):
+        u *= updates_scale
         out.append(min(max(w / u, min_coeff), max_coeff) if w > 0 and u > 0 else 1.0)
     return out
 
