@@ -120,6 +120,10 @@ def test_class_specific_checks():
             OnebitLamb(p, **{name: 0.0})
     with pytest.raises(ValueError, match="coeff_beta"):
         OnebitLamb(p, coeff_beta=1.5)
+    for bad in (1.0, -0.1, math.nan):
+        with pytest.raises(ValueError, match="trust_ratio_beta"):
+            OnebitLamb(p, trust_ratio_beta=bad)
+    OnebitLamb(p, trust_ratio_beta=0.0)  # this step's momentum alone: allowed
     with pytest.raises(ValueError, match=r"trust_ratio must be one of \['fresh', 'frozen'\]"):
         OnebitLamb(p, trust_ratio="DeepSpeed")
     with pytest.raises(ValueError, match="min_coeff"):
