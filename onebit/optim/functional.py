@@ -90,12 +90,16 @@ def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
     s_i (LAMB's coefficients), 1 if None."""
     if not params:
         return
-    s = [1.0] * len(params) if scales is None else list(scales)
     fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
     if len(fp32) == len(params):
+        if scales is None:
+            decay, step = 1.0 - lr * weight_decay, -lr / bc1
+        else:
+            decay = [1.0 - lr * s * weight_decay for s in scales]
+            step = [-lr * s / bc1 for s in scales]
         if weight_decay:
-            torch._foreach_mul_(params, [1.0 - lr * si * weight_decay for si in s])
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * si / bc1 for si in s])
+            torch._foreach_mul_(params, decay)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, step)
         return
     # Low-precision params: compute in fp32, round once.
     upd = adam_updates(exp_avgs, denoms, [p.float() for p in params], weight_decay, bc1)
