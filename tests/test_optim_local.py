@@ -124,7 +124,7 @@ def test_class_specific_checks():
         with pytest.raises(ValueError, match="trust_ratio_beta"):
             OnebitLamb(p, trust_ratio_beta=bad)
     OnebitLamb(p, trust_ratio_beta=0.0)  # this step's momentum alone: allowed
-    with pytest.raises(ValueError, match=r"trust_ratio must be one of \['frozen', 'fresh'\]"):
+    with pytest.raises(ValueError, match=r"trust_ratio must be one of \['fresh', 'frozen'\]"):
         OnebitLamb(p, trust_ratio="DeepSpeed")
     with pytest.raises(ValueError, match="min_coeff"):
         OnebitLamb(p, min_coeff=5.0, max_coeff=1.0)

@@ -15,9 +15,7 @@ average gradients in full precision):
   OnebitAdam  vs torch.optim.Adam           freeze_step = --freeze * steps
   ZeroOneAdam vs torch.optim.Adam           var_freeze_step = --freeze * steps
   OnebitLamb  vs LAMB (OnebitLamb kept in warmup: the same code, uncompressed)
-Everything else is at its default, but OnebitLamb's trust ratio is
---trust-ratio (default "fresh", the rule that tracks LAMB here; the
-optimizer's own default is the paper's "frozen"). Reports held-out loss every --every steps
+Everything else is at its default. Reports held-out loss every --every steps
 and the final gap; --plot writes the curves.
 """
 from __future__ import annotations

@@ -69,7 +69,7 @@ def measure(total: int, tensors: int, iters: int, device: str = "cpu") -> List[D
         ("  with graph_capture", lambda ps: onebit.OnebitAdam(ps, freeze_step=1, graph_capture=True)),
         ("OnebitLamb warmup", lambda ps: onebit.OnebitLamb(ps, freeze_step=10**9)),
         ("OnebitLamb compression", lambda ps: onebit.OnebitLamb(ps, freeze_step=1)),
-        ("  trust_ratio=fresh", lambda ps: onebit.OnebitLamb(ps, freeze_step=1, trust_ratio="fresh")),
+        ("  trust_ratio=frozen", lambda ps: onebit.OnebitLamb(ps, freeze_step=1, trust_ratio="frozen")),
         ("ZeroOneAdam 1-bit steps", lambda ps: onebit.ZeroOneAdam(ps, var_freeze_step=10**9,
                                                                    var_update_scaler=1)),
         ("ZeroOneAdam local steps", lambda ps: onebit.ZeroOneAdam(ps, **local)),
