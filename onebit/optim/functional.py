@@ -70,10 +70,14 @@ def adam_updates(exp_avgs: Tensors, denoms: Tensors, params: Tensors, weight_dec
                  bc1: float, out: Optional[Tensors] = None) -> Tensors:
     """u = (m / bc1) / denom + weight_decay * p   (the direction, before lr).
     `out`: buffers to write into (see denominators)."""
-    u = _into(out, exp_avgs)
-    if not u:  # every tensor skipped (guards.py): nothing to compute
-        return u
-    torch._foreach_div_(u, denoms)
+    if not exp_avgs:  # every tensor skipped (guards.py): nothing to compute
+        return [] if out is None else out
+    if out is None:
+        u = torch._foreach_div(exp_avgs, denoms)
+    else:  # m / denom straight into the buffers: one pass, not a copy and a divide
+        u = out
+        for ui, mi, di in zip(u, exp_avgs, denoms):
+            torch.div(mi, di, out=ui)
     if bc1 != 1.0:
         torch._foreach_div_(u, bc1)
     if weight_decay:

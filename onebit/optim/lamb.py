@@ -208,13 +208,11 @@ class OnebitLamb(FreezeStepOptimizer):
             return
         torch._foreach_lerp_(smoothed, m, 1.0 - self.trust_ratio_beta)
         denom = self._denominators(i, group, v, bc2, "frozen")
-        # bc1 * the ratio's update, in one pass where there is no weight decay.
+        # bc1 times the ratio's update (bc1 = 1 and weight decay x bc1 below):
+        # the norm takes the 1 / bc1 instead of a pass over the buffers.
         pf, wd = [p.float() for p in params], group["weight_decay"]
-        ref = self._scratch("update", i, m)
-        for r, s, d in zip(ref, smoothed, denom):
-            torch.div(s, d, out=r)
-        if wd:
-            torch._foreach_add_(ref, pf, alpha=wd * bc1)
+        ref = F.adam_updates(smoothed, denom, pf, wd * bc1, 1.0,
+                             out=self._scratch("update", i, m))
         coeffs = F.lamb_trust_ratios(pf, ref, group["min_coeff"], group["max_coeff"],
                                      updates_scale=1.0 / bc1)
         self.lamb_coeffs.extend(coeffs)
