@@ -244,6 +244,85 @@ def test_onebit_lamb_compression_stage_matches_independent_simulation(world, tru
         assert np.abs(unsmoothed - expected).max() > 1e-4
 
 
+def simulate_zero_one_adam(p0, world, steps, freeze, lr, betas, eps, wd, local_step_scaler,
+                           local_step_clipper):
+    """0/1 Adam on `world` simulated ranks in float64, from the paper (Lu et
+    al. 2022, Alg. 1) with ZeroOneAdam's documented policies, for a warmup
+    where every step updates v (var_update_scaler >= freeze): Adam on the
+    mean gradient up to `freeze`. After it, v is frozen and each rank takes
+    local steps d = -lr * (m / bc1 / denom + wd * p) from its own gradient,
+    summing them in u; at every step t that the sync interval divides, the
+    ranks' u * denom go through reference.py's compressed allreduce (errors
+    from zero at the freeze), m = -avg * bc1 / (sum of lr since the last
+    sync), and every rank lands on the last common point + avg / denom. The
+    interval starts at 1 and doubles every `local_step_scaler` frozen steps,
+    up to `local_step_clipper`."""
+    b1, b2 = betas
+    shapes = [p.shape for p in p0]
+    sizes = [int(np.prod(sh)) for sh in shapes]
+    cuts = np.cumsum(sizes)[:-1]
+    anchor = np.concatenate([p.detach().double().reshape(-1).numpy() for p in p0])
+    m, v = np.zeros(anchor.size), np.zeros(anchor.size)
+    _, n, _ = placement(sizes, BLOCK, world)
+    werrs, serrs = [np.zeros(n) for _ in range(world)], [np.zeros(n // world) for _ in range(world)]
+
+    def flat_grad(rank, t):
+        return np.concatenate([synthetic_grad(rank, t, s).double().reshape(-1).numpy() for s in shapes])
+
+    interval, counter, syncs = 1, 0, 0
+    for t in range(1, freeze + 1):
+        g = np.mean([flat_grad(r, t) for r in range(world)], axis=0)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        denom = np.sqrt(v / (1 - b2 ** t)) + eps
+        anchor = anchor - lr * ((m / (1 - b1 ** t)) / denom + wd * anchor)
+    ms = [m.copy() for _ in range(world)]
+    ps = [anchor.copy() for _ in range(world)]
+    us = [np.zeros(anchor.size) for _ in range(world)]
+    lrs = 0.0
+    for t in range(freeze + 1, steps + 1):
+        bc1 = 1 - b1 ** t
+        for r in range(world):
+            ms[r] = b1 * ms[r] + (1 - b1) * flat_grad(r, t)
+            d = -lr * ((ms[r] / bc1) / denom + wd * ps[r])
+            us[r] = us[r] + d
+            ps[r] = ps[r] + d
+        lrs += lr
+        if t % interval == 0:
+            syncs += 1
+            local = [np.split(u * denom, cuts) for u in us]
+            outs, werrs, serrs, _ = reference_round(local, werrs, serrs, BLOCK)
+            avg = np.concatenate(outs)
+            ms = [-avg * bc1 / lrs for _ in range(world)]
+            anchor = anchor + avg / denom
+            ps = [anchor.copy() for _ in range(world)]
+            us = [np.zeros(anchor.size) for _ in range(world)]
+            lrs = 0.0
+        counter += 1
+        if counter == local_step_scaler:
+            counter, interval = 0, min(local_step_clipper, interval * 2)
+    return ps[0], syncs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero_one_adam_local_steps_and_syncs_match_independent_simulation(world):
+    # Frozen from step 6; intervals 1, 1 | 2, 2 | 4, ...: syncs at 6, 7, 8
+    # (each the only step since the last sync) and 12 (four local steps).
+    steps, freeze = 12, 5
+    kw = dict(var_freeze_step=freeze, var_update_scaler=100, local_step_scaler=2,
+              local_step_clipper=4, lr=1e-2, weight_decay=0.01)
+    got = run_workers(_synthetic_run, world, "ZeroOneAdam", steps, kw, timeout=120)
+    sim = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.01, local_step_scaler=2,
+               local_step_clipper=4)
+    expected, syncs = simulate_zero_one_adam(make_params(seed=0), world, steps, freeze, **sim)
+    assert syncs == 4
+    at_freeze, _ = simulate_zero_one_adam(make_params(seed=0), world, freeze, freeze, **sim)
+    assert np.abs(expected - at_freeze).mean() > 5e-3  # the frozen stage moved the params
+    for rank in got[1:]:
+        assert np.array_equal(rank, got[0])  # step 12 is a sync: one point everywhere
+    np.testing.assert_allclose(got[0], expected, rtol=0, atol=2e-5)
+
+
 # ------------------------------------------------------------- the mask --
 def _masked(rank, world):
     import onebit

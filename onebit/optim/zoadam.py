@@ -146,6 +146,9 @@ class ZeroOneAdam(OnebitOptimizer):
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
+            # A sync right after a sync (or the freeze): the accumulator would
+            # hold this step's displacement alone (see _sync_local_steps).
+            single = sync and c["lrs"][i] == 0.0 and self.world_size > 1
             beta1, beta2 = group["betas"]
             m, v = self._moments(group, params, gs)
             if full:
@@ -163,8 +166,10 @@ class ZeroOneAdam(OnebitOptimizer):
             ps, ms, ds = only_seen(seen, params, m, denom)
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
-                anchors = self._anchors(params)
-                self._accumulate_(group, ps, ms, ds, *only_seen(seen, u, anchors), bc1, sync)
+                # A sync that follows a sync starts from p itself: no anchor.
+                anchors = None if single else self._anchors(params, c["lrs"][i] == 0.0)
+                if not single:
+                    self._accumulate_(group, ps, ms, ds, *only_seen(seen, u, anchors), bc1, sync)
                 c["lrs"][i] += group["lr"]
             else:
                 upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
@@ -174,7 +179,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 F.add_updates_(ps, upd)
             if sync:
                 self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i],
-                                       seen, masks)
+                                       seen, masks, single)
                 c["lrs"][i] = 0.0
         if sync:
             c["last_sync"] = t
@@ -210,7 +215,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 continue
             m, v = self._moments(group, params, gs)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
-            self._anchors(params)  # the first local step remembers the common point
+            self._anchors(params, c["lrs"][i] == 0.0)
             seen, masks = self._seen(i, group, v, c["var_updates"])
             plan.append(SimpleNamespace(seen=seen, masks=masks,
                 group=group, params=params, m=m, grads=self._static_copy(i, gs),
@@ -233,20 +238,24 @@ class ZeroOneAdam(OnebitOptimizer):
             s.params, s.m, s.grads, s.u, s.denom, [k for k in s.masks if k is not None],
             [s.scalars])))), local_step)
 
-    def _anchors(self, params):
+    def _anchors(self, params, first: bool):
         """The last synced point of each param, kept exactly: recomputing it
         as p - u would round differently on each rank, and the replicas would
-        no longer be bitwise identical after a sync."""
+        no longer be bitwise identical after a sync. Until the first local
+        step after a sync (`first`), p itself is that point, so it is copied
+        only then: with sync interval 1, never."""
         out = []
         for p in params:
             st = self.state[p]
-            if "sync_point" not in st:  # first local step: p is still the common point
+            if "sync_point" not in st:
                 st["sync_point"] = p.detach().clone()
+            elif first:
+                st["sync_point"].copy_(p.detach())
             out.append(st["sync_point"])
         return out
 
     def _sync_local_steps(self, i, group, params, anchors, m, u, denom, bc1, lrs, seen,
-                          masks) -> None:
+                          masks, single: bool = False) -> None:
         """Replace the local steps since the last sync with their 1-bit average.
 
         u holds this rank's displacement since the anchor (the last synced
@@ -259,6 +268,15 @@ class ZeroOneAdam(OnebitOptimizer):
         nothing to re-derive m from: the ranks average m itself instead (the
         limit of the re-derivation as lr -> 0: the lr-weighted mean of m over
         the interval) and stay at the anchor.
+
+        single: this step is the only one since the last sync (sync interval
+        1, the default for the first local_step_scaler steps), so u was never
+        accumulated: u * denom = -lr * (m / bc1 + wd * p * denom) is written
+        straight into the fused buffer, u stays 0, and p (still the anchor)
+        moves in place. That saves the accumulation, the multiply back by
+        denom, the anchor's update and copy and the zeroing: such a step
+        makes 11 passes over the parameters where it made 19, as many as
+        1-bit Adam's.
         """
         if lrs == 0:
             self._compressed_average_(i, m)
@@ -272,20 +290,41 @@ class ZeroOneAdam(OnebitOptimizer):
             # is read from there: no pass to scale u, none to copy it back.
             self._flat_buffer(i, u)
             avg = self._views(i, u)
-            for ui, di, out in zip(u, denom, avg):
-                torch.mul(ui, di, out=out)
+            if single:
+                self._displacement_into(group, params, m, denom, bc1, seen, avg)
+            else:
+                for ui, di, out in zip(u, denom, avg):
+                    torch.mul(ui, di, out=out)
             self._compressed_allreduce_flat(i)
         self._mask_(group, avg)
         mask_unseen_(avg, masks, seen)
         for mi, ai in zip(m, avg):
             torch.mul(ai, -bc1 / lrs, out=mi)
-        for p, a, ai, di in zip(*only_seen(seen, params, anchors, avg, denom)):
-            if a.dtype == torch.float32:
-                a.addcdiv_(ai, di)
+        # Every rank lands on the same point: the anchor (p itself when this
+        # step was the only one since the last sync) + avg / denom.
+        for p, a, ai, di in zip(*only_seen(seen, params, params if single else anchors, avg,
+                                           denom)):
+            if p.dtype == torch.float32:
+                torch.addcdiv(a, ai, di, out=p)
             else:  # divide in fp32, round once
-                a.add_((ai / di).to(a.dtype))
-            p.copy_(a)
-        torch._foreach_zero_(u)
+                p.copy_(a + (ai / di).to(p.dtype))
+        if not single:
+            torch._foreach_zero_(u)
+
+    @staticmethod
+    def _displacement_into(group, params, m, denom, bc1: float, seen, out) -> None:
+        """out <- this step's displacement in momentum units,
+        -lr * (m / bc1 + wd * p * denom), where v has seen a gradient; 0 for
+        the tensors it never saw (they do not move)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        for mi, o, ok in zip(m, out, seen):
+            if ok:
+                torch.mul(mi, -lr / bc1, out=o)
+            else:
+                o.zero_()
+        ps, ds, os_ = only_seen(seen, params, denom, out)
+        if wd and ps:
+            torch._foreach_addcmul_(os_, [p.float() for p in ps], ds, value=-lr * wd)
 
     def _advance_intervals(self, t: int, frozen: bool, c: Optional[dict] = None) -> None:
         c = self.counters if c is None else c
