@@ -109,14 +109,13 @@ class OnebitAdam(FreezeStepOptimizer):
                 continue
             beta1, beta2 = group["betas"]
             m, v = self._moments(group, params, gs)
-            if not self._overlapping():  # else it was done during backward (overlap.py)
-                F.update_momentum_(m, gs, beta1)
             if not compress:
+                F.update_momentum_(m, gs, beta1)
                 F.update_variance_(v, gs, beta2)
             version = "frozen" if compress else None
             seen, masks = self._seen(i, group, v, version)
-            if compress:
-                self._exchange_(i, m)
+            if compress:  # m <- the 1-bit average of the new momentum
+                self._exchange_(i, params, gs, m)
                 self._mask_(group, m)
                 mask_unseen_(m, masks, seen)
             bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))

@@ -297,26 +297,15 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         flat.div_(self.world_size)
         self._unflatten_from(index, tensors)
 
-    def _compressed_average_(self, index: int, tensors: List[torch.Tensor],
-                             scales: Optional[List[float]] = None) -> None:
+    def _compressed_average_(self, index: int, tensors: List[torch.Tensor]) -> None:
         """1-bit error-compensated mean across ranks of `tensors`, fused into
-        one compressed_allreduce (each tensor on its own blocks). With
-        `scales`, of t * s, divided by s again on the way back: the scaling
-        rides on the copies into and out of the fused buffer."""
+        one compressed_allreduce (each tensor on its own blocks)."""
         if self.world_size == 1 or not tensors:
             return
         self._flat_buffer(index, tensors)
-        if scales is None:
-            self._flatten_into(index, tensors)
-            self._compressed_allreduce_flat(index)
-            self._unflatten_from(index, tensors)
-            return
-        views = self._views(index, tensors)
-        for t, s, v in zip(tensors, scales, views):
-            torch.mul(t, s, out=v)
+        self._flatten_into(index, tensors)
         self._compressed_allreduce_flat(index)
-        for t, s, v in zip(tensors, scales, views):
-            torch.div(v, s, out=t)
+        self._unflatten_from(index, tensors)
 
     def _compressed_allreduce_flat(self, index: int) -> None:
         """The compressed allreduce of group `index`'s flat buffer, in place,

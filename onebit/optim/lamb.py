@@ -159,17 +159,15 @@ class OnebitLamb(FreezeStepOptimizer):
         return coeffs
 
     def _compressed_step(self, i, group, params, gs, t) -> None:
-        beta1 = group["betas"][0]
         m, v = self._moments(group, params, gs)
         scaling = self._scaling_coeffs(params, m)
         frozen = self.trust_ratio == "frozen"
         if frozen:
             m_last = self._scratch("momentum before this step", i, m)
             torch._foreach_copy_(m_last, m)
-        if not self._overlapping():  # else it was done during backward (overlap.py)
-            F.update_momentum_(m, gs, beta1)
-        # One fused exchange for the whole group, of the momenta brought to one RMS.
-        self._exchange_(i, m, scaling)
+        # m <- the 1-bit average of the new momentum: one fused exchange for
+        # the whole group, of the momenta brought to one RMS (_exchange_input_).
+        self._exchange_(i, params, gs, m, scaling)
         self._mask_(group, m)
         seen, masks = self._seen(i, group, v, "frozen")
         mask_unseen_(m, masks, seen)

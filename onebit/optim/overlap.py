@@ -221,14 +221,9 @@ class BackwardOverlap:
         """Group `index`'s exchanged values into `out` (its trained params'
         order), divided by `scales` when the input was scaled."""
         for b in self.buckets:
-            if b.index != index:
-                continue
-            views = self.opt._views(b.key, b.params)
-            for j, v in zip(b.positions, views):
-                if scales is None:
-                    out[j].copy_(v)
-                else:
-                    torch.div(v, scales[j], out=out[j])
+            if b.index == index:
+                unscale_into([out[j] for j in b.positions], self.opt._views(b.key, b.params),
+                             None if scales is None else [scales[j] for j in b.positions])
 
     def abandon(self) -> None:
         """Wait for every launched exchange and put its errors back: as if
@@ -262,6 +257,17 @@ class BackwardOverlap:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+
+
+def unscale_into(out: List[torch.Tensor], src: List[torch.Tensor],
+                 scales: Optional[List[float]]) -> None:
+    """out <- src / scales (a copy when scales is None; in place when out is src)."""
+    if scales is None:
+        if out is not src:
+            torch._foreach_copy_(out, src)
+        return
+    for o, s, c in zip(out, src, scales):
+        torch.div(s, c, out=o)
 
 
 def exchange_group(process_group):
@@ -321,14 +327,26 @@ class Overlapping:
         `index` into `out` (subclasses)."""
         raise NotImplementedError
 
-    def _exchange_(self, index: int, tensors: List[torch.Tensor],
+    def _exchange_(self, index: int, params, grads, out: List[torch.Tensor],
                    scales: Optional[List[float]] = None) -> None:
-        """tensors <- their 1-bit average (times `scales` on the wire): from
-        the buckets exchanged during backward, else one fused exchange now."""
+        """out <- the 1-bit average of what this step exchanges for the
+        params of group `index` (`_exchange_input_`, which may scale it by
+        `scales`; divided again here). From the buckets exchanged during
+        backward; else the input is written straight into the group's fused
+        buffer, as the buckets do (no pass to update the state first and
+        another to copy it in), and exchanged now. At world size 1: the input."""
         if self._overlap is not None and self._overlap.settled:
-            self._overlap.collect_(index, tensors, scales)
-        else:
-            self._compressed_average_(index, tensors, scales)
+            self._overlap.collect_(index, out, scales)
+            return
+        if self.world_size == 1:
+            self._exchange_input_(index, params, grads, out)
+            unscale_into(out, out, scales)
+            return
+        self._flat_buffer(index, out)
+        views = self._views(index, out)
+        self._exchange_input_(index, params, grads, views)
+        self._compressed_allreduce_flat(index)
+        unscale_into(out, views, scales)
 
     def overlap_stats(self) -> Optional[dict]:
         """With overlap_backward: how many bucket exchanges started during
@@ -347,7 +365,3 @@ class Overlapping:
     def _end_overlap(self) -> None:
         if self._overlap is not None:
             self._overlap.end_step()
-
-    def _overlapping(self) -> bool:
-        """Whether this step's exchange went through the buckets (step() has settled them)."""
-        return self._overlap is not None and self._overlap.settled

@@ -155,7 +155,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 F.update_variance_(v, gs, beta2)
             seen, masks = self._seen(i, group, v, c["var_updates"])
             if not full and not frozen:
-                self._exchange_(i, gs)
+                self._exchange_(i, params, gs, gs)
                 self._mask_(group, gs)
             if not full:  # the exchanged or local gradient moves nothing v never saw
                 mask_unseen_(gs, masks, seen)
