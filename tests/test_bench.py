@@ -101,8 +101,9 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
                 "--untimed", "1", "--json", str(tmp_path / "s.json"))
     rows = {r["setup"]: r for r in json.loads((tmp_path / "s.json").read_text())["results"]}
     assert list(rows) == ["floor", "ddp+adam", "onebitadam", "onebitadam+overlap", "zerooneadam",
-                          "onebitlamb", "onebitlamb+overlap"], out
+                          "onebitlamb", "onebitlamb+overlap", "floor again"], out
     assert rows["floor"]["x_floor"] == 1.0 and all(r["seconds"] > 0 for r in rows.values())
+    assert rows["floor again"]["bytes_sent"] == 0  # the same no-communication setup, timed last
     for name in ("ddp+adam", "onebitadam", "onebitlamb"):
         r = rows[name]
         assert abs(r["x_floor"] - r["seconds"] / rows["floor"]["seconds"]) < 1e-9

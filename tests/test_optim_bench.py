@@ -1,9 +1,22 @@
 """`python -m onebit.bench optim` measures what it says (small sizes here)."""
+from distributed import run_workers
 from onebit.bench.optim import measure
 
 
 def test_optim_bench_reports_every_optimizer_against_adam():
     rows = measure(total=20_000, tensors=4, iters=2)
     assert rows[0]["optimizer"].startswith("torch.optim.Adam") and rows[0]["vs_adam"] == 1.0
-    assert len(rows) == 10 and all(r["ms"] > 0 for r in rows)
+    assert len(rows) == 11 and all(r["ms"] > 0 for r in rows)
     assert [r["optimizer"].strip() for r in rows].count("with graph_capture") == 2
+
+
+def _measure_on_rank(rank, world):
+    return measure(total=20_000, tensors=4, iters=2, rank=rank, world=world)
+
+
+def test_optim_bench_on_3_ranks_reports_the_same_slowest_times_everywhere():
+    per_rank = run_workers(_measure_on_rank, 3, timeout=120)
+    assert len(per_rank[0]) == 11
+    # Every rank reports each step's slowest rank: the same numbers.
+    for rows in per_rank[1:]:
+        assert [r["ms"] for r in rows] == [r["ms"] for r in per_rank[0]]
