@@ -31,7 +31,7 @@ from .. import launch
 from .table import Table, count_arg, int_arg
 
 COLUMNS = [("setup", 19, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
-           ("stage", 12, "s"), ("MB sent/step", 12, ".2f")]
+           ("stage", 12, "s"), ("MB sent/step", 12, ".2f"), ("pieces", 6, "s")]
 OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 FREEZE = 2  # warmup steps before the compression stage (each is a full-precision allreduce)
 # A timing run, not a training recipe: two warmup steps give a poor variance
@@ -110,11 +110,16 @@ def _time(rank: int, world: int, setup: str, a: dict) -> Dict:
     mine = (time.perf_counter() - t0) / a["steps"]
     slowest = torch.tensor([mine], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    row = {"setup": setup, "seconds": slowest.item(), "stage": "", "bytes_sent": 0.0}
+    row = {"setup": setup, "seconds": slowest.item(), "stage": "", "bytes_sent": 0.0,
+           "pieces": ""}
     if onebit:
         stats = opt.comm_stats()
         row["stage"] = stats["stage"]
         row["bytes_sent"] = (stats["total_bytes_sent"] - sent_before) / a["steps"]
+        # The pipeline's piece count per fused buffer, as its tuner chose it
+        # (backends/pipeline.py): one piece serialises compression and wire.
+        chosen = getattr(getattr(opt.backend, "pipeline", None), "chosen", {})
+        row["pieces"] = ",".join(str(c) for c in sorted(set(chosen.values())))
     elif setup == "ddp+adam":
         n = sum(p.numel() for p in model.parameters())
         row["stage"], row["bytes_sent"] = "fp32", 2 * (world - 1) * 4 * n / world
@@ -135,7 +140,8 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
         row["x_floor"] = row["seconds"] / rows[0]["seconds"] if rows else 1.0
         rows.append(row)
         table.row(**{"setup": setup, "ms/step": row["seconds"] * 1e3, "x floor": row["x_floor"],
-                     "stage": row["stage"], "MB sent/step": row["bytes_sent"] / 1e6})
+                     "stage": row["stage"], "MB sent/step": row["bytes_sent"] / 1e6,
+                     "pieces": row["pieces"]})
     return rows
 
 
