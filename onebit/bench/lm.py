@@ -35,6 +35,9 @@ import torch.distributed as dist
 from .table import int_arg
 from .. import launch
 from ..backends.base import DEFAULT_BLOCK_SIZE
+from ..optim.lamb import TRUST_RATIOS
+
+TRUST_RATIO = TRUST_RATIOS[0]  # OnebitLamb's default
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam")]
 GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0}  # held-out loss gap, %
@@ -101,7 +104,7 @@ def _optimizer(name: str, params, a: dict):
         return onebit.ZeroOneAdam(params, lr=lr, var_freeze_step=f, **wire)
     if name == "OnebitLamb":
         return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=f,
-                                 trust_ratio=a.get("trust_ratio", "fresh"), **wire)
+                                 trust_ratio=a.get("trust_ratio", TRUST_RATIO), **wire)
     if name == "Lamb":  # the same code, kept in warmup
         return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=10 * steps,
                                  comm_backend_name="compressed")
@@ -228,7 +231,7 @@ def run(args: argparse.Namespace) -> bool:
     print(f"# onebit.bench lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
           f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
           f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}, "
-          f"trust_ratio={a.get('trust_ratio', 'fresh')}) "
+          f"trust_ratio={a.get('trust_ratio', TRUST_RATIO)}) "
           f"schedule={a['schedule']}" + (f" warmup={a['warmup']:.0%}" if a['schedule'] == "cosine" else "")
           + f" seeds={a['seeds']} "
           f"block_size={a['block_size']} scale_dtype={a['scale_dtype']}"
@@ -272,7 +275,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=0.1, help="warmup, fraction of steps")
     p.add_argument("--lamb-lr-scale", dest="lamb_lr_scale", type=float, default=10.0,
                    help="LAMB's lr is this times --lr (10: LAMB's best on the default model)")
-    p.add_argument("--trust-ratio", dest="trust_ratio", choices=["fresh", "frozen"], default="fresh",
+    p.add_argument("--trust-ratio", dest="trust_ratio", choices=TRUST_RATIOS, default=TRUST_RATIO,
                    help="OnebitLamb's compression-stage trust ratio")
     p.add_argument("--vocab", type=int_arg(1), default=4096, help="words in the vocabulary (+ <unk>)")
     p.add_argument("--dim", type=int_arg(1), default=64)

@@ -12,7 +12,7 @@ from .base import FreezeStepOptimizer
 from .checks import adam_defaults, check_number, check_positive_int
 
 
-TRUST_RATIOS = ("fresh", "frozen")
+TRUST_RATIOS = ("fresh", "frozen")  # the default first (bench lm reads it so)
 
 
 class OnebitLamb(FreezeStepOptimizer):
