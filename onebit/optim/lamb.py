@@ -189,6 +189,8 @@ class OnebitLamb(FreezeStepOptimizer):
 
     def _exchange_input_(self, index, params, grads, out) -> None:
         super()._exchange_input_(index, params, grads, out)
+        if self.world_size == 1:  # nothing goes on a wire: no scaling to undo
+            return
         trained = self._trainable(self.param_groups[index])
         self._scaling_coeffs(trained, [self._state_tensor(p, "exp_avg") for p in trained])
         for p, o in zip(params, out):

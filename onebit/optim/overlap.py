@@ -261,10 +261,9 @@ class BackwardOverlap:
 
 def unscale_into(out: List[torch.Tensor], src: List[torch.Tensor],
                  scales: Optional[List[float]]) -> None:
-    """out <- src / scales (a copy when scales is None; in place when out is src)."""
+    """out <- src / scales (a copy when scales is None)."""
     if scales is None:
-        if out is not src:
-            torch._foreach_copy_(out, src)
+        torch._foreach_copy_(out, src)
         return
     for o, s, c in zip(out, src, scales):
         torch.div(s, c, out=o)
@@ -334,13 +333,13 @@ class Overlapping:
         `scales`; divided again here). From the buckets exchanged during
         backward; else the input is written straight into the group's fused
         buffer, as the buckets do (no pass to update the state first and
-        another to copy it in), and exchanged now. At world size 1: the input."""
+        another to copy it in), and exchanged now. At world size 1 nothing is
+        exchanged: out <- the input, which subclasses then leave unscaled."""
         if self._overlap is not None and self._overlap.settled:
             self._overlap.collect_(index, out, scales)
             return
         if self.world_size == 1:
             self._exchange_input_(index, params, grads, out)
-            unscale_into(out, out, scales)
             return
         self._flat_buffer(index, out)
         views = self._views(index, out)

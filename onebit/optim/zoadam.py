@@ -128,7 +128,8 @@ class ZeroOneAdam(OnebitOptimizer):
         return self.world_size > 1 and not self.frozen(t) and not self._variance_step(t)
 
     def _exchange_input_(self, index, params, grads, out) -> None:
-        torch._foreach_copy_(out, grads)
+        if out is not grads:  # at world size 1 the gradients are their own average
+            torch._foreach_copy_(out, grads)
 
     def _update(self, t, groups, grads) -> None:
         c = self.counters
