@@ -60,6 +60,46 @@ def test_dead_or_hung_rank_gives_a_timely_error_naming_the_phase(how, freeze):
         assert "within 4 s" in results[0][0]
 
 
+def _hangs_in_a_bucket(rank, world):
+    """overlap_backward, 6 buckets: rank 1 hangs inside its third bucket's
+    exchange of a compressed step, after the agreement all-gather."""
+    import onebit
+
+    params = [torch.nn.Parameter(torch.randn(64, 16)) for _ in range(6)]
+    opt = onebit.OnebitAdam(params, freeze_step=2, timeout_s=4.0, overlap_backward=True,
+                            bucket_cap_mb=0.004)  # one 1024-element param per bucket
+    calls = []
+    exchange = opt.backend.compressed_allreduce
+
+    def hangs_at_the_ninth(*args, **kw):
+        calls.append(1)
+        if rank == 1 and len(calls) == 6 + 3:  # step 4, third bucket
+            time.sleep(12)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return exchange(*args, **kw)
+
+    opt.backend.compressed_allreduce = hangs_at_the_ninth
+    for t in range(1, 4):
+        _grads(params, rank, t)
+        opt.step()
+    _grads(params, rank, 4)
+    start = time.monotonic()
+    with pytest.raises(onebit.CommunicationError) as err:
+        opt.step()
+    return str(err.value), time.monotonic() - start, opt.overlap_stats()
+
+
+def test_a_hang_in_one_bucket_costs_one_deadline_not_one_per_bucket():
+    """The buckets queued behind the one that failed fail at once: waiting out
+    each one's deadline in turn would multiply the time to the error."""
+    results = run_workers(_hangs_in_a_bucket, 3, timeout=90, may_die=(1,))
+    for rank in (0, 2):
+        message, waited, stats = results[rank]
+        assert "compressed_allreduce" in message and "within 4 s" in message, message
+        assert 4.0 <= waited < 2 * 4.0, f"rank {rank} waited {waited:.1f}s"
+        assert stats["launched_in_step"] == 6 * 2, stats  # steps 3 and 4: all 6 from step()
+
+
 def _backend_peer_dies(rank, world):
     import onebit
     from onebit.backends import CompressedBackend

@@ -65,8 +65,10 @@ class OnebitAdam(FreezeStepOptimizer):
         blocks follow the data more closely and send more scale bytes.
       scale_dtype: "float32" (default) or "bfloat16": the scales on the wire.
       overlap_backward: start each bucket's compressed exchange during
-        backward, as soon as its gradients are accumulated, and only wait
-        for it in step() (onebit.optim.overlap): the same bits as without.
+        backward, as soon as its gradients are accumulated; step() updates
+        each bucket's params as soon as its exchange is back, while the
+        later ones are still on the wire (onebit.optim.overlap): the same
+        bits as without.
         Needs max_grad_norm=0; with gradient accumulation, run all but the
         last micro-batch inside `with optimizer.no_overlap():`.
       bucket_cap_mb: the size of those buckets (fp32 MB), as DDP's.
@@ -114,13 +116,18 @@ class OnebitAdam(FreezeStepOptimizer):
                 F.update_variance_(v, gs, beta2)
             version = "frozen" if compress else None
             seen, masks = self._seen(i, group, v, version)
-            if compress:  # m <- the 1-bit average of the new momentum
-                self._exchange_(i, params, gs, m)
-                self._mask_(group, m)
-                mask_unseen_(m, masks, seen)
             bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))
             denom = self._denominators(i, group, v, bc2, version)
-            F.adam_step_(*only_seen(seen, params, m, denom), group["lr"], group["weight_decay"], bc1)
+            # m <- the 1-bit average of the new momentum, in parts: with
+            # overlap_backward, each bucket's params step while the next
+            # bucket is still on the wire.
+            parts = self._exchanged_parts(i, params, gs, m) if compress else [range(len(params))]
+            for part in parts:
+                ps, ms, ds, ss, ks = ([xs[j] for j in part] for xs in (params, m, denom, seen, masks))
+                if compress:
+                    self._mask_(group, ms)
+                    mask_unseen_(ms, ks, ss)
+                F.adam_step_(*only_seen(ss, ps, ms, ds), group["lr"], group["weight_decay"], bc1)
 
     def _graphed_compression_step(self, t, groups, grads) -> None:
         """The compression-stage step as two graphed regions around the

@@ -91,23 +91,25 @@ def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
     """p <- p - lr * s_i * ((m / bc1) / denom + weight_decay * p), without
     materialising the update: decay in place, then one addcdiv (what keeps
     this as cheap as torch.optim.Adam's foreach step). `scales`: per-tensor
-    s_i (LAMB's coefficients), 1 if None."""
+    s_i (LAMB's coefficients), 1 if None. Each tensor's rounding depends on
+    its own dtype only, so stepping a list in parts (overlap.py) gives the
+    same bits as stepping it whole."""
     if not params:
         return
+    scales = [1.0] * len(params) if scales is None else scales
     fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
-    if len(fp32) == len(params):
-        if scales is None:
-            decay, step = 1.0 - lr * weight_decay, -lr / bc1
-        else:
-            decay = [1.0 - lr * s * weight_decay for s in scales]
-            step = [-lr * s / bc1 for s in scales]
+    if fp32:
+        pick = (lambda xs: xs) if len(fp32) == len(params) else (lambda xs: [xs[i] for i in fp32])
+        ss = pick(scales)
         if weight_decay:
-            torch._foreach_mul_(params, decay)
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, step)
-        return
-    # Low-precision params: compute in fp32, round once.
-    upd = adam_updates(exp_avgs, denoms, [p.float() for p in params], weight_decay, bc1)
-    apply_updates_(params, upd, lr, scales)
+            torch._foreach_mul_(pick(params), [1.0 - lr * s * weight_decay for s in ss])
+        torch._foreach_addcdiv_(pick(params), pick(exp_avgs), pick(denoms), [-lr * s / bc1 for s in ss])
+    low = [i for i, p in enumerate(params) if p.dtype != torch.float32]
+    if low:  # low-precision params: compute in fp32, round once
+        pick = lambda xs: [xs[i] for i in low]  # noqa: E731
+        upd = adam_updates(pick(exp_avgs), pick(denoms), [p.float() for p in pick(params)],
+                           weight_decay, bc1)
+        apply_updates_(pick(params), upd, lr, pick(scales))
 
 
 # For a captured graph (onebit.graphs): every number that changes from step

@@ -5,7 +5,9 @@ every parameter of a bucket is ready, the bucket's exchange input (1-bit
 Adam and LAMB: the new momentum; 0/1 Adam before its freeze: the gradient)
 is written into the bucket's own fused buffer, and its compressed allreduce
 is queued on one communication thread, so it runs while backward goes on.
-step() waits for the buckets and applies the update.
+step() takes the buckets in launch order as their exchanges finish, and
+1-bit Adam applies each bucket's update while the later buckets are still
+on the wire (`Overlapping._exchanged_parts`).
 
 Why the result is bitwise the fused one. Every tensor starts on its own
 blocks, and every sign, scale and error is decided per block
@@ -40,7 +42,7 @@ import contextlib
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -57,6 +59,7 @@ class Bucket:
         self.positions = positions  # where the params sit in the group's trained list
         self.waiting: set = set()
         self.future = None  # the queued exchange
+        self.collected = False  # step() has taken its result
         self.backup: Optional[tuple] = None  # the errors as they were before it
 
 
@@ -107,7 +110,8 @@ class BackwardOverlap:
         # and would be exchanged again: once a step was scaled, the buckets
         # wait for step() rather than be exchanged twice.
         self.scaled = False
-        self.settled = False  # step() has waited for every bucket
+        self.settled = False  # every bucket of this step is launched; step() collects them
+        self.failure: Optional[BaseException] = None  # a bucket's exchange failed in this step
         self._warned = False
         self._hooked: set = set()
         # Bucket exchanges started during backward and by step(), exchanges
@@ -178,20 +182,29 @@ class BackwardOverlap:
         self.launched += 1
 
     def _exchange(self, bucket: Bucket) -> None:
-        """On the communication thread: keep the errors, then exchange."""
+        """On the communication thread: keep the errors, then exchange. Once
+        one bucket failed, the later ones of the step fail at once: their
+        collectives would each only wait out the deadline."""
+        if self.failure is not None:
+            raise self.failure
         worker, server = self.opt._error_buffers(bucket.key)
         if bucket.backup is None or bucket.backup[0].shape != worker.shape:
             bucket.backup = (torch.empty_like(worker), torch.empty_like(server))
         bucket.backup[0].copy_(worker)
         bucket.backup[1].copy_(server)
-        self.opt._compressed_allreduce_flat(bucket.key)
+        try:
+            self.opt._compressed_allreduce_flat(bucket.key)
+        except BaseException as exc:
+            self.failure = exc
+            raise
 
     def settle(self, trained: List[List[torch.Tensor]], grads: List[List[torch.Tensor]],
                relaunch: bool) -> None:
         """step(), before the update: make sure every bucket was launched
-        from this step's gradients and the same plan, then wait for all.
-        relaunch: the gradients step() uses differ from what backward saw
-        (a GradScaler unscaled them): exchange again from `grads`."""
+        from this step's gradients and the same plan (`collect` then waits
+        for each). relaunch: the gradients step() uses differ from what
+        backward saw (a GradScaler unscaled them): exchange again from
+        `grads`."""
         self.scaled = relaunch
         redo = self.stale or relaunch or signature(trained) != self.signature
         if redo and self.launched:
@@ -210,27 +223,31 @@ class BackwardOverlap:
             self.planned = True
         for b in self.buckets[self.launched:]:
             self._launch(b, [grads[b.index][j] for j in b.positions])
-        started = time.perf_counter()
-        for b in self.buckets:
-            b.future.result()  # a CommunicationError of the thread surfaces here
-        self.stats["wait_s"] += time.perf_counter() - started
         self.settled = True
 
-    def collect_(self, index: int, out: List[torch.Tensor],
-                 scales: Optional[List[float]] = None) -> None:
-        """Group `index`'s exchanged values into `out` (its trained params'
-        order), divided by `scales` when the input was scaled."""
+    def collect(self, index: int, out: List[torch.Tensor],
+                scales: Optional[List[float]] = None) -> Iterator[List[int]]:
+        """Group `index`'s buckets in launch order, each as soon as its
+        exchange finishes: its exchanged values go into `out` (the group's
+        trained params' order), divided by `scales` when the input was
+        scaled, and its positions in `out` are yielded."""
         for b in self.buckets:
-            if b.index == index:
-                unscale_into([out[j] for j in b.positions], self.opt._views(b.key, b.params),
-                             None if scales is None else [scales[j] for j in b.positions])
+            if b.index != index:
+                continue
+            started = time.perf_counter()
+            b.future.result()  # a CommunicationError of the thread surfaces here
+            self.stats["wait_s"] += time.perf_counter() - started
+            b.collected = True
+            unscale_into([out[j] for j in b.positions], self.opt._views(b.key, b.params),
+                         None if scales is None else [scales[j] for j in b.positions])
+            yield b.positions
 
     def abandon(self) -> None:
-        """Wait for every launched exchange and put its errors back: as if
-        this step's exchanges never happened."""
+        """Put back the errors of every launched exchange that step() did
+        not collect: as if it never happened."""
         failure = None
         for b in self.buckets:
-            if b.future is None:
+            if b.future is None or b.collected:
                 continue
             try:
                 b.future.result()
@@ -246,14 +263,18 @@ class BackwardOverlap:
             raise failure
 
     def end_step(self) -> None:
-        """After step(): exchanges nobody collected are undone; the next
-        backward starts a new plan check."""
-        if not self.settled and self.launched:
-            self.abandon()
-        self.absent = {id(p) for b in self.buckets for p in b.params if p.grad is None}
-        for b in self.buckets:
-            b.future = None
-        self.launched, self.planned, self.stale, self.settled = 0, False, False, False
+        """After step(): exchanges nobody collected (a skipped or refused
+        step, or one cut short by an error) are undone; the next backward
+        starts a new plan check."""
+        try:
+            if self.launched:
+                self.abandon()
+        finally:
+            self.absent = {id(p) for b in self.buckets for p in b.params if p.grad is None}
+            for b in self.buckets:
+                b.future, b.collected = None, False
+            self.launched, self.planned, self.stale, self.settled = 0, False, False, False
+            self.failure = None
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -329,23 +350,34 @@ class Overlapping:
     def _exchange_(self, index: int, params, grads, out: List[torch.Tensor],
                    scales: Optional[List[float]] = None) -> None:
         """out <- the 1-bit average of what this step exchanges for the
+        params of group `index` (see `_exchanged_parts`), all of it."""
+        for _ in self._exchanged_parts(index, params, grads, out, scales):
+            pass
+
+    def _exchanged_parts(self, index: int, params, grads, out: List[torch.Tensor],
+                         scales: Optional[List[float]] = None) -> Iterator[List[int]]:
+        """out <- the 1-bit average of what this step exchanges for the
         params of group `index` (`_exchange_input_`, which may scale it by
-        `scales`; divided again here). From the buckets exchanged during
-        backward; else the input is written straight into the group's fused
-        buffer, as the buckets do (no pass to update the state first and
-        another to copy it in), and exchanged now. At world size 1 nothing is
-        exchanged: out <- the input, which subclasses then leave unscaled."""
+        `scales`; divided again here), in parts: yields the positions in
+        `out` that are ready, so that the caller can update those params
+        while the rest is still on the wire. From the buckets exchanged
+        during backward, one part each; else the input is written straight
+        into the group's fused buffer, as the buckets do (no pass to update
+        the state first and another to copy it in), and exchanged now, as
+        one part. At world size 1 nothing is exchanged: out <- the input,
+        which subclasses then leave unscaled."""
         if self._overlap is not None and self._overlap.settled:
-            self._overlap.collect_(index, out, scales)
+            yield from self._overlap.collect(index, out, scales)
             return
         if self.world_size == 1:
             self._exchange_input_(index, params, grads, out)
-            return
-        self._flat_buffer(index, out)
-        views = self._views(index, out)
-        self._exchange_input_(index, params, grads, views)
-        self._compressed_allreduce_flat(index)
-        unscale_into(out, views, scales)
+        else:
+            self._flat_buffer(index, out)
+            views = self._views(index, out)
+            self._exchange_input_(index, params, grads, views)
+            self._compressed_allreduce_flat(index)
+            unscale_into(out, views, scales)
+        yield list(range(len(out)))
 
     def overlap_stats(self) -> Optional[dict]:
         """With overlap_backward: how many bucket exchanges started during
