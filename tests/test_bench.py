@@ -104,9 +104,16 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
                           "onebitlamb", "onebitlamb+overlap", "floor again"], out
     assert rows["floor"]["x_floor"] == 1.0 and all(r["seconds"] > 0 for r in rows.values())
     assert rows["floor again"]["bytes_sent"] == 0  # the same no-communication setup, timed last
+    assert rows["floor again"]["floor_seconds"] == rows["floor"]["seconds"]
+    # Each setup against the floors timed just before and after it: the
+    # first of them is the floor row, the last the floor-again row.
+    floors = [r["floor_seconds"] for r in rows.values()][1:-1]
+    assert len(set(floors)) > 1 or len(floors) == 1, floors  # not one floor for every row
+    assert rows["ddp+adam"]["floor_seconds"] >= rows["floor"]["seconds"] / 2
+    assert rows["onebitlamb+overlap"]["floor_seconds"] >= rows["floor again"]["seconds"] / 2
     for name in ("ddp+adam", "onebitadam", "onebitlamb"):
         r = rows[name]
-        assert abs(r["x_floor"] - r["seconds"] / rows["floor"]["seconds"]) < 1e-9
+        assert abs(r["x_floor"] - r["seconds"] / r["floor_seconds"]) < 1e-9
     # Timed in the compression stage: 1-bit traffic, >25x below DDP's fp32 gradients.
     assert rows["onebitadam"]["stage"] == rows["onebitlamb"]["stage"] == "compression"
     assert 0 < rows["onebitadam"]["bytes_sent"] < rows["ddp+adam"]["bytes_sent"] / 25

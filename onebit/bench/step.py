@@ -13,9 +13,11 @@ then each onebit optimizer in its compression stage (the warmup and
 1-bit momentum itself; with `--overlap` (default both) 1-bit Adam and LAMB
 also run with overlap_backward=True (rows `+overlap`), which starts each
 bucket's exchange during backward. Times are the slowest rank's mean per
-step; `x floor` is that over the floor's. The floor is timed again last
-(`floor again`): on a shared machine its drift during the run is the error
-bar of every ratio above it.
+step. The floor is timed again after every setup, and each setup's `x floor`
+is its time over the mean of the floors timed just before and just after it
+(`floor ms`): on a shared machine the floor drifts by tens of percent within
+a run, and a ratio against one floor timed first would carry that drift. The
+last floor is the row `floor again` (its `x floor`: the drift over the run).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .. import launch
 from .table import Table, count_arg, int_arg
 
 COLUMNS = [("setup", 19, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
-           ("stage", 12, "s"), ("MB sent/step", 12, ".2f"), ("pieces", 6, "s")]
+           ("floor ms", 9, ".1f"), ("stage", 12, "s"), ("MB sent/step", 12, ".2f"), ("pieces", 6, "s")]
 OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 FREEZE = 2  # warmup steps before the compression stage (each is a full-precision allreduce)
 # A timing run, not a training recipe: two warmup steps give a poor variance
@@ -134,14 +136,24 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
               f"batch={a['batch']}/rank, ranks={world}, threads/rank={torch.get_num_threads()}, "
               f"steps={a['steps']} after {a['untimed']} untimed (+{FREEZE} warmup for onebit)")
         table.header()
-    rows = []
-    for setup in [FLOOR, "ddp+adam"] + setups(a["optimizers"], a["overlap"]) + [FLOOR_AGAIN]:
-        row = _time(rank, world, setup, a)
-        row["x_floor"] = row["seconds"] / rows[0]["seconds"] if rows else 1.0
+    def show(row: Dict, floor_seconds: float) -> None:
+        row["floor_seconds"] = floor_seconds
+        row["x_floor"] = row["seconds"] / floor_seconds
         rows.append(row)
-        table.row(**{"setup": setup, "ms/step": row["seconds"] * 1e3, "x floor": row["x_floor"],
+        table.row(**{"setup": row["setup"], "ms/step": row["seconds"] * 1e3,
+                     "x floor": row["x_floor"], "floor ms": floor_seconds * 1e3,
                      "stage": row["stage"], "MB sent/step": row["bytes_sent"] / 1e6,
                      "pieces": row["pieces"]})
+
+    rows: List[Dict] = []
+    floor = _time(rank, world, FLOOR, a)
+    show(floor, floor["seconds"])
+    for setup in ["ddp+adam"] + setups(a["optimizers"], a["overlap"]):
+        row = _time(rank, world, setup, a)
+        after = _time(rank, world, FLOOR, a)  # the floor again, right after it
+        show(row, (floor["seconds"] + after["seconds"]) / 2)
+        floor = after
+    show(dict(floor, setup=FLOOR_AGAIN), rows[0]["seconds"])
     return rows
 
 
