@@ -86,7 +86,7 @@ def _time(rank: int, world: int, setup: str, a: dict) -> Dict:
     x = torch.randn(a["batch"], a["width"], generator=gen)
     y = torch.randn(a["batch"], a["width"], generator=gen)
     net, opt = model, None
-    if setup in (FLOOR, FLOOR_AGAIN):
+    if setup == FLOOR:
         opt = torch.optim.Adam(model.parameters(), lr=LR)
     elif setup == "ddp+adam":
         net = torch.nn.parallel.DistributedDataParallel(model)
@@ -99,7 +99,7 @@ def _time(rank: int, world: int, setup: str, a: dict) -> Dict:
         torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
 
-    onebit = setup not in (FLOOR, FLOOR_AGAIN, "ddp+adam")
+    onebit = setup not in (FLOOR, "ddp+adam")
     untimed = a["untimed"] + (FREEZE if onebit else 0)
     for _ in range(untimed):
         step()
