@@ -137,7 +137,7 @@ def test_zero_one_adam_group_at_lr_zero_keeps_finite_identical_momentum():
     assert all(np.array_equal(a, b) for a, b in zip(m0, m1)), "the lr=0 group's m differs after sync"
 
 
-@pytest.mark.parametrize("unseen", [1, 40, 400])  # indices below 1/16 unseen, a bool mask above
+@pytest.mark.parametrize("unseen", [1, 40, 400])  # indices below 1/16 unseen, a 0/1 mask above
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_zero_variance_masks_zero_exactly_the_unseen_elements(unseen, layout):
     from onebit.optim.guards import ZeroVarianceGuard, mask_unseen_
@@ -151,7 +151,7 @@ def test_zero_variance_masks_zero_exactly_the_unseen_elements(unseen, layout):
     never = torch.zeros(3, 3)
     seen, masks = ZeroVarianceGuard().check(0, [v, never, v.clone().add_(1)], "frozen")
     assert seen == [True, False, True] and masks[1] is None and masks[2] is None
-    assert masks[0].dtype == (torch.int64 if unseen * 16 <= v.numel() else torch.bool)
+    assert masks[0].dtype == (torch.int64 if unseen * 16 <= v.numel() else torch.float32)
     expected = torch.where(v == 0, torch.zeros(()), t)  # independent of the guard's masks
     out = [t.clone(), torch.ones(3, 3), t.clone()]
     mask_unseen_(out, masks, seen)
