@@ -96,6 +96,43 @@ def test_pipelining_changes_no_bit(p):
     assert run_workers(_pieces_change_no_bit, p, timeout=180) == [True] * p
 
 
+def _scaled_tensors(rank, p):
+    """A tensor scaled by a power of two comes back scaled by exactly it,
+    with its errors: every tensor starts on its own blocks and signs,
+    scales and errors are linear in it. (Why 1-bit LAMB need not bring
+    its momenta to one RMS before the exchange, as the paper does.)"""
+    from onebit.backends import CompressedBackend
+
+    b = CompressedBackend(block_size=64)
+    sizes, factors = [3000, 7, 40000, 129], [2.0 ** -7, 4.0, 1.0, 2.0 ** 11]
+    layout = b.layout(sizes)
+    shapes = [torch.Size([n]) for n in sizes]
+    scale = torch.ones(layout.padded)  # each element's factor, pads included (1)
+    for v, c in zip(layout.views(scale[:layout.numel], shapes), factors):
+        v.fill_(c)
+    runs = []
+    for scaled in (False, True):
+        werr, serr = torch.zeros(layout.padded), torch.zeros(layout.padded // p)
+        for r in range(5):
+            flat = make_inputs(rank, layout.numel, r)
+            if scaled:
+                flat.mul_(scale[:layout.numel])
+            b.compressed_allreduce(flat, werr, serr, layout=layout)
+        runs.append((flat, werr, serr))
+    (out, werr, serr), (out_s, werr_s, serr_s) = runs
+    chunk = layout.padded // p
+    assert torch.equal(out_s, out * scale[:layout.numel])
+    assert torch.equal(werr_s, werr * scale)
+    assert torch.equal(serr_s, serr * scale[rank * chunk:(rank + 1) * chunk])
+    assert werr.abs().sum() > 0 and serr.abs().sum() > 0
+    return True
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_tensor_scaled_by_a_power_of_two_comes_back_scaled_exactly(p):
+    assert run_workers(_scaled_tensors, p, timeout=120) == [True] * p
+
+
 def _bf16_scales(rank, p):
     import torch.distributed as dist
 

@@ -556,6 +556,26 @@ def _resume_each_rank(rank, world, cls_name, steps, prefix, errors_shift):
     return restored, losses, [p.detach().reshape(-1).tolist() for p in params]
 
 
+def _resume_scaled_lamb(rank, world, prefix):
+    ckpt = torch.load(f"{prefix}.{rank}", weights_only=False)
+    for st in ckpt["opt"]["state"].values():
+        st["scaling_coeff"] = 2.0  # what onebit before 2026-11 saved: its errors were scaled
+    params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
+    opt = make("OnebitLamb", params, **CONFIGS["OnebitLamb"])
+    opt.load_state_dict(ckpt["opt"])
+    restored = opt.load_error_feedback_state_dict(ckpt["errors"])
+    return restored, [k for st in opt.state.values() for k in st if k == "scaling_coeff"]
+
+
+def test_lamb_checkpoint_with_momentum_scaling_restarts_its_error_buffers(tmp_path):
+    """1-bit LAMB no longer scales the momenta before the exchange; a
+    checkpoint that says it did has errors in scaled units, which mean
+    nothing now: they restart from zero, and the coefficient is dropped."""
+    prefix = str(tmp_path / "ckpt")
+    run_workers(_save_each_rank, 2, "OnebitLamb", 12, prefix, timeout=120)
+    assert run_workers(_resume_scaled_lamb, 2, prefix, timeout=120) == [(False, [])] * 2
+
+
 @pytest.mark.parametrize("cls_name", sorted(CONFIGS))
 def test_resume_with_each_ranks_error_buffers_is_bitwise_identical_to_not_stopping(cls_name,
                                                                                   tmp_path):

@@ -121,12 +121,12 @@ class OnebitAdam(FreezeStepOptimizer):
             # m <- the 1-bit average of the new momentum, in parts: with
             # overlap_backward, each bucket's params step while the next
             # bucket is still on the wire.
-            parts = self._exchanged_parts(i, params, gs, m) if compress else [range(len(params))]
+            parts = (self._exchanged_parts(i, params, gs, m, seen, masks) if compress
+                     else [range(len(params))])
             for part in parts:
-                ps, ms, ds, ss, ks = ([xs[j] for j in part] for xs in (params, m, denom, seen, masks))
+                ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, m, denom, seen))
                 if compress:
                     self._mask_(group, ms)
-                    mask_unseen_(ms, ks, ss)
                 F.adam_step_(*only_seen(ss, ps, ms, ds), group["lr"], group["weight_decay"], bc1)
 
     def _graphed_compression_step(self, t, groups, grads) -> None:

@@ -204,20 +204,6 @@ def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
     return out
 
 
-def lamb_momentum_scales(exp_avgs: Tensors) -> List[float]:
-    """Per-tensor coefficients that bring every momentum to the same RMS
-    before the fused compression (1-bit LAMB, Sec. 4): united_rms / rms_i.
-
-    A tensor whose momentum is all zero (or empty) keeps 1.0, where DeepSpeed
-    divides by zero.
-    """
-    rms = [n / math.sqrt(m.numel()) if m.numel() else 0.0
-           for n, m in zip(norms(exp_avgs), exp_avgs)]
-    live = [r for r in rms if r > 0]
-    united = sum(live) / len(live) if live else 0.0
-    return [united / r if r > 0 else 1.0 for r in rms]
-
-
 def max_ratios_(numerators: Tensors, denominators: Tensors) -> List[float]:
     """max(a / b) of each pair of tensors (1.0 for empty ones), with one host
     sync for the whole list instead of one per tensor. Overwrites

@@ -1,12 +1,12 @@
 """1-bit LAMB (Li et al., 2021, arXiv 2104.06069)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
 from . import functional as F
-from .guards import mask_unseen_, only_seen
+from .guards import only_seen
 from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from .checks import adam_defaults, check_number, check_positive_int
@@ -22,10 +22,14 @@ class OnebitLamb(FreezeStepOptimizer):
     gradients. Each tensor's trust ratio ||p|| / ||update|| is clamped to
     [min_coeff, max_coeff] and tracked as a running average (coeff_beta),
     which becomes the frozen coefficient.
-    Compression (after freeze_step): every momentum is first scaled by a
-    per-tensor coefficient (fixed at the first compressed step) so all
-    tensors share one RMS; then *one* compressed allreduce covers the whole
-    group, and the update is the averaged momentum over the frozen variance.
+    Compression (after freeze_step): *one* compressed allreduce of the
+    momenta covers the whole group, and the update is the averaged momentum
+    over the frozen variance. The paper (and DeepSpeed) first scale every
+    momentum by a per-tensor coefficient so that all share one RMS, because
+    one scale covered the fused buffer; here every tensor starts on its own
+    blocks, each with its own scale, so such a coefficient would cancel out
+    exactly (signs, scales and errors are all linear in it) and only cost
+    two passes.
 
     trust_ratio: how the compression stage sets each tensor's coefficient.
     "fresh" (the default): LAMB's own ratio ||p|| / ||update||, clamped to
@@ -96,12 +100,25 @@ class OnebitLamb(FreezeStepOptimizer):
                          block_size=block_size, scale_dtype=scale_dtype,
                          overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
+        self._scaled_errors = False  # see load_state_dict
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # Checkpoints of onebit before 2026-11 scaled the momenta (a per-param
+        # "scaling_coeff"), so their error buffers are in those units: they
+        # restart from zero instead (load_error_feedback_state_dict).
+        coeffs = [st.pop("scaling_coeff", 1.0) for st in self.state.values()]
+        self._scaled_errors = any(c != 1.0 for c in coeffs)
+
+    def load_error_feedback_state_dict(self, state: dict) -> bool:
+        if self._scaled_errors:
+            state = dict(state, wire_format=None)  # matches nothing: the buffers restart
+        return super().load_error_feedback_state_dict(state)
 
     def _staged_state(self):
         def zeros(p):
             return torch.zeros_like(p, dtype=torch.float32)
-        staged = {"lamb_coeff_freeze": (lambda p: 0.0, lambda step: True),  # 0.0, 1.0: the defaults
-                  "scaling_coeff": (lambda p: 1.0, lambda step: step > self.freeze_step)}
+        staged = {"lamb_coeff_freeze": (lambda p: 0.0, lambda step: True)}  # 0.0: the default
         if self.trust_ratio == "frozen":  # its factor's state
             staged["last_factor"] = (lambda p: 1.0, lambda step: True)
             staged["exp_avg_sq_fresh"] = (zeros, lambda step: step >= max(self.freeze_step, 1))
@@ -160,41 +177,20 @@ class OnebitLamb(FreezeStepOptimizer):
 
     def _compressed_step(self, i, group, params, gs, t) -> None:
         m, v = self._moments(group, params, gs)
-        scaling = self._scaling_coeffs(params, m)
         frozen = self.trust_ratio == "frozen"
         if frozen:
             m_last = self._scratch("momentum before this step", i, m)
             torch._foreach_copy_(m_last, m)
         # m <- the 1-bit average of the new momentum: one fused exchange for
-        # the whole group, of the momenta brought to one RMS (_exchange_input_).
-        self._exchange_(i, params, gs, m, scaling)
-        self._mask_(group, m)
+        # the whole group (see the class doc for why it is not rescaled).
         seen, masks = self._seen(i, group, v, "frozen")
-        mask_unseen_(m, masks, seen)
+        self._exchange_(i, params, gs, m, seen, masks)
+        self._mask_(group, m)
         bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
         if not frozen:  # LAMB itself, on the averaged momentum and the frozen variance
             self._fresh_ratio_step(i, group, params, m, v, seen, bc1, bc2)
             return
         self._frozen_ratio_step(i, group, params, m, v, m_last, seen, bc1, bc2)
-
-    def _scaling_coeffs(self, params, m) -> List[float]:
-        """Each trained param's momentum scale for the exchange, set from m
-        (before this step's gradient) on the first compressed step; late
-        joiners just out of their warmup (late.py) get theirs then, the
-        others keep theirs."""
-        if any("scaling_coeff" not in self.state[p] for p in params):
-            for p, s in zip(params, F.lamb_momentum_scales(m)):
-                self.state[p].setdefault("scaling_coeff", s)
-        return [self.state[p]["scaling_coeff"] for p in params]
-
-    def _exchange_input_(self, index, params, grads, out) -> None:
-        super()._exchange_input_(index, params, grads, out)
-        if self.world_size == 1:  # nothing goes on a wire: no scaling to undo
-            return
-        trained = self._trainable(self.param_groups[index])
-        self._scaling_coeffs(trained, [self._state_tensor(p, "exp_avg") for p in trained])
-        for p, o in zip(params, out):
-            o.mul_(self.state[p]["scaling_coeff"])
 
     def _fresh_ratio_step(self, i, group, params, m, v, seen, bc1, bc2) -> None:
         """trust_ratio="fresh": LAMB's ratio, measured on the running average

@@ -46,6 +46,8 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
+from .guards import copy_masked_, mask_unseen_
+
 FIRST_BUCKET_MB = 1.0  # the last layers' gradients come first: start on the wire early (as DDP)
 
 
@@ -225,12 +227,12 @@ class BackwardOverlap:
             self._launch(b, [grads[b.index][j] for j in b.positions])
         self.settled = True
 
-    def collect(self, index: int, out: List[torch.Tensor],
-                scales: Optional[List[float]] = None) -> Iterator[List[int]]:
+    def collect(self, index: int, out: List[torch.Tensor], seen: List[bool],
+                masks: list) -> Iterator[List[int]]:
         """Group `index`'s buckets in launch order, each as soon as its
         exchange finishes: its exchanged values go into `out` (the group's
-        trained params' order), divided by `scales` when the input was
-        scaled, and its positions in `out` are yielded."""
+        trained params' order), zeroed where v == 0 (the guard's `seen` and
+        `masks`), and its positions in `out` are yielded."""
         for b in self.buckets:
             if b.index != index:
                 continue
@@ -238,8 +240,8 @@ class BackwardOverlap:
             b.future.result()  # a CommunicationError of the thread surfaces here
             self.stats["wait_s"] += time.perf_counter() - started
             b.collected = True
-            unscale_into([out[j] for j in b.positions], self.opt._views(b.key, b.params),
-                         None if scales is None else [scales[j] for j in b.positions])
+            copy_masked_([out[j] for j in b.positions], self.opt._views(b.key, b.params),
+                         [masks[j] for j in b.positions], [seen[j] for j in b.positions])
             yield b.positions
 
     def abandon(self) -> None:
@@ -278,16 +280,6 @@ class BackwardOverlap:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
-
-
-def unscale_into(out: List[torch.Tensor], src: List[torch.Tensor],
-                 scales: Optional[List[float]]) -> None:
-    """out <- src / scales (a copy when scales is None)."""
-    if scales is None:
-        torch._foreach_copy_(out, src)
-        return
-    for o, s, c in zip(out, src, scales):
-        torch.div(s, c, out=o)
 
 
 def exchange_group(process_group):
@@ -347,36 +339,37 @@ class Overlapping:
         `index` into `out` (subclasses)."""
         raise NotImplementedError
 
-    def _exchange_(self, index: int, params, grads, out: List[torch.Tensor],
-                   scales: Optional[List[float]] = None) -> None:
+    def _exchange_(self, index: int, params, grads, out: List[torch.Tensor], seen: List[bool],
+                   masks: list) -> None:
         """out <- the 1-bit average of what this step exchanges for the
         params of group `index` (see `_exchanged_parts`), all of it."""
-        for _ in self._exchanged_parts(index, params, grads, out, scales):
+        for _ in self._exchanged_parts(index, params, grads, out, seen, masks):
             pass
 
     def _exchanged_parts(self, index: int, params, grads, out: List[torch.Tensor],
-                         scales: Optional[List[float]] = None) -> Iterator[List[int]]:
+                         seen: List[bool], masks: list) -> Iterator[List[int]]:
         """out <- the 1-bit average of what this step exchanges for the
-        params of group `index` (`_exchange_input_`, which may scale it by
-        `scales`; divided again here), in parts: yields the positions in
-        `out` that are ready, so that the caller can update those params
-        while the rest is still on the wire. From the buckets exchanged
-        during backward, one part each; else the input is written straight
-        into the group's fused buffer, as the buckets do (no pass to update
-        the state first and another to copy it in), and exchanged now, as
-        one part. At world size 1 nothing is exchanged: out <- the input,
-        which subclasses then leave unscaled."""
+        params of group `index` (`_exchange_input_`), zeroed where v == 0
+        (the zero-variance guard's `seen` and `masks`, guards.py) as it
+        lands, in parts: yields the positions in `out` that are ready, so
+        that the caller can update those params while the rest is still on
+        the wire. From the buckets exchanged during backward, one part each;
+        else the input is written straight into the group's fused buffer, as
+        the buckets do (no pass to update the state first and another to
+        copy it in), and exchanged now, as one part. At world size 1 nothing
+        is exchanged: out <- the input."""
         if self._overlap is not None and self._overlap.settled:
-            yield from self._overlap.collect(index, out, scales)
+            yield from self._overlap.collect(index, out, seen, masks)
             return
         if self.world_size == 1:
             self._exchange_input_(index, params, grads, out)
+            mask_unseen_(out, masks, seen)
         else:
             self._flat_buffer(index, out)
             views = self._views(index, out)
             self._exchange_input_(index, params, grads, views)
             self._compressed_allreduce_flat(index)
-            unscale_into(out, views, scales)
+            copy_masked_(out, views, masks, seen)
         yield list(range(len(out)))
 
     def overlap_stats(self) -> Optional[dict]:

@@ -155,10 +155,11 @@ class ZeroOneAdam(OnebitOptimizer):
             if full:
                 F.update_variance_(v, gs, beta2)
             seen, masks = self._seen(i, group, v, c["var_updates"])
+            # The exchanged or local gradient moves nothing v never saw.
             if not full and not frozen:
-                self._exchange_(i, params, gs, gs)
+                self._exchange_(i, params, gs, gs, seen, masks)
                 self._mask_(group, gs)
-            if not full:  # the exchanged or local gradient moves nothing v never saw
+            elif not full:
                 mask_unseen_(gs, masks, seen)
             F.update_momentum_(m, gs, beta1)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
