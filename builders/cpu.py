@@ -51,6 +51,12 @@ class CpuKernels:
         self._m.pack_error(err.data_ptr(), err.numel(), scales.data_ptr(), block, out.data_ptr(),
                            self._threads())
 
+    def compress(self, buf: torch.Tensor, err: torch.Tensor, counts: torch.Tensor, block: int,
+                 scales_out: torch.Tensor, bits_out: torch.Tensor) -> None:
+        self._m.compress(buf.data_ptr(), buf.numel(), err.data_ptr(), err.numel(), block,
+                         counts.data_ptr(), scales_out.numel() // counts.numel(),
+                         scales_out.data_ptr(), bits_out.data_ptr(), self._threads())
+
 
 class CPUPackbitsBuilder(OpBuilder):
     NAME = "PackbitsBuilder"

@@ -6,6 +6,8 @@ Public API:
 Used by the compressed backends (one scale per block of `block` elements):
   compensate(...)          error feedback, pass 1: x = buf + err, sum of x^2 per block
   pack_error(...)          error feedback, pass 2: pack sign(x), err = x - scale * sign(x)
+  compress(...)            both passes and the scales between them, in one call (one
+                           pass over memory where the kernel fuses them: the CPU's)
   decode_mean(...)         mean over rows of the block's scale * sign
 
 Wire format (DESIGN.md): bit = 1 iff x >= 0, element 8*i + j in bit j of
@@ -128,3 +130,40 @@ def pack_error(err: torch.Tensor, scales: torch.Tensor, block: int, out: torch.T
     sign(err) on block k (sign(0) = +1). scales: float32, one per block."""
     _check_block(block)
     kernels_for(err.device).pack_error(err, scales, block, out)
+
+
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def compress(buf: torch.Tensor, err: torch.Tensor, counts: torch.Tensor, block: int,
+             scale_dtype: torch.dtype, scales_out: torch.Tensor, bits_out: torch.Tensor) -> None:
+    """Error feedback on one message: err <- x = buf (zero-padded to
+    err.numel()) + err; block k's scale s_k = sqrt(sum of x^2 / counts[k])
+    (float64), rounded to `scale_dtype`, goes little-endian into the bytes
+    `scales_out`; bits_out = packbits(x); err <- x - s_k * sign(x), with the
+    rounded s_k, which is what the receivers will use.
+
+    counts: float64, one per block (real elements, at least 1). A kernel
+    with a fused `compress` (the CPU's) does this in one pass over memory;
+    the others run compensate and pack_error, with the scales in torch
+    between them: the same bits either way."""
+    _check_block(block)
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"compress: scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}")
+    if scales_out.numel() != counts.numel() * scale_dtype.itemsize:
+        raise ValueError(f"compress: scales_out needs {counts.numel() * scale_dtype.itemsize} "
+                         f"bytes, got {scales_out.numel()}")
+    k = kernels_for(err.device)
+    if hasattr(k, "compress"):
+        k.compress(buf, err, counts, block, scales_out, bits_out)
+    else:
+        composed_compress(k, buf, err, counts, block, scale_dtype, scales_out, bits_out)
+
+
+def composed_compress(k, buf, err, counts, block, scale_dtype, scales_out, bits_out) -> None:
+    """`compress` from kernels `k`'s two passes, the scales in torch between them."""
+    sumsq = torch.empty(err.numel() // block, dtype=torch.float64, device=err.device)
+    k.compensate(buf, err, sumsq, block)
+    scales = sumsq.div_(counts).sqrt_().to(scale_dtype)
+    scales_out.copy_(scales.view(torch.uint8).view(-1))
+    k.pack_error(err, scales.float(), block, bits_out)

@@ -150,6 +150,69 @@ def test_block_compensate_and_pack_error_match_numpy(block):
         assert not err[block:2 * block].any(), "an all-zero block keeps zero error"
 
 
+COMPRESS_CASE = """
+import numpy as np, torch
+from onebit.ops import composed_compress
+
+def case(k, block, scale_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = block * 3 * 101
+    n_buf = n - 29 - block  # padding in the tail, across a block boundary
+    buf = torch.randn(n_buf, generator=g) * torch.logspace(-6, 2, n_buf)  # blocks of very different scales
+    buf[block:2 * block] = 0.0
+    err = torch.randn(n, generator=g) * 0.1
+    err[block:2 * block] = 0.0  # an all-zero block
+    counts = torch.full((n // block,), float(block), dtype=torch.float64)
+    counts[-2:] = torch.tensor([max(block - 29.0, 3.0), 1.0])  # blocks with few real elements
+    nbytes = scale_dtype.itemsize * (n // block)
+    out = []
+    for fused in (True, False):
+        e, scales, bits = err.clone(), torch.empty(nbytes, dtype=torch.uint8), torch.empty(n // 8, dtype=torch.uint8)
+        if fused:
+            k.compress(buf, e, counts, block, scales, bits)
+        else:
+            composed_compress(k, buf, e, counts, block, scale_dtype, scales, bits)
+        out.append((e, scales, bits))
+    return buf, err, counts, out
+"""
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [8, 64, 256])
+def test_fused_compress_equals_its_two_passes_and_matches_numpy(block, scale_dtype):
+    """The CPU kernel's one-pass compress gives the bits of compensate,
+    torch's scale rounding and pack_error in a row; and those match numpy."""
+    scope = {}
+    exec(COMPRESS_CASE, scope)
+    buf, err, counts, (fused, composed) = scope["case"](native_kernels(), block, scale_dtype, block)
+    for name, a, b in zip(("error", "scales", "bits"), fused, composed):
+        assert torch.equal(a, b), f"the fused {name} differ"
+    e, scales, bits = fused
+    x = np.concatenate([buf.double().numpy(), np.zeros(err.numel() - buf.numel())]) + err.double().numpy()
+    s_ref = np.sqrt((x.reshape(-1, block) ** 2).sum(1) / counts.numpy())
+    s = scales.view(scale_dtype).double().numpy()
+    np.testing.assert_allclose(s, s_ref, rtol=2e-7 if scale_dtype == torch.float32 else 2 ** -8)
+    assert np.array_equal(bits.numpy(), np.packbits(x >= 0, bitorder="little"))
+    per = np.repeat(s, block)
+    assert np.all(np.abs(e.double().numpy() - (x - per * np.where(x >= 0, 1.0, -1.0)))
+                  <= 1e-6 * (per + np.abs(x)))
+    assert not e[block:2 * block].any() and s[1] == 0.0, "an all-zero block stays zero"
+
+
+def test_portable_fused_compress_equals_its_two_passes():
+    script = COMPRESS_CASE + """
+from onebit.builders import CPUPackbitsBuilder
+k = CPUPackbitsBuilder().load()
+print(k.name)
+for dtype in (torch.float32, torch.bfloat16):
+    *_, (fused, composed) = case(k, 64, dtype, 5)
+    assert all(torch.equal(a, b) for a, b in zip(fused, composed)), dtype
+"""
+    proc = _run_isolated(script, ONEBIT_CPU_PORTABLE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "cpu-portable"
+
+
 def test_decode_mean_matches_numpy():
     rng = np.random.default_rng(1)
     rows, cols, block = 3, 8 * 1000 - 5, 64

@@ -327,6 +327,59 @@ void pack_error(uintptr_t err_ptr, int64_t n, uintptr_t scales_ptr, int64_t bloc
   });
 }
 
+// The fp32 scale rounded to nearest-even bf16 (NaN stays NaN): the bf16 bits
+// go into `bits`, the value is returned as fp32.
+inline float round_bf16(float s, uint16_t* bits) {
+  uint32_t u;
+  std::memcpy(&u, &s, 4);
+  *bits = std::isnan(s) ? uint16_t(0x7fc0) : uint16_t((u + (((u >> 16) & 1) + 0x7fff)) >> 16);
+  u = uint32_t(*bits) << 16;
+  std::memcpy(&s, &u, 4);
+  return s;
+}
+
+// compensate, each block's scale and pack_error in one pass over memory: a
+// block is still in L1 when its signs are packed, so err is read and written
+// once instead of twice. The scale is what the composed path computes
+// (onebit/ops.py): sqrt(sumsq / count) in double, rounded to fp32 and, for
+// 2-byte scales, again to bf16 (torch's double -> bfloat16 goes through fp32
+// too), written little-endian; the error uses the rounded value.
+void compress(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, int64_t block,
+              uintptr_t counts_ptr, int scale_bytes, uintptr_t scales_dst, uintptr_t bits_dst,
+              int threads) {
+  check_blocks(n, block);
+  if (scale_bytes != 4 && scale_bytes != 2) throw py::value_error("compress: scale_bytes must be 4 or 2");
+  const float* buf = reinterpret_cast<const float*>(buf_ptr);
+  float* err = reinterpret_cast<float*>(err_ptr);
+  const double* counts = reinterpret_cast<const double*>(counts_ptr);
+  uint8_t* scales = reinterpret_cast<uint8_t*>(scales_dst);
+  uint8_t* out = reinterpret_cast<uint8_t*>(bits_dst);
+  py::gil_scoped_release nogil;
+  const bool avx2 = has_avx2();
+  parallel_for(n, threads, block, [&](int, int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; k += block) {
+      const int64_t j = k / block;
+      double sumsq;
+#ifdef ONEBIT_X86
+      if (avx2) sumsq = block_sumsq_avx2(buf, n_buf, err, k, k + block); else
+#endif
+      sumsq = block_sumsq_portable(buf, n_buf, err, k, k + block);
+      float s = float(std::sqrt(sumsq / counts[j]));
+      if (scale_bytes == 2) {
+        uint16_t h;
+        s = round_bf16(s, &h);
+        std::memcpy(scales + 2 * j, &h, 2);
+      } else {
+        std::memcpy(scales + 4 * j, &s, 4);
+      }
+#ifdef ONEBIT_X86
+      if (avx2) { pack_error_avx2(err, s, k, k + block, out); continue; }
+#endif
+      pack_error_portable(err, s, k, k + block, out);
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_packbits_cpu, m) {
@@ -335,5 +388,6 @@ PYBIND11_MODULE(_packbits_cpu, m) {
   m.def("decode", &decode, "mean over rows of the block's scale * sign, for cols elements");
   m.def("compensate", &compensate, "err <- buf + err; sum of squares of each block");
   m.def("pack_error", &pack_error, "pack signs of err; err -= the block's scale * sign");
+  m.def("compress", &compress, "compensate, each block's scale and pack_error in one pass");
   m.def("has_avx2", &has_avx2, "whether the AVX2 paths are in use");
 }

@@ -48,7 +48,7 @@ from .stats import TrafficStats, fp32_allreduce_bytes
 WIRE_FORMAT_VERSION = 2
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_SCALE_DTYPE = torch.float32
-SCALE_DTYPES = (torch.float32, torch.bfloat16)
+SCALE_DTYPES = ops.SCALE_DTYPES
 
 
 def padded_size(numel: int, world_size: int, block: int = DEFAULT_BLOCK_SIZE) -> int:
@@ -79,9 +79,7 @@ class _Buffers:
     def __init__(self, layout: BlockLayout, scale_dtype: torch.dtype, device: torch.device) -> None:
         n, block = layout.padded, layout.block
         self.layout, self.scale_dtype, self.device = layout, scale_dtype, device
-        self.sumsq = torch.empty(n // block, dtype=torch.float64, device=device)
         self.server_x = torch.empty(layout.chunk, dtype=torch.float32, device=device)
-        self.server_sumsq = torch.empty(layout.chunk // block, dtype=torch.float64, device=device)
         self._pieces: Dict[int, list] = {}
         # Message bytes per rank and phase: the same for any piece count.
         self.row_bytes = layout.chunk // 8 + layout.chunk // block * scale_dtype.itemsize
@@ -250,14 +248,6 @@ class CompressedAllreduceBase:
             cached = self._layouts[(numel, n)] = BlockLayout([numel], self.block_size, self.size, n)
         return cached
 
-    def _scales(self, sumsq: torch.Tensor, counts: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
-        """Each block's scale sqrt(sum x^2 / real elements), written into the
-        message bytes `wire` in scale_dtype; returns the fp32 value of what
-        was sent, which is what the error feedback must subtract."""
-        scales = sumsq.div(counts).sqrt_().to(self.scale_dtype)
-        wire.copy_(scales.view(torch.uint8).view(wire.shape))
-        return scales.float()
-
     def _received_scales(self, rows: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
         """The fp32 scales at the end of each message row, [rows, blocks]."""
         raw = rows[:, chunk_bytes:].contiguous()
@@ -309,22 +299,16 @@ class CompressedAllreduceBase:
 
         chunk = layout.chunk
         count = self.pipeline.count(layout.key, layout.padded, p)
-        sumsq_rows = buf.sumsq.view(p, chunk // block)  # [rank k's chunk, block]
-        counts_rows = layout.counts(device).view(p, chunk // block)
+        counts_rows = layout.counts(device).view(p, chunk // block)  # [rank k's chunk, block]
 
         def worker(pc: _Piece) -> None:
             """Compensate and compress elements [a, b) of every chunk k, into row k."""
             a, b, cb = pc.a, pc.b, pc.chunk_bytes
             for k in range(p):
                 lo = k * chunk
-                ops.compensate(src[lo + a:max(lo + a, min(lo + b, numel))],
-                               worker_error[lo + a:lo + b], sumsq_rows[k, a // block:b // block],
-                               block)
-            cols = slice(a // block, b // block)
-            scales = self._scales(sumsq_rows[:, cols], counts_rows[:, cols], pc.send[:, cb:])
-            for k in range(p):
-                ops.pack_error(worker_error[k * chunk + a:k * chunk + b], scales[k], block,
-                               pc.send[k, :cb])
+                ops.compress(src[lo + a:max(lo + a, min(lo + b, numel))],
+                             worker_error[lo + a:lo + b], counts_rows[k, a // block:b // block],
+                             block, self.scale_dtype, pc.send[k, cb:], pc.send[k, :cb])
 
         def server(pc: _Piece) -> None:
             """Serve [a, b) of this rank's chunk: average the p decoded rows,
@@ -333,14 +317,11 @@ class CompressedAllreduceBase:
             mine = rank * chunk
             my_pads = layout.pads(device, mine + a, mine + b)
             x, err = buf.server_x[a:b], server_error[a:b]
-            sumsq = buf.server_sumsq[a // block:b // block]
             ops.decode_mean(pc.recv, self._received_scales(pc.recv, cb), b - a, x, block)
             x.index_fill_(0, my_pads, 0.0)
             err.index_fill_(0, my_pads, 0.0)
-            ops.compensate(x, err, sumsq, block)
-            scales = self._scales(sumsq, layout.counts(device, mine + a, mine + b),
-                                  pc.server_msg[cb:])
-            ops.pack_error(err, scales, block, pc.server_msg[:cb])
+            ops.compress(x, err, layout.counts(device, mine + a, mine + b), block,
+                         self.scale_dtype, pc.server_msg[cb:], pc.server_msg[:cb])
             err.index_fill_(0, my_pads, 0.0)
 
         def decode(pc: _Piece) -> None:

@@ -22,7 +22,7 @@ import torch
 from .table import int_arg
 
 from ..builders import TorchKernels
-from ..ops import kernels_for
+from ..ops import composed_compress, kernels_for
 from .table import Table
 
 
@@ -48,12 +48,14 @@ def measure(n: int, repeat: int) -> Dict[str, float]:
     err0 = torch.randn(n) * 0.1
     err = err0.clone()
     block = 256  # the default block size (one scale per block)
-    sumsq = torch.empty(n // block, dtype=torch.float64)
-    scales = torch.full((n // block,), 0.1)
+    counts = torch.full((n // block,), float(block), dtype=torch.float64)
+    scales = torch.empty(4 * (n // block), dtype=torch.uint8)
 
-    def fused(k):  # the error-feedback step: both passes
-        k.compensate(x, err, sumsq, block)
-        k.pack_error(err, scales, block, bits)
+    def fused(k):  # the error-feedback step (ops.compress): one pass where k fuses it
+        if hasattr(k, "compress"):
+            k.compress(x, err, counts, block, scales, bits)
+        else:
+            composed_compress(k, x, err, counts, block, torch.float32, scales, bits)
 
     t = {
         "numpy": timeit(lambda: np.packbits(xn >= 0, bitorder="little"), repeat),
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> List[Dict]:
     print(f"# onebit kernel benchmark: threads={torch.get_num_threads()} repeat={args.iters}")
     print("# numpy/pack/unpack/clone/copy in GB/s of fp32 input; xnumpy = pack speed / numpy;")
     print("# bytes/clone, bytes/copy = pack's byte rate (4.125 B/elem) / theirs (8 B/elem);")
-    print("# fused = compensate+pack+error kernel, torch = same maths as torch ops")
+    print("# fused = compensate+scales+pack+error kernel (one pass), torch = same maths as torch ops")
     table = Table(COLUMNS)
     table.header()
     results = []
