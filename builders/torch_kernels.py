@@ -12,6 +12,10 @@ Interface shared by every kernels object (all tensors contiguous, one device;
                                         sumsq[k] = sum of x^2 over block k (float64)
   pack_error(err, scales, block, out)   out = pack(err); err <- err - scales[k] * sign(err)
                                         (float32 scales, one per block)
+Optional, where a kernel can fuse them (the CPU's):
+  compress(buf, err, counts, block, scales_out, bits_out)
+                                        compensate, the scales, pack_error in one pass;
+                                        ops.compress composes the three elsewhere
 """
 from __future__ import annotations
 
