@@ -105,8 +105,8 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
     assert rows["floor"]["x_floor"] == 1.0 and all(r["seconds"] > 0 for r in rows.values())
     assert rows["floor again"]["bytes_sent"] == 0  # the same no-communication setup, timed last
     assert rows["floor again"]["floor_seconds"] == rows["floor"]["seconds"]
-    # Each setup against the floors timed just before and after it: the
-    # first of them is the floor row, the last the floor-again row.
+    # Each setup against the floor rounds timed around its own rounds: the
+    # first floor round is the floor row, the last the floor-again row.
     floors = [r["floor_seconds"] for r in rows.values()][1:-1]
     assert len(set(floors)) > 1 or len(floors) == 1, floors  # not one floor for every row
     assert rows["ddp+adam"]["floor_seconds"] >= rows["floor"]["seconds"] / 2

@@ -13,11 +13,14 @@ then each onebit optimizer in its compression stage (the warmup and
 1-bit momentum itself; with `--overlap` (default both) 1-bit Adam and LAMB
 also run with overlap_backward=True (rows `+overlap`), which starts each
 bucket's exchange during backward. Times are the slowest rank's mean per
-step. The floor is timed again after every setup, and each setup's `x floor`
-is its time over the mean of the floors timed just before and just after it
-(`floor ms`): on a shared machine the floor drifts by tens of percent within
-a run, and a ratio against one floor timed first would carry that drift. The
-last floor is the row `floor again` (its `x floor`: the drift over the run).
+step. The floor lives through the whole run and is timed in alternating
+rounds with each setup (`--rounds` of `--steps` steps: floor, setup, floor,
+setup, ..., floor), and each setup's `x floor` is its time over the mean of
+the floor rounds around its own (`floor ms`): on a shared machine the floor
+drifts by tens of percent within a run, and a ratio against a floor timed
+minutes earlier would carry that drift. The first floor round is the row
+`floor`, the last the row `floor again` (its `x floor`: the drift over the
+run).
 """
 from __future__ import annotations
 
@@ -79,51 +82,60 @@ def setups(optimizers: List[str], overlap: str) -> List[str]:
     return out
 
 
-def _time(rank: int, world: int, setup: str, a: dict) -> Dict:
-    torch.manual_seed(0)  # the same model on every rank and in every setup
-    model = _model(a["params"], a["width"])
-    gen = torch.Generator().manual_seed(1 + rank)
-    x = torch.randn(a["batch"], a["width"], generator=gen)
-    y = torch.randn(a["batch"], a["width"], generator=gen)
-    net, opt = model, None
-    if setup == FLOOR:
-        opt = torch.optim.Adam(model.parameters(), lr=LR)
-    elif setup == "ddp+adam":
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.Adam(model.parameters(), lr=LR)
-    else:
-        opt = _onebit(setup, model.parameters())
+class _Setup:
+    """One setup's model, optimizer and training step, built the same way
+    on every rank (the same initial model for every setup)."""
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(net(x), y).backward()
-        opt.step()
+    def __init__(self, name: str, a: dict, x: torch.Tensor, y: torch.Tensor) -> None:
+        torch.manual_seed(0)
+        self.name, self.model = name, _model(a["params"], a["width"])
+        self.onebit = name not in (FLOOR, "ddp+adam")
+        net = self.model
+        if name == "ddp+adam":
+            net = torch.nn.parallel.DistributedDataParallel(self.model)
+        if self.onebit:
+            self.opt = _onebit(name, self.model.parameters())
+        else:
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
+        self.net, self.x, self.y = net, x, y
 
-    onebit = setup not in (FLOOR, "ddp+adam")
-    untimed = a["untimed"] + (FREEZE if onebit else 0)
-    for _ in range(untimed):
-        step()
-    stats = opt.comm_stats() if onebit else None
+    def run(self, steps: int) -> float:
+        """The slowest rank's mean seconds per step over `steps` steps."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(self.net(self.x), self.y).backward()
+            self.opt.step()
+        slowest = torch.tensor([(time.perf_counter() - t0) / max(steps, 1)], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return slowest.item()
+
+
+def _interleaved(setup: _Setup, floor: _Setup, floor_before: float, a: dict) -> Dict:
+    """`a["rounds"]` rounds of the setup's steps, each followed by a round
+    of the floor's; the floor rounds (with `floor_before`) bracket every
+    setup round, so both see the same minutes of this machine."""
+    stats = setup.opt.comm_stats() if setup.onebit else None
     sent_before = stats["total_bytes_sent"] if stats else 0
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(a["steps"]):
-        step()
-    mine = (time.perf_counter() - t0) / a["steps"]
-    slowest = torch.tensor([mine], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    row = {"setup": setup, "seconds": slowest.item(), "stage": "", "bytes_sent": 0.0,
-           "pieces": ""}
-    if onebit:
-        stats = opt.comm_stats()
+    times, floors = [], [floor_before]
+    for _ in range(a["rounds"]):
+        times.append(setup.run(a["steps"]))
+        floors.append(floor.run(a["steps"]))
+    row = {"setup": setup.name, "seconds": sum(times) / len(times),
+           "floor_seconds": sum(floors) / len(floors), "last_floor": floors[-1],
+           "stage": "", "bytes_sent": 0.0, "pieces": ""}
+    if setup.onebit:
+        stats = setup.opt.comm_stats()
         row["stage"] = stats["stage"]
-        row["bytes_sent"] = (stats["total_bytes_sent"] - sent_before) / a["steps"]
+        row["bytes_sent"] = (stats["total_bytes_sent"] - sent_before) / (a["rounds"] * a["steps"])
         # The pipeline's piece count per fused buffer, as its tuner chose it
         # (backends/pipeline.py): one piece serialises compression and wire.
-        chosen = getattr(getattr(opt.backend, "pipeline", None), "chosen", {})
+        chosen = getattr(getattr(setup.opt.backend, "pipeline", None), "chosen", {})
         row["pieces"] = ",".join(str(c) for c in sorted(set(chosen.values())))
-    elif setup == "ddp+adam":
-        n = sum(p.numel() for p in model.parameters())
+    elif setup.name == "ddp+adam":
+        world = dist.get_world_size()
+        n = sum(p.numel() for p in setup.model.parameters())
         row["stage"], row["bytes_sent"] = "fp32", 2 * (world - 1) * 4 * n / world
     return row
 
@@ -134,32 +146,44 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
         n = sum(p.numel() for p in _model(a["params"], a["width"]).parameters())
         print(f"# onebit.bench step: MLP {n / 1e6:.1f}M params (width {a['width']}), "
               f"batch={a['batch']}/rank, ranks={world}, threads/rank={torch.get_num_threads()}, "
-              f"steps={a['steps']} after {a['untimed']} untimed (+{FREEZE} warmup for onebit)")
+              f"{a['rounds']} rounds of {a['steps']} steps per setup, each round followed by "
+              f"{a['steps']} floor steps, after {a['untimed']} untimed "
+              f"(+{FREEZE} warmup for onebit)")
         table.header()
-    def show(row: Dict, floor_seconds: float) -> None:
-        row["floor_seconds"] = floor_seconds
-        row["x_floor"] = row["seconds"] / floor_seconds
+
+    def show(row: Dict) -> None:
+        row["x_floor"] = row["seconds"] / row["floor_seconds"]
         rows.append(row)
         table.row(**{"setup": row["setup"], "ms/step": row["seconds"] * 1e3,
-                     "x floor": row["x_floor"], "floor ms": floor_seconds * 1e3,
+                     "x floor": row["x_floor"], "floor ms": row["floor_seconds"] * 1e3,
                      "stage": row["stage"], "MB sent/step": row["bytes_sent"] / 1e6,
                      "pieces": row["pieces"]})
 
+    gen = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(a["batch"], a["width"], generator=gen)
+    y = torch.randn(a["batch"], a["width"], generator=gen)
+    floor = _Setup(FLOOR, a, x, y)  # kept for the whole run: timed beside every setup
+    floor.run(a["untimed"])
     rows: List[Dict] = []
-    floor = _time(rank, world, FLOOR, a)
-    show(floor, floor["seconds"])
-    for setup in ["ddp+adam"] + setups(a["optimizers"], a["overlap"]):
-        row = _time(rank, world, setup, a)
-        after = _time(rank, world, FLOOR, a)  # the floor again, right after it
-        show(row, (floor["seconds"] + after["seconds"]) / 2)
-        floor = after
-    show(dict(floor, setup=FLOOR_AGAIN), rows[0]["seconds"])
+    last = floor.run(a["steps"])
+    first = {"setup": FLOOR, "seconds": last, "floor_seconds": last, "stage": "",
+             "bytes_sent": 0.0, "pieces": ""}
+    show(first)
+    for name in ["ddp+adam"] + setups(a["optimizers"], a["overlap"]):
+        setup = _Setup(name, a, x, y)
+        setup.run(a["untimed"] + (FREEZE if setup.onebit else 0))
+        row = _interleaved(setup, floor, last, a)
+        last = row.pop("last_floor")
+        show(row)
+        del setup
+    show(dict(first, setup=FLOOR_AGAIN, seconds=last))
     return rows
 
 
 def run(args: argparse.Namespace) -> bool:
     a = dict(params=args.params, width=args.width, batch=args.batch, steps=args.steps,
-             untimed=args.untimed, optimizers=args.optimizers.split(","), overlap=args.overlap)
+             rounds=args.rounds, untimed=args.untimed, optimizers=args.optimizers.split(","),
+             overlap=args.overlap)
     rank, rows = launch.run_everywhere(measure, args.nproc, a,
                                        backend=launch.local_backend(args.nproc))
     if rank == 0 and args.json:
@@ -179,7 +203,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="about this many parameters (25M = 25 * 2^20)")
     p.add_argument("--width", type=int_arg(8), default=2048, help="MLP width")
     p.add_argument("--batch", type=int_arg(1), default=16, help="samples per rank")
-    p.add_argument("--steps", type=int_arg(1), default=10, help="timed steps per setup")
+    p.add_argument("--steps", type=int_arg(1), default=4, help="timed steps per round")
+    p.add_argument("--rounds", type=int_arg(1), default=3,
+                   help="rounds per setup, each followed by a round of the floor")
     p.add_argument("--untimed", type=int_arg(0), default=10,
                    help="untimed steps first (the onebit optimizers also run their warmup)")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma list")
