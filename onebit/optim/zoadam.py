@@ -150,6 +150,9 @@ class ZeroOneAdam(OnebitOptimizer):
             # A sync right after a sync (or the freeze): the accumulator would
             # hold this step's displacement alone (see _sync_local_steps).
             single = sync and c["lrs"][i] == 0.0 and self.world_size > 1
+            # Such a sync (lr > 0) zeroes the unseen elements as it writes m into
+            # its displacement, and then re-derives m: its gradient can stay.
+            zeroed_later = single and group["lr"] != 0
             beta1, beta2 = group["betas"]
             m, v = self._moments(group, params, gs)
             if full:
@@ -159,7 +162,7 @@ class ZeroOneAdam(OnebitOptimizer):
             if not full and not frozen:
                 self._exchange_(i, params, gs, gs, seen, masks)
                 self._mask_(group, gs)
-            elif not full:
+            elif not full and not zeroed_later:
                 mask_unseen_(gs, masks, seen)
             F.update_momentum_(m, gs, beta1)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
@@ -293,7 +296,7 @@ class ZeroOneAdam(OnebitOptimizer):
             self._flat_buffer(i, u)
             avg = self._views(i, u)
             if single:
-                self._displacement_into(group, params, m, denom, bc1, seen, avg)
+                self._displacement_into(group, params, m, denom, bc1, seen, masks, avg)
             else:
                 for ui, di, out in zip(u, denom, avg):
                     torch.mul(ui, di, out=out)
@@ -314,14 +317,20 @@ class ZeroOneAdam(OnebitOptimizer):
             torch._foreach_zero_(u)
 
     @staticmethod
-    def _displacement_into(group, params, m, denom, bc1: float, seen, out) -> None:
+    def _displacement_into(group, params, m, denom, bc1: float, seen, masks, out) -> None:
         """out <- this step's displacement in momentum units,
-        -lr * (m / bc1 + wd * p * denom), where v has seen a gradient; 0 for
-        the tensors it never saw (they do not move)."""
+        -lr * (m / bc1 + wd * p * denom), with m zeroed where v == 0 (in
+        the same pass where the mask is dense); 0 for the tensors v never
+        saw (they do not move)."""
         lr, wd = group["lr"], group["weight_decay"]
-        for mi, o, ok in zip(m, out, seen):
-            if ok:
+        zero = None
+        for mi, o, ok, k in zip(m, out, seen, masks):
+            if ok and k is not None and k.is_floating_point():
+                zero = torch.zeros((), device=o.device) if zero is None else zero
+                torch.addcmul(zero, mi, k, value=-lr / bc1, out=o)
+            elif ok:
                 torch.mul(mi, -lr / bc1, out=o)
+                mask_unseen_([o], [k], [ok])
             else:
                 o.zero_()
         ps, ds, os_ = only_seen(seen, params, denom, out)
