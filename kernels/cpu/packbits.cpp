@@ -286,6 +286,22 @@ __attribute__((target("avx2"))) void pack_error_avx2(float* err, float s, int64_
 }
 #endif
 
+// One block of each pass, on the AVX2 path where it is in use.
+inline double block_sumsq(const float* buf, int64_t n_buf, float* err, int64_t b, int64_t e,
+                          bool avx2) {
+#ifdef ONEBIT_X86
+  if (avx2) return block_sumsq_avx2(buf, n_buf, err, b, e);
+#endif
+  return block_sumsq_portable(buf, n_buf, err, b, e);
+}
+
+inline void block_pack_error(float* err, float s, int64_t b, int64_t e, uint8_t* out, bool avx2) {
+#ifdef ONEBIT_X86
+  if (avx2) return pack_error_avx2(err, s, b, e, out);
+#endif
+  pack_error_portable(err, s, b, e, out);
+}
+
 void check_blocks(int64_t n, int64_t block) {
   if (block <= 0 || block % 8 || n % block)
     throw py::value_error("block must be a positive multiple of 8 that divides n");
@@ -300,12 +316,8 @@ void compensate(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, 
   py::gil_scoped_release nogil;
   const bool avx2 = has_avx2();
   parallel_for(n, threads, block, [&](int, int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; k += block) {
-#ifdef ONEBIT_X86
-      if (avx2) { sumsq[k / block] = block_sumsq_avx2(buf, n_buf, err, k, k + block); continue; }
-#endif
-      sumsq[k / block] = block_sumsq_portable(buf, n_buf, err, k, k + block);
-    }
+    for (int64_t k = b; k < e; k += block)
+      sumsq[k / block] = block_sumsq(buf, n_buf, err, k, k + block, avx2);
   });
 }
 
@@ -318,12 +330,8 @@ void pack_error(uintptr_t err_ptr, int64_t n, uintptr_t scales_ptr, int64_t bloc
   py::gil_scoped_release nogil;
   const bool avx2 = has_avx2();
   parallel_for(n, threads, block, [&](int, int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; k += block) {
-#ifdef ONEBIT_X86
-      if (avx2) { pack_error_avx2(err, scales[k / block], k, k + block, out); continue; }
-#endif
-      pack_error_portable(err, scales[k / block], k, k + block, out);
-    }
+    for (int64_t k = b; k < e; k += block)
+      block_pack_error(err, scales[k / block], k, k + block, out, avx2);
   });
 }
 
@@ -359,12 +367,7 @@ void compress(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, in
   parallel_for(n, threads, block, [&](int, int64_t b, int64_t e) {
     for (int64_t k = b; k < e; k += block) {
       const int64_t j = k / block;
-      double sumsq;
-#ifdef ONEBIT_X86
-      if (avx2) sumsq = block_sumsq_avx2(buf, n_buf, err, k, k + block); else
-#endif
-      sumsq = block_sumsq_portable(buf, n_buf, err, k, k + block);
-      float s = float(std::sqrt(sumsq / counts[j]));
+      float s = float(std::sqrt(block_sumsq(buf, n_buf, err, k, k + block, avx2) / counts[j]));
       if (scale_bytes == 2) {
         uint16_t h;
         s = round_bf16(s, &h);
@@ -372,10 +375,7 @@ void compress(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, in
       } else {
         std::memcpy(scales + 4 * j, &s, 4);
       }
-#ifdef ONEBIT_X86
-      if (avx2) { pack_error_avx2(err, s, k, k + block, out); continue; }
-#endif
-      pack_error_portable(err, s, k, k + block, out);
+      block_pack_error(err, s, k, k + block, out, avx2);
     }
   });
 }
