@@ -101,9 +101,11 @@ def copy_masked_(out: Tensors, src: Tensors, masks: Sequence[Optional[torch.Tens
     if plain:
         torch._foreach_copy_([o for o, _ in plain], [s for _, s in plain])
     for o, s, k, ok in zip(out, src, masks, seen):
-        if ok and k is not None and k.is_floating_point():
+        if not ok:
+            o.zero_()
+        elif k is not None and k.is_floating_point():
             torch.mul(s, k, out=o)
-        elif not ok or k is not None:
+        elif k is not None:
             o.copy_(s)
             mask_unseen_([o], [k], [ok])
 

@@ -323,11 +323,9 @@ class ZeroOneAdam(OnebitOptimizer):
         the same pass where the mask is dense); 0 for the tensors v never
         saw (they do not move)."""
         lr, wd = group["lr"], group["weight_decay"]
-        zero = None
         for mi, o, ok, k in zip(m, out, seen, masks):
             if ok and k is not None and k.is_floating_point():
-                zero = torch.zeros((), device=o.device) if zero is None else zero
-                torch.addcmul(zero, mi, k, value=-lr / bc1, out=o)
+                torch.addcmul(torch.zeros((), device=o.device), mi, k, value=-lr / bc1, out=o)
             elif ok:
                 torch.mul(mi, -lr / bc1, out=o)
                 mask_unseen_([o], [k], [ok])
