@@ -21,6 +21,7 @@ import sys
 import torch
 
 import onebit
+from onebit import launch
 from onebit.bench.convergence import load_digits_split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +84,11 @@ def main(argv=None):
             print(f"ddp check: {module.verify.report()}", flush=True)
         print(f"final: Lightning + OnebitAdam on {trainer.world_size} ranks, "
               f"test accuracy {acc:.2f}%", flush=True)
+    # Lightning leaves its process group alive after fit. Left to interpreter
+    # exit, gloo's threads can still hold work whose tensors need the GIL
+    # while Python is being torn down: an abort ("terminate called without an
+    # active exception") after a run that succeeded. Tear it down in order.
+    launch.shutdown()
     return 0
 
 
