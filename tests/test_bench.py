@@ -101,7 +101,8 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
                 "--untimed", "1", "--json", str(tmp_path / "s.json"))
     rows = {r["setup"]: r for r in json.loads((tmp_path / "s.json").read_text())["results"]}
     assert list(rows) == ["floor", "ddp+adam", "onebitadam", "onebitadam+overlap", "zerooneadam",
-                          "onebitlamb", "onebitlamb+overlap", "floor again"], out
+                          "zerooneadam+overlap", "onebitlamb", "onebitlamb+overlap",
+                          "floor again"], out
     assert rows["floor"]["x_floor"] == 1.0 and all(r["seconds"] > 0 for r in rows.values())
     assert rows["floor again"]["bytes_sent"] == 0  # the same no-communication setup, timed last
     assert rows["floor again"]["floor_seconds"] == rows["floor"]["seconds"]
@@ -118,9 +119,9 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
     assert rows["onebitadam"]["stage"] == rows["onebitlamb"]["stage"] == "compression"
     assert 0 < rows["onebitadam"]["bytes_sent"] < rows["ddp+adam"]["bytes_sent"] / 25
     # overlap_backward changes when the exchange starts, not what it sends.
-    for name in ("onebitadam", "onebitlamb"):
+    for name in ("onebitadam", "zerooneadam", "onebitlamb"):
         twin = rows[name + "+overlap"]
-        assert twin["stage"] == "compression" and twin["bytes_sent"] == rows[name]["bytes_sent"]
+        assert twin["stage"] == rows[name]["stage"] and twin["bytes_sent"] == rows[name]["bytes_sent"]
 
 
 def test_step_bench_overlap_choice_names_the_rows():
@@ -128,8 +129,9 @@ def test_step_bench_overlap_choice_names_the_rows():
 
     names = ["onebitadam", "zerooneadam"]
     assert setups(names, "off") == names
-    assert setups(names, "on") == ["onebitadam+overlap", "zerooneadam"]  # 0/1 Adam: not overlapped
-    assert setups(names, "both") == ["onebitadam", "onebitadam+overlap", "zerooneadam"]
+    assert setups(names, "on") == ["onebitadam+overlap", "zerooneadam+overlap"]
+    assert setups(names, "both") == ["onebitadam", "onebitadam+overlap", "zerooneadam",
+                                     "zerooneadam+overlap"]
 
 
 def test_bench_plot_writes_a_png(tmp_path):

@@ -174,12 +174,14 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
                 self._average_(-1 - i, gs)
         self._grads_averaged_externally = False  # the DDP hook's promise covers one step
         self.counters["step"] = t
+        self._step_in_progress = t  # what an exchange input written from here on is for
         try:
             if exchanged_in_buckets:  # wait for them (a GradScaler's unscaling: exchange again)
                 self._overlap.settle([ps for _, ps in groups], grads,
                                      relaunch=getattr(self, "grad_scale", None) is not None)
             self._update(t, groups, grads)
         finally:
+            self._step_in_progress = None
             self._end_overlap()
         self._late_step(late, late_grads)
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
@@ -298,9 +300,18 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         self._unflatten_from(index, tensors)
 
     def _compressed_average_(self, index: int, tensors: List[torch.Tensor]) -> None:
-        """1-bit error-compensated mean across ranks of `tensors`, fused into
-        one compressed_allreduce (each tensor on its own blocks)."""
+        """1-bit error-compensated mean across ranks of `tensors` (group
+        `index`'s trained params' order), fused into one compressed_allreduce
+        (each tensor on its own blocks); with overlap_backward, over the
+        group's buckets (overlap.py)."""
         if self.world_size == 1 or not tensors:
+            return
+        if self._overlap is not None:
+            for _ in self._overlap.exchange_now(
+                    index, lambda positions, views: torch._foreach_copy_(
+                        views, [tensors[j] for j in positions]),
+                    tensors, [True] * len(tensors), [None] * len(tensors)):
+                pass
             return
         self._flat_buffer(index, tensors)
         self._flatten_into(index, tensors)

@@ -2,12 +2,15 @@
 
 A post-accumulate-grad hook on every trained parameter marks it ready. Once
 every parameter of a bucket is ready, the bucket's exchange input (1-bit
-Adam and LAMB: the new momentum; 0/1 Adam before its freeze: the gradient)
-is written into the bucket's own fused buffer, and its compressed allreduce
+Adam and LAMB: the new momentum; 0/1 Adam before its freeze: the gradient,
+after it, at a sync that follows a sync: this step's displacement) is
+written into the bucket's own fused buffer, and its compressed allreduce
 is queued on one communication thread, so it runs while backward goes on.
 step() takes the buckets in launch order as their exchanges finish, and
-1-bit Adam applies each bucket's update while the later buckets are still
-on the wire (`Overlapping._exchanged_parts`).
+1-bit Adam (0/1 Adam at a sync) applies each bucket's update while the
+later buckets are still on the wire (`Overlapping._exchanged_parts`). An
+exchange that could not start in backward goes over the same buckets from
+step() (`exchange_now`), so a group's errors keep one history.
 
 Why the result is bitwise the fused one. Every tensor starts on its own
 blocks, and every sign, scale and error is decided per block
@@ -63,6 +66,7 @@ class Bucket:
         self.future = None  # the queued exchange
         self.collected = False  # step() has taken its result
         self.backup: Optional[tuple] = None  # the errors as they were before it
+        self.input_key = None  # what its input was written for (_exchange_input_key)
 
 
 def plan_buckets(trained: List[List[torch.Tensor]], cap: int, first_cap: int) -> List[Bucket]:
@@ -180,6 +184,7 @@ class BackwardOverlap:
         opt._flat_buffer(bucket.key, bucket.params)
         views = opt._views(bucket.key, bucket.params)
         opt._exchange_input_(bucket.index, bucket.params, grads, views)
+        bucket.input_key = opt._exchange_input_key(bucket.index)
         bucket.future = self._thread.submit(self._exchange, bucket)
         self.launched += 1
 
@@ -208,7 +213,11 @@ class BackwardOverlap:
         backward saw (a GradScaler unscaled them): exchange again from
         `grads`."""
         self.scaled = relaunch
-        redo = self.stale or relaunch or signature(trained) != self.signature
+        # An input written for other hyper-parameters (0/1 Adam's sync bakes
+        # in lr: a scheduler that stepped between backward and step()).
+        changed = any(b.input_key != self.opt._exchange_input_key(b.index)
+                      for b in self.buckets[:self.launched])
+        redo = self.stale or relaunch or changed or signature(trained) != self.signature
         if redo and self.launched:
             if self.stale and not self._warned:
                 self._warned = True
@@ -241,6 +250,28 @@ class BackwardOverlap:
             self.stats["wait_s"] += time.perf_counter() - started
             b.collected = True
             copy_masked_([out[j] for j in b.positions], self.opt._views(b.key, b.params),
+                         [masks[j] for j in b.positions], [seen[j] for j in b.positions])
+            yield b.positions
+
+    def exchange_now(self, index: int, write, out: List[torch.Tensor], seen: List[bool],
+                     masks: list) -> Iterator[List[int]]:
+        """An exchange of group `index` that step() makes itself: bucket by
+        bucket, `write(positions, views)` fills a bucket's buffer, its
+        compressed allreduce runs at once, and the result goes into `out` as
+        in `collect`. Over the buckets' buffers and errors, so that a group's
+        error feedback keeps one history whichever path a step takes (and
+        the bits stay those of the fused exchange). Exchanges launched
+        during backward for this step are undone first."""
+        if self.launched:
+            self.abandon()
+        for b in plan_buckets(self.opt._trained_lists(), self.cap, self.first_cap):
+            if b.index != index:
+                continue
+            self.opt._flat_buffer(b.key, b.params)
+            views = self.opt._views(b.key, b.params)
+            write(b.positions, views)
+            self.opt._compressed_allreduce_flat(b.key)
+            copy_masked_([out[j] for j in b.positions], views,
                          [masks[j] for j in b.positions], [seen[j] for j in b.positions])
             yield b.positions
 
@@ -296,6 +327,12 @@ class Overlapping:
     """The optimizer's side of the overlap (a mixin of OnebitOptimizer)."""
 
     _overlap: Optional[BackwardOverlap] = None
+    _step_in_progress: Optional[int] = None  # set by step() once it has agreed to go on
+
+    def _coming_step(self) -> int:
+        """The step an exchange input is written for: the coming one during
+        backward, the current one inside step()."""
+        return self._step_in_progress or self.counters["step"] + 1
 
     def _setup_overlap(self, overlap_backward: bool, bucket_cap_mb: float) -> None:
         if not overlap_backward or self.world_size == 1:
@@ -339,6 +376,12 @@ class Overlapping:
         `index` into `out` (subclasses)."""
         raise NotImplementedError
 
+    def _exchange_input_key(self, index: int):
+        """What, besides the gradients, group `index`'s exchange input was
+        written from that could change between backward and step()
+        (subclasses whose input depends on the hyper-parameters)."""
+        return None
+
     def _exchange_(self, index: int, params, grads, out: List[torch.Tensor], seen: List[bool],
                    masks: list) -> None:
         """out <- the 1-bit average of what this step exchanges for the
@@ -360,6 +403,12 @@ class Overlapping:
         is exchanged: out <- the input."""
         if self._overlap is not None and self._overlap.settled:
             yield from self._overlap.collect(index, out, seen, masks)
+            return
+        if self._overlap is not None:  # a step that could not start in backward: its buckets now
+            yield from self._overlap.exchange_now(
+                index, lambda positions, views: self._exchange_input_(
+                    index, [params[j] for j in positions], [grads[j] for j in positions], views),
+                out, seen, masks)
             return
         if self.world_size == 1:
             self._exchange_input_(index, params, grads, out)

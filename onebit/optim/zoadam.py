@@ -36,10 +36,12 @@ class ZeroOneAdam(OnebitOptimizer):
     accumulator: no communication at all) into one graph and replay it; see
     OnebitAdam. The sync steps and the steps before var_freeze_step run eagerly.
 
-    overlap_backward: see OnebitAdam; here it starts the 1-bit gradient
-    exchanges (before var_freeze_step) during backward. A sync step's input
-    is the local steps' displacement, which only step() knows, so syncs are
-    exchanged in step() as without it.
+    overlap_backward: see OnebitAdam; here it starts during backward the
+    1-bit gradient exchanges (before var_freeze_step) and the syncs that
+    follow a sync (interval 1: every step for the first local_step_scaler
+    steps after the freeze, by default), whose input, this step's
+    displacement, needs only this step's gradient. A sync after local steps
+    (or at lr 0) is exchanged in step(), over the same buckets.
     """
 
     _adam_compatible = True  # loads torch.optim.Adam checkpoints (checkpoints.py)
@@ -122,14 +124,51 @@ class ZeroOneAdam(OnebitOptimizer):
         return self._variance_step(self.counters["step"] + 1)
 
     def _exchange_during_backward(self) -> bool:
-        # Only the 1-bit gradient steps: a sync step's input needs the local
-        # steps' accumulators, which step() computes.
+        # The 1-bit gradient steps, and the syncs that follow a sync: a sync
+        # after local steps needs their accumulators, which step() computes,
+        # and one at lr 0 averages m instead. Not the first frozen step: it
+        # restarts the error buffers first (_update).
         t = self.counters["step"] + 1
-        return self.world_size > 1 and not self.frozen(t) and not self._variance_step(t)
+        if self.world_size == 1 or self._variance_step(t):
+            return False
+        return not self.frozen(t) or (self.frozen(t - 1) and self._single_sync(t))
+
+    def _single_sync(self, t: int) -> bool:
+        """Whether step t (frozen) is, for every group, a sync that follows a
+        sync at lr > 0: its input is then this step's displacement alone."""
+        c = self.counters
+        return (t % c["local_step_interval"] == 0 and all(x == 0.0 for x in c["lrs"])
+                and all(float(g["lr"]) != 0.0 for g in self.param_groups))
+
+    def _exchange_input_key(self, index: int):
+        t = self._coming_step()
+        if not self.frozen(t):
+            return None
+        g = self.param_groups[index]
+        return (t, float(g["lr"]), g["weight_decay"], tuple(g["betas"]), g["eps"],
+                g["eps_inside_sqrt"], g["bias_correction"])
 
     def _exchange_input_(self, index, params, grads, out) -> None:
-        if out is not grads:  # at world size 1 the gradients are their own average
-            torch._foreach_copy_(out, grads)
+        """Before the freeze: the gradients. At a sync that follows a sync:
+        this step's displacement (see _sync_single_)."""
+        t = self._coming_step()
+        if not self.frozen(t):
+            if out is not grads:  # at world size 1 the gradients are their own average
+                torch._foreach_copy_(out, grads)
+            return
+        group = self._with_float_lr(self.param_groups[index])
+        trained = self._trainable(group)
+        v = [self._state_tensor(p, "exp_avg_sq") for p in trained]
+        version = self.counters["var_updates"]
+        bc1, bc2 = self._bias_corrections(group, t, version)
+        denom = self._denominators(index, group, v, bc2, version)
+        seen, masks = self._seen(index, group, v, version)
+        at = {id(p): j for j, p in enumerate(trained)}
+        pos = [at[id(p)] for p in params]
+        m = [self._state_tensor(p, "exp_avg") for p in params]
+        F.momentum_into(out, m, grads, group["betas"][0])  # the new m, not committed
+        self._displacement_into(group, params, out, [denom[j] for j in pos], bc1,
+                                [seen[j] for j in pos], [masks[j] for j in pos], out)
 
     def _update(self, t, groups, grads) -> None:
         c = self.counters
@@ -150,11 +189,13 @@ class ZeroOneAdam(OnebitOptimizer):
             # A sync right after a sync (or the freeze): the accumulator would
             # hold this step's displacement alone (see _sync_local_steps).
             single = sync and c["lrs"][i] == 0.0 and self.world_size > 1
-            # Such a sync (lr > 0) zeroes the unseen elements as it writes m into
-            # its displacement, and then re-derives m: its gradient can stay.
-            zeroed_later = single and group["lr"] != 0
             beta1, beta2 = group["betas"]
             m, v = self._moments(group, params, gs)
+            if single and group["lr"] != 0:
+                c["lrs"][i] += group["lr"]
+                self._sync_single_(i, t, group, params, gs, m, v)
+                c["lrs"][i] = 0.0
+                continue
             if full:
                 F.update_variance_(v, gs, beta2)
             seen, masks = self._seen(i, group, v, c["var_updates"])
@@ -162,7 +203,7 @@ class ZeroOneAdam(OnebitOptimizer):
             if not full and not frozen:
                 self._exchange_(i, params, gs, gs, seen, masks)
                 self._mask_(group, gs)
-            elif not full and not zeroed_later:
+            elif not full:
                 mask_unseen_(gs, masks, seen)
             F.update_momentum_(m, gs, beta1)
             bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
@@ -171,7 +212,7 @@ class ZeroOneAdam(OnebitOptimizer):
             ps, ms, ds = only_seen(seen, params, m, denom)
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
-                # A sync that follows a sync starts from p itself: no anchor.
+                # A sync that follows a sync here is at lr 0: it averages m, p stays.
                 anchors = None if single else self._anchors(params, c["lrs"][i] == 0.0)
                 if not single:
                     self._accumulate_(group, ps, ms, ds, *only_seen(seen, u, anchors), bc1, sync)
@@ -184,7 +225,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 F.add_updates_(ps, upd)
             if sync:
                 self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i],
-                                       seen, masks, single)
+                                       seen, masks)
                 c["lrs"][i] = 0.0
         if sync:
             c["last_sync"] = t
@@ -260,7 +301,7 @@ class ZeroOneAdam(OnebitOptimizer):
         return out
 
     def _sync_local_steps(self, i, group, params, anchors, m, u, denom, bc1, lrs, seen,
-                          masks, single: bool = False) -> None:
+                          masks) -> None:
         """Replace the local steps since the last sync with their 1-bit average.
 
         u holds this rank's displacement since the anchor (the last synced
@@ -274,14 +315,7 @@ class ZeroOneAdam(OnebitOptimizer):
         limit of the re-derivation as lr -> 0: the lr-weighted mean of m over
         the interval) and stay at the anchor.
 
-        single: this step is the only one since the last sync (sync interval
-        1, the default for the first local_step_scaler steps), so u was never
-        accumulated: u * denom = -lr * (m / bc1 + wd * p * denom) is written
-        straight into the fused buffer, u stays 0, and p (still the anchor)
-        moves in place. That saves the accumulation, the multiply back by
-        denom, the anchor's update and copy and the zeroing: such a step
-        makes 11 passes over the parameters where it made 19, as many as
-        1-bit Adam's.
+        A sync that follows a sync at lr > 0 takes _sync_single_ instead.
         """
         if lrs == 0:
             self._compressed_average_(i, m)
@@ -290,31 +324,55 @@ class ZeroOneAdam(OnebitOptimizer):
             return
         if self.world_size == 1:
             avg = torch._foreach_mul(u, denom)  # the mean over one rank
+        elif self._overlap is not None:  # over the buckets, as the syncs that follow a sync
+            avg = torch._foreach_mul(u, denom)
+            self._compressed_average_(i, avg)
         else:
             # u * denom goes straight into the fused buffer, and the average
             # is read from there: no pass to scale u, none to copy it back.
             self._flat_buffer(i, u)
             avg = self._views(i, u)
-            if single:
-                self._displacement_into(group, params, m, denom, bc1, seen, masks, avg)
-            else:
-                for ui, di, out in zip(u, denom, avg):
-                    torch.mul(ui, di, out=out)
+            for ui, di, out in zip(u, denom, avg):
+                torch.mul(ui, di, out=out)
             self._compressed_allreduce_flat(i)
         self._mask_(group, avg)
         mask_unseen_(avg, masks, seen)
         for mi, ai in zip(m, avg):
             torch.mul(ai, -bc1 / lrs, out=mi)
-        # Every rank lands on the same point: the anchor (p itself when this
-        # step was the only one since the last sync) + avg / denom.
-        for p, a, ai, di in zip(*only_seen(seen, params, params if single else anchors, avg,
-                                           denom)):
+        self._land_(params, anchors, avg, denom, seen)
+        torch._foreach_zero_(u)
+
+    @staticmethod
+    def _land_(params, starts, avg, denom, seen) -> None:
+        """Every rank lands on the same point: start + avg / denom (tensors
+        v never saw stay where they are)."""
+        for p, a, ai, di in zip(*only_seen(seen, params, starts, avg, denom)):
             if p.dtype == torch.float32:
                 torch.addcdiv(a, ai, di, out=p)
             else:  # divide in fp32, round once
                 p.copy_(a + (ai / di).to(p.dtype))
-        if not single:
-            torch._foreach_zero_(u)
+
+    def _sync_single_(self, i, t, group, params, grads, m, v) -> None:
+        """A sync that follows a sync (interval 1, the default for the first
+        local_step_scaler steps after the freeze), at lr > 0: u would hold
+        this step's displacement alone, so u * denom = -lr * (m' / bc1 +
+        wd * p * denom), with m' this step's new momentum, is the exchange
+        input itself (_exchange_input_: it needs only this step's gradient,
+        so overlap_backward starts it during backward). m is re-derived from
+        the average (m = -avg / lr * bc1) and p, still the last synced point,
+        moves in place: 11 passes over the parameters, as 1-bit Adam's step."""
+        c = self.counters
+        for p in params:  # the accumulators stay 0, but exist for the local steps
+            self._state_tensor(p, "momentum_accumulator")
+        bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
+        denom = self._denominators(i, group, v, bc2, c["var_updates"])
+        seen, masks = self._seen(i, group, v, c["var_updates"])
+        # m <- the average displacement, zeroed where v == 0, bucket by bucket
+        for part in self._exchanged_parts(i, params, grads, m, seen, masks):
+            ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, m, denom, seen))
+            self._mask_(group, ms)
+            self._land_(ps, ps, ms, ds, ss)
+            torch._foreach_mul_(ms, -bc1 / c["lrs"][i])
 
     @staticmethod
     def _displacement_into(group, params, m, denom, bc1: float, seen, masks, out) -> None:
