@@ -49,6 +49,37 @@ def test_bench_piece_sizes_give_the_same_bits(tmp_path):
         assert "# pipelined pieces per payload: " + (counts or "1M:") in out, out
 
 
+def test_bench_wire_format_options_match_their_simulation(tmp_path):
+    """--block-size and --scale-dtype, as the optimizers' block_size and
+    scale_dtype: 3 ranks, a size that is no multiple of 8 * 3 * 64, rows that
+    match the float64 simulation, and the wire bytes of that format."""
+    out = bench("--nproc", "3", "-b", "40000", "-e", "40000", "-w", "1", "-n", "2",
+                "--block-size", "64", "--scale-dtype", "bfloat16", "--json", str(tmp_path / "w.json"))
+    assert "block_size=64 scale_dtype=bfloat16" in out and "# Out of bounds values : 0 OK" in out
+    comp = [r for r in json.loads((tmp_path / "w.json").read_text())["results"]
+            if r["backend"] == "compressed"]
+    chunk = -(-10000 // (64 * 3)) * 64  # N/p, N padded to a multiple of 64 * 3
+    assert comp[0]["wire"] == 2 * 2 * (chunk // 8 + chunk // 64 * 2)
+
+
+def test_count_wrong_allows_one_bf16_ulp_and_nothing_more():
+    import torch
+
+    from onebit.bench.reference import count_wrong
+
+    g = torch.Generator().manual_seed(0)
+    # What the allreduce gives: a scale in [1, 2) per block of 64, times signs.
+    scales = 1 + torch.rand(64, generator=g, dtype=torch.float64)
+    signs = torch.randint(0, 2, (64, 64), generator=g).double() * 2 - 1
+    expected = (scales[:, None] * signs).reshape(-1)
+    server = expected.clone()
+    for factor, wrong in ((1 + 2.0 ** -8, 0), (1 + 2.0 ** -6, 64), (-1.0, 64)):
+        result = expected.clone()
+        result[64:128] *= factor  # one block: a scale one ulp off, four ulps off, signs flipped
+        assert count_wrong(result, expected, server, ulp=2.0 ** -7) == wrong, factor
+    assert count_wrong(expected * (1 + 2.0 ** -8), expected, server) > 0  # fp32: no ulp allowed
+
+
 def test_bench_hierarchical_backend_beside_the_flat_one(tmp_path):
     """4 local ranks as 2 nodes of 2: the hierarchical rows match their own
     float64 simulation, and each rank sends a third of the flat bytes over the

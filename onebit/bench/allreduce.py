@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from .. import launch
 from ..accelerator import get_accelerator
+from ..backends.base import DEFAULT_BLOCK_SIZE
+from ..backends.layout import check_block_size
 from ..backends.pipeline import TUNING_CALLS
 from .reference import count_wrong, simulate, simulate_hierarchical
 from .table import Table, int_arg, piece_arg, progress, size_arg
@@ -64,6 +66,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not args.stepfactor >= 1 or args.stepfactor == float("inf"):
         raise ValueError(f"-f must be a finite number >= 1, got {args.stepfactor:g}")
     _sizes(args)
+    check_block_size(args.block_size)
 
 
 def _device() -> torch.device:
@@ -148,9 +151,13 @@ def _check_compressed(backend, count: int, device) -> int:
     wrong = 0
     if dist.get_rank() == 0:
         nodes = getattr(backend, "nodes", None)
-        expected, c = (simulate(*inputs, backend.block_size) if nodes is None
-                       else simulate_hierarchical(*inputs, backend.block_size, nodes))
-        wrong = count_wrong(m.cpu(), expected, c)
+        block, scales = backend.block_size, backend.scale_dtype
+        expected, c = (simulate(*inputs, block, scale_dtype=scales) if nodes is None
+                       else simulate_hierarchical(*inputs, block, nodes, scales))
+        # bf16: the kernel rounds its own fp32 scale, which can sit across a
+        # rounding boundary from the simulation's: one bf16 ulp off is right.
+        wrong = count_wrong(m.cpu(), expected, c,
+                            ulp=0.0 if scales == torch.float32 else 2.0 ** -7)
     return _broadcast_int(wrong)
 
 
@@ -174,13 +181,15 @@ def _broadcast_int(v: int) -> int:
     return int(t.item())
 
 
-def _make_backends(names: List[str], piece_size: int) -> Dict[str, object]:
+def _make_backends(names: List[str], piece_size: int, block_size: int,
+                   scale_dtype: str) -> Dict[str, object]:
     from ..backends import get_backend
 
     made = {}
     for name in names:
         try:
-            made[name] = get_backend(name, piece_size=piece_size)
+            made[name] = get_backend(name, piece_size=piece_size, block_size=block_size,
+                                     scale_dtype=getattr(torch, scale_dtype))
         except ImportError as exc:
             raise SystemExit(f"onebit.bench: cannot use backend {name!r}: {exc}")
     return made
@@ -189,7 +198,8 @@ def _make_backends(names: List[str], piece_size: int) -> Dict[str, object]:
 def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
     """Runs on every rank; rank 0 prints. Returns the rows (rank 0) or []."""
     device = _device()
-    backends = _make_backends(args.backend.split(","), args.piece_size)
+    backends = _make_backends(args.backend.split(","), args.piece_size, args.block_size,
+                              args.scale_dtype)
     sizes = _sizes(args)
     table = Table(COLUMNS, out=sys.stdout, quiet=rank != 0)
     if rank == 0:
@@ -197,7 +207,8 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
               f"dist={dist.get_backend()} threads/rank={torch.get_num_threads()} "
               f"sizes={args.minbytes}..{args.maxbytes} x{args.stepfactor} "
               f"warmup={args.warmup} iters={args.iters} "
-              f"piece_size={'auto' if args.piece_size is None else args.piece_size}")
+              f"piece_size={'auto' if args.piece_size is None else args.piece_size} "
+              f"block_size={args.block_size} scale_dtype={args.scale_dtype}")
         table.header()
     bar = progress(len(sizes), "onebit.bench") if rank == 0 else None
     results = []
@@ -311,5 +322,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--piece-size", dest="piece_size", type=piece_arg, default=None,
                    help="elements per pipelined piece of the compressed allreduce: 0 for one "
                         "piece, default auto (timed on the first calls)")
+    p.add_argument("--block-size", dest="block_size", type=int_arg(8), default=DEFAULT_BLOCK_SIZE,
+                   help="elements per scale (a multiple of 8), as the optimizers' block_size")
+    p.add_argument("--scale-dtype", dest="scale_dtype", choices=("float32", "bfloat16"),
+                   default="float32", help="the scales on the wire, as the optimizers' scale_dtype")
     p.add_argument("--json", help="write results to this JSON file")
     p.add_argument("--plot", help="write algbw vs size to this PNG (needs matplotlib)")
