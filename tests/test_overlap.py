@@ -238,11 +238,11 @@ def test_grad_scaler_steps_are_exchanged_in_step_from_unscaled_gradients():
         assert stats["launched_in_step"] >= 3 * stats["buckets"], stats
 
 
-def _resume(rank, world, path, stop):
+def _resume(rank, world, path, stop, cls_name):
     import torch.distributed as dist
 
-    model, opt = build("OnebitAdam", "bucketed")
-    steps = 8
+    model, opt = build(cls_name, "bucketed")
+    steps = STEPS[cls_name]
     if stop:
         for step in range(stop):
             x, y = batch(rank, step)
@@ -252,7 +252,7 @@ def _resume(rank, world, path, stop):
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                     "errors": opt.error_feedback_state_dict()}, f"{path}.{rank}")
         dist.barrier()
-        model, opt = build("OnebitAdam", "bucketed")
+        model, opt = build(cls_name, "bucketed")
         saved = torch.load(f"{path}.{rank}", weights_only=False)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -266,9 +266,12 @@ def _resume(rank, world, path, stop):
     return flat_params(model)
 
 
-def test_resume_with_bucket_error_buffers_is_bitwise_identical(tmp_path):
-    straight = run_workers(_resume, 2, str(tmp_path / "ck"), 0, timeout=180)
-    resumed = run_workers(_resume, 2, str(tmp_path / "ck"), 5, timeout=180)
+@pytest.mark.parametrize("cls_name,stop", [("OnebitAdam", 5), ("ZeroOneAdam", 11)])
+def test_resume_with_bucket_error_buffers_is_bitwise_identical(tmp_path, cls_name, stop):
+    """OnebitAdam in its compression stage; 0/1 Adam after its freeze, between
+    a sync launched in backward (11) and the next (12)."""
+    straight = run_workers(_resume, 2, str(tmp_path / "ck"), 0, cls_name, timeout=180)
+    resumed = run_workers(_resume, 2, str(tmp_path / "ck"), stop, cls_name, timeout=180)
     assert all(np.array_equal(a, b) for a, b in zip(straight, resumed))
 
 

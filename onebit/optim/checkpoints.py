@@ -230,7 +230,7 @@ class Checkpoints:
     def _error_layouts(self) -> dict:
         """Error-buffer key -> layout of every fused buffer this optimizer
         exchanges: a group index, and with overlap_backward each bucket's
-        (group, number) too (0/1 Adam uses both, before and after its freeze)."""
+        (group, number) too (where every compressed exchange then goes)."""
         if self.world_size == 1:
             return {}
         trained = self._trained_lists()
