@@ -308,8 +308,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             return
         if self._overlap is not None:
             for _ in self._overlap.exchange_now(
-                    index, lambda positions, views: torch._foreach_copy_(
-                        views, [tensors[j] for j in positions]),
+                    index, lambda b, views: torch._foreach_copy_(views, b.pick(tensors)),
                     tensors, [True] * len(tensors), [None] * len(tensors)):
                 pass
             return
@@ -467,7 +466,7 @@ class FreezeStepOptimizer(OnebitOptimizer):
     def _exchange_during_backward(self) -> bool:
         return self.world_size > 1 and self.compression_started()
 
-    def _exchange_input_(self, index, params, grads, out) -> None:
+    def _exchange_input_(self, index, params, grads, out, positions) -> None:
         """The new momentum beta1 * m + (1 - beta1) * g, into `out`: m itself
         changes only when step() commits it."""
         m = [self._state_tensor(p, "exp_avg") for p in params]

@@ -68,6 +68,16 @@ class Bucket:
         self.backup: Optional[tuple] = None  # the errors as they were before it
         self.input_key = None  # what its input was written for (_exchange_input_key)
 
+    def pick(self, xs: list) -> list:
+        """Its entries of a list in the group's trained params' order."""
+        return [xs[j] for j in self.positions]
+
+    def land(self, out: List[torch.Tensor], views: List[torch.Tensor], seen: List[bool],
+             masks: list) -> None:
+        """Its exchanged values (`views` of its buffer) into `out`, zeroed
+        where v == 0 (the guard's `seen` and `masks`, group order)."""
+        copy_masked_(self.pick(out), views, self.pick(masks), self.pick(seen))
+
 
 def plan_buckets(trained: List[List[torch.Tensor]], cap: int, first_cap: int) -> List[Bucket]:
     """Buckets in the order backward usually produces gradients: the groups
@@ -183,7 +193,7 @@ class BackwardOverlap:
             grads = opt._gradients(bucket.params)
         opt._flat_buffer(bucket.key, bucket.params)
         views = opt._views(bucket.key, bucket.params)
-        opt._exchange_input_(bucket.index, bucket.params, grads, views)
+        opt._exchange_input_(bucket.index, bucket.params, grads, views, bucket.positions)
         bucket.input_key = opt._exchange_input_key(bucket.index)
         bucket.future = self._thread.submit(self._exchange, bucket)
         self.launched += 1
@@ -233,7 +243,7 @@ class BackwardOverlap:
             self._plan(trained)
             self.planned = True
         for b in self.buckets[self.launched:]:
-            self._launch(b, [grads[b.index][j] for j in b.positions])
+            self._launch(b, b.pick(grads[b.index]))
         self.settled = True
 
     def collect(self, index: int, out: List[torch.Tensor], seen: List[bool],
@@ -249,14 +259,13 @@ class BackwardOverlap:
             b.future.result()  # a CommunicationError of the thread surfaces here
             self.stats["wait_s"] += time.perf_counter() - started
             b.collected = True
-            copy_masked_([out[j] for j in b.positions], self.opt._views(b.key, b.params),
-                         [masks[j] for j in b.positions], [seen[j] for j in b.positions])
+            b.land(out, self.opt._views(b.key, b.params), seen, masks)
             yield b.positions
 
     def exchange_now(self, index: int, write, out: List[torch.Tensor], seen: List[bool],
                      masks: list) -> Iterator[List[int]]:
         """An exchange of group `index` that step() makes itself: bucket by
-        bucket, `write(positions, views)` fills a bucket's buffer, its
+        bucket, `write(bucket, views)` fills a bucket's buffer, its
         compressed allreduce runs at once, and the result goes into `out` as
         in `collect`. Over the buckets' buffers and errors, so that a group's
         error feedback keeps one history whichever path a step takes (and
@@ -269,10 +278,9 @@ class BackwardOverlap:
                 continue
             self.opt._flat_buffer(b.key, b.params)
             views = self.opt._views(b.key, b.params)
-            write(b.positions, views)
+            write(b, views)
             self.opt._compressed_allreduce_flat(b.key)
-            copy_masked_([out[j] for j in b.positions], views,
-                         [masks[j] for j in b.positions], [seen[j] for j in b.positions])
+            b.land(out, views, seen, masks)
             yield b.positions
 
     def abandon(self) -> None:
@@ -371,9 +379,9 @@ class Overlapping:
         backward (subclasses: in which stages)."""
         return False
 
-    def _exchange_input_(self, index: int, params, grads, out) -> None:
+    def _exchange_input_(self, index: int, params, grads, out, positions) -> None:
         """Write what the coming step exchanges for these params of group
-        `index` into `out` (subclasses)."""
+        `index` (at `positions` in its trained list) into `out` (subclasses)."""
         raise NotImplementedError
 
     def _exchange_input_key(self, index: int):
@@ -406,17 +414,17 @@ class Overlapping:
             return
         if self._overlap is not None:  # a step that could not start in backward: its buckets now
             yield from self._overlap.exchange_now(
-                index, lambda positions, views: self._exchange_input_(
-                    index, [params[j] for j in positions], [grads[j] for j in positions], views),
+                index, lambda b, views: self._exchange_input_(index, b.params, b.pick(grads),
+                                                              views, b.positions),
                 out, seen, masks)
             return
         if self.world_size == 1:
-            self._exchange_input_(index, params, grads, out)
+            self._exchange_input_(index, params, grads, out, range(len(params)))
             mask_unseen_(out, masks, seen)
         else:
             self._flat_buffer(index, out)
             views = self._views(index, out)
-            self._exchange_input_(index, params, grads, views)
+            self._exchange_input_(index, params, grads, views, range(len(params)))
             self._compressed_allreduce_flat(index)
             copy_masked_(out, views, masks, seen)
         yield list(range(len(out)))

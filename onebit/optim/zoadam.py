@@ -148,7 +148,7 @@ class ZeroOneAdam(OnebitOptimizer):
         return (t, float(g["lr"]), g["weight_decay"], tuple(g["betas"]), g["eps"],
                 g["eps_inside_sqrt"], g["bias_correction"])
 
-    def _exchange_input_(self, index, params, grads, out) -> None:
+    def _exchange_input_(self, index, params, grads, out, positions) -> None:
         """Before the freeze: the gradients. At a sync that follows a sync:
         this step's displacement (see _sync_single_)."""
         t = self._coming_step()
@@ -163,12 +163,10 @@ class ZeroOneAdam(OnebitOptimizer):
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(index, group, v, bc2, version)
         seen, masks = self._seen(index, group, v, version)
-        at = {id(p): j for j, p in enumerate(trained)}
-        pos = [at[id(p)] for p in params]
         m = [self._state_tensor(p, "exp_avg") for p in params]
         F.momentum_into(out, m, grads, group["betas"][0])  # the new m, not committed
-        self._displacement_into(group, params, out, [denom[j] for j in pos], bc1,
-                                [seen[j] for j in pos], [masks[j] for j in pos], out)
+        self._displacement_into(group, params, out, [denom[j] for j in positions], bc1,
+                                [seen[j] for j in positions], [masks[j] for j in positions], out)
 
     def _update(self, t, groups, grads) -> None:
         c = self.counters
