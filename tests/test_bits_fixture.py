@@ -1,0 +1,124 @@
+""""The same bits", guarded in the repo: a committed fixture holds a hash of
+every parameter, every state tensor and every error-feedback buffer after
+40 steps of each optimizer through all its stages, on 3 real ranks, fused
+and with overlap_backward, and of 1-bit Adam on the hierarchical backend
+(2 nodes of 2 ranks). Any change to the arithmetic of an optimizer or of the
+backend, down to the rounding of one element, changes a hash here.
+
+The fixture is keyed by what may legitimately change bits: the torch
+version and the CPU kernel in use (native C++ or the pure-torch fallback).
+Elsewhere the test skips and says so. A change that alters bits on purpose
+regenerates the fixture (ONEBIT_WRITE_FIXTURE=1) and commits its diff with
+the reason; a change that keeps the maths must leave it as it is.
+"""
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_workers
+
+FIXTURE = Path(__file__).parent / "fixtures" / "bits.json"
+STEPS = 40
+OPTIMIZERS = {
+    "OnebitAdam": dict(freeze_step=10),
+    "OnebitLamb": dict(freeze_step=10),
+    # variance updates at 1, 2, 4, 8; 1-bit gradients until 16; then syncs
+    # every step for 2 steps, every 2 for 2, ... (local steps from 19 on)
+    "ZeroOneAdam": dict(var_freeze_step=16, var_update_scaler=1, local_step_scaler=2,
+                        local_step_clipper=4),
+}
+
+
+class Model(torch.nn.Module):
+    """Looks like a real model: an embedding most of whose rows a batch never
+    touches, scales 1e4 apart, and a head that never gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 12)
+        self.hidden = torch.nn.Linear(12, 40)
+        self.out = torch.nn.Parameter(torch.randn(40, 6) * 1e2)
+        self.emb.weight.data.mul_(1e-2)
+        self.unused_head = torch.nn.Linear(40, 3)
+
+    def forward(self, x):
+        return torch.relu(self.hidden(self.emb(x).mean(1))) @ self.out * 1e-3
+
+
+def _digest(t: torch.Tensor) -> str:
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{t.dtype}:{tuple(t.shape)}:" + hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _hashes(model, opt) -> dict:
+    out = {}
+    names = {p: n for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        out[f"param {n}"] = _digest(p)
+    for p, st in opt.state.items():
+        for k, v in sorted(st.items()):
+            if isinstance(v, torch.Tensor) and v.numel():
+                out[f"state {names[p]} {k}"] = _digest(v)
+    for g, bufs in sorted(opt.error_feedback_state_dict()["groups"].items()):
+        out[f"errors {g} worker"] = _digest(bufs["worker"])
+        out[f"errors {g} server"] = _digest(bufs["server"])
+    return out
+
+
+def _run(rank, world, runs):
+    import onebit
+
+    result = {}
+    for name, cls_name, extra in runs:
+        torch.manual_seed(0)
+        model = Model()
+        opt = getattr(onebit, cls_name)(model.parameters(), lr=1e-3, weight_decay=1e-3,
+                                        bucket_cap_mb=0.004, **OPTIMIZERS[cls_name], **extra)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x, y = torch.randint(0, 300, (8, 3), generator=g), torch.randint(0, 6, (8,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        result[name] = _hashes(model, opt)
+    return result
+
+
+def _key() -> str:
+    from onebit import ops
+
+    return f"torch {torch.__version__.split('+')[0]}, cpu kernel {ops.kernels_for(torch.device('cpu')).name}"
+
+
+def current_bits() -> dict:
+    flat = [(f"{c} {m} p3", c, dict(overlap_backward=m == "overlap"))
+            for c in OPTIMIZERS for m in ("fused", "overlap")]
+    bits = run_workers(_run, 3, flat, timeout=240)
+    hier = [("OnebitAdam hierarchical 2x2", "OnebitAdam", dict(comm_backend_name="hierarchical"))]
+    bits4 = run_workers(_run, 4, hier, timeout=240, env={"ONEBIT_RANKS_PER_NODE": "2"})
+    return {f"rank {r}": {**bits[r], **bits4[r]} for r in range(3)} | {
+        "rank 3": bits4[3]}
+
+
+def test_bits_match_the_committed_fixture():
+    fixture = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+    key = _key()
+    now = current_bits()
+    if os.environ.get("ONEBIT_WRITE_FIXTURE") == "1":
+        fixture[key] = now
+        FIXTURE.write_text(json.dumps(fixture, indent=1, sort_keys=True) + "\n")
+        return
+    if key not in fixture:
+        pytest.skip(f"the fixture has no entry for {key!r} (it has {sorted(fixture)}); "
+                    "write one with ONEBIT_WRITE_FIXTURE=1")
+    want = fixture[key]
+    differ = [f"{r}: {run}: {k}" for r in want for run in want[r] for k in want[r][run]
+              if now.get(r, {}).get(run, {}).get(k) != want[r][run][k]]
+    assert not differ and now == want, (
+        f"{len(differ)} hashes differ from the committed fixture ({key}), first: {differ[:8]}. "
+        "If the change means to alter bits, rerun with ONEBIT_WRITE_FIXTURE=1 and commit the "
+        "fixture diff with the reason")
