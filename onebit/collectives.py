@@ -85,11 +85,49 @@ def run(phase: str, begin: Callable[[], "dist.Work"], timeout_s: Optional[float]
     start(phase, begin, timeout_s, group).wait()
 
 
+# A backend named without its device types serves the device it was made for.
+_BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "ccl": "xpu", "gloo": "cpu", "mpi": "cpu"}
+
+
+def served_device_types(group=None) -> List[str]:
+    """The device types whose tensors `group`'s collectives accept, from its
+    backend config: "nccl" serves cuda alone, plain "gloo" both cpu and cuda,
+    "cuda:gloo" cuda alone (which is how a CPU-only machine reproduces an
+    NCCL group's refusal of host tensors)."""
+    config = str(dist.get_backend_config(group) if hasattr(dist, "get_backend_config")
+                 else dist.get_backend(group))
+    types = []
+    for entry in config.split(","):
+        device, sep, backend = entry.strip().partition(":")
+        types.append(device if sep else _BACKEND_DEVICE.get(device.lower(), "cpu"))
+    return types
+
+
+def communication_device(group=None) -> torch.device:
+    """The device every tensor onebit hands to `group`'s collectives lives on:
+    the accelerator's current device where the group serves it (an NCCL
+    group: the GPU, never the host), else the host where it serves that,
+    else the first device type it serves. The one place that decides it:
+    side collectives (agreement, the piece tuner, telemetry, setup) ask here
+    rather than use the host or the data's device."""
+    from .accelerator import get_accelerator
+
+    served = served_device_types(group)
+    acc = get_accelerator()
+    if acc.name in served and acc.name != "cpu":
+        return torch.device(acc.name, acc.current_device())
+    if "cpu" in served:
+        return torch.device("cpu")
+    return torch.device(served[0])
+
+
 def gather_numbers(phase: str, values: list, dtype: torch.dtype, group=None,
                    timeout_s: Optional[float] = None) -> List[list]:
     """Every rank's `values` (a few numbers, as many on each rank), one list
-    per rank of `group`, through one bounded all-gather of host tensors."""
-    mine = torch.tensor(values, dtype=dtype)
-    every = torch.empty(dist.get_world_size(group) * len(values), dtype=dtype)
+    per rank of `group`, through one bounded all-gather on the group's
+    communication device."""
+    device = communication_device(group)
+    mine = torch.tensor(values, dtype=dtype, device=device)
+    every = torch.empty(dist.get_world_size(group) * len(values), dtype=dtype, device=device)
     run(phase, lambda: all_gather_flat(every, mine, group=group, async_op=True), timeout_s, group)
     return every.view(-1, len(values)).tolist() if values else []

@@ -212,7 +212,14 @@ class CompressedAllreduceBase:
             raise ValueError("buffer_m contains NaN or Inf; skip this step (e.g. with a "
                              "GradScaler) instead of compressing it")
 
-    def _agree(self, layout: BlockLayout, device: torch.device) -> None:
+    @property
+    def communication_device(self) -> torch.device:
+        """The device the transport's collectives take tensors on (subclasses:
+        the process group's, or the host for MPI without CUDA support). The
+        small side collectives (agreement, the piece tuner) use it."""
+        return torch.device("cpu")
+
+    def _agree(self, layout: BlockLayout) -> None:
         """The first time a layout is seen, every rank checks that all ranks
         use the same one (N, block size, scale dtype, tensor sizes);
         otherwise the collectives below would mismatch or mean different
@@ -221,11 +228,8 @@ class CompressedAllreduceBase:
         if key in self._agreed or self.size == 1:
             return
         mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
-                             stable_digest(list(layout.sizes))],
-                            dtype=torch.int64, device=device)
-        every = torch.empty(self.size, 4, dtype=torch.int64, device=device)
-        self.start_gather(mine.view(torch.uint8), every.view(torch.uint8).view(self.size, -1)).wait()
-        rows = [tuple(r) for r in every.tolist()]
+                             stable_digest(list(layout.sizes))], dtype=torch.int64)
+        rows = [tuple(r) for r in self.share(mine).tolist()]
         if len(set(rows)) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size N, block size, "
                              "scale bytes, tensor sizes): " + ", ".join(
@@ -233,8 +237,10 @@ class CompressedAllreduceBase:
                                  for r, v in enumerate(rows)) + "; every rank must pass the same")
         self._agreed.add(key)
 
-    def _share(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's copy of the small tensor `t`, stacked (an all-gather)."""
+    def share(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's copy of the small tensor `t`, stacked (an all-gather
+        on the communication device, where the result stays)."""
+        t = t.to(self.communication_device)
         every = torch.empty((self.size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
         self.start_gather(t.contiguous().view(torch.uint8).view(-1),
                           every.view(torch.uint8).view(self.size, -1)).wait()
@@ -280,7 +286,7 @@ class CompressedAllreduceBase:
             self._check_finite(buffer_m)
         p, rank, device = self.size, self.rank, buffer_m.device
         layout = self._layout_for(buffer_m.numel(), worker_error.numel(), layout)
-        self._agree(layout, device)
+        self._agree(layout)
         key = (layout.key, device)
         buf = self._buffers.get(key)
         if buf is None:
@@ -366,7 +372,7 @@ class CompressedAllreduceBase:
         took = time.perf_counter() - started
         self.stats.add(moved, moved, fp32_allreduce_bytes(sum(layout.sizes), p), comm_s,
                        took - comm_s)
-        self.pipeline.record(layout.key, count, took, self._share)
+        self.pipeline.record(layout.key, count, took, self.share)
         return buffer_m
 
 

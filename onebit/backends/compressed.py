@@ -46,6 +46,10 @@ class CompressedBackend(CompressedAllreduceBase):
     def size(self) -> int:
         return self._size
 
+    @property
+    def communication_device(self) -> torch.device:
+        return collectives.communication_device(self.group)
+
     def start_exchange(self, send: torch.Tensor, recv: torch.Tensor):
         if self._size == 1:
             recv.copy_(send)

@@ -153,6 +153,10 @@ class HierarchicalBackend:
         self._agreed: set = set()
 
     @property
+    def communication_device(self) -> torch.device:
+        return self.net.communication_device
+
+    @property
     def net_stats(self) -> TrafficStats:
         return self.net.stats
 
@@ -264,7 +268,7 @@ class HierarchicalBackend:
         verdicts = torch.tensor([node_agrees, stable_digest(every.tolist())], dtype=torch.int64,
                                 device=device)
         if self.node_count > 1:
-            verdicts = self.net._share(verdicts)
+            verdicts = self.net.share(verdicts)
         verdicts = verdicts.view(-1, 2).tolist()
         if not all(ok for ok, _ in verdicts) or len({d for _, d in verdicts}) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size, tensor "

@@ -29,7 +29,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from .. import launch
+from .. import collectives, launch
 from ..accelerator import get_accelerator
 from ..backends.base import DEFAULT_BLOCK_SIZE
 from ..backends.layout import check_block_size
@@ -70,11 +70,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _device() -> torch.device:
-    """Where the benchmark's tensors live: gloo moves host tensors; nccl and
-    xccl the device's (one device per rank)."""
-    if dist.get_backend() == "gloo":
-        return torch.device("cpu")
-    return torch.device(get_accelerator().current_device_name())
+    """Where the benchmark's tensors live: the group's communication device
+    (gloo: the host; nccl, xccl: this rank's device)."""
+    return collectives.communication_device()
 
 
 def _slowest(seconds: float) -> float:

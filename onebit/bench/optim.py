@@ -24,7 +24,7 @@ from typing import Dict, List
 
 import torch
 
-from .. import launch
+from .. import collectives, launch
 from .table import Table, int_arg
 
 
@@ -61,7 +61,7 @@ def _time_steps(opt, iters: int, world: int) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     if world > 1:  # each step's slowest rank
-        slowest = torch.tensor(times, dtype=torch.float64)
+        slowest = torch.tensor(times, dtype=torch.float64, device=collectives.communication_device())
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         times = slowest.tolist()
     return min(times)  # the least-disturbed run: this machine is shared and noisy

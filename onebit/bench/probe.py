@@ -28,7 +28,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from .. import launch
+from .. import collectives, launch
 from ..backends.pipeline import PIECE_SIZE
 from .table import count_arg, int_arg
 
@@ -45,7 +45,8 @@ def _slowest_median(fn, iters: int) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    mine = torch.tensor([statistics.median(times)], dtype=torch.float64,
+                        device=collectives.communication_device())
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return mine.item()
 
@@ -79,6 +80,12 @@ def predict(params: int, world: int, latency: float, bandwidth: float,
 
 
 def measure(rank: int, world: int, a: dict) -> Dict:
+    # Every tensor made below lives on the group's device (nccl takes no host tensors).
+    with collectives.communication_device():
+        return _measure(rank, world, a)
+
+
+def _measure(rank: int, world: int, a: dict) -> Dict:
     from ..backends import CompressedBackend
 
     link = [_slowest_median(lambda x=torch.randn(n): dist.all_reduce(x), a["iters"])

@@ -32,7 +32,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from .. import launch
+from .. import collectives, launch
+from ..accelerator import get_accelerator
 from .table import Table, count_arg, int_arg
 
 COLUMNS = [("setup", 19, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
@@ -87,7 +88,9 @@ class _Setup:
 
     def __init__(self, name: str, a: dict, x: torch.Tensor, y: torch.Tensor) -> None:
         torch.manual_seed(0)
-        self.name, self.model = name, _model(a["params"], a["width"])
+        # On the group's device: an NCCL group takes no host tensors.
+        self.name = name
+        self.model = _model(a["params"], a["width"]).to(collectives.communication_device())
         self.onebit = name not in (FLOOR, "ddp+adam")
         net = self.model
         if name == "ddp+adam":
@@ -100,13 +103,17 @@ class _Setup:
 
     def run(self, steps: int) -> float:
         """The slowest rank's mean seconds per step over `steps` steps."""
+        sync = get_accelerator().synchronize  # device work is asynchronous: time to completion
         dist.barrier()
+        sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             self.opt.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(self.net(self.x), self.y).backward()
             self.opt.step()
-        slowest = torch.tensor([(time.perf_counter() - t0) / max(steps, 1)], dtype=torch.float64)
+        sync()
+        slowest = torch.tensor([(time.perf_counter() - t0) / max(steps, 1)], dtype=torch.float64,
+                               device=collectives.communication_device())
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return slowest.item()
 
@@ -159,8 +166,9 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
                      "pieces": row["pieces"]})
 
     gen = torch.Generator().manual_seed(1 + rank)
-    x = torch.randn(a["batch"], a["width"], generator=gen)
-    y = torch.randn(a["batch"], a["width"], generator=gen)
+    device = collectives.communication_device()
+    x = torch.randn(a["batch"], a["width"], generator=gen).to(device)
+    y = torch.randn(a["batch"], a["width"], generator=gen).to(device)
     floor = _Setup(FLOOR, a, x, y)  # kept for the whole run: timed beside every setup
     floor.run(a["untimed"])
     rows: List[Dict] = []

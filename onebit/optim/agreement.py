@@ -18,6 +18,22 @@ class ReplicaDivergenceError(RuntimeError):
     """The divergence guard found ranks whose parameters or state differ."""
 
 
+def check_params_served(name: str, param_groups, group) -> None:
+    """Every parameter must live where the process group's collectives take
+    tensors (an NCCL group takes no host tensors): a ValueError naming the
+    first that does not, before any collective, instead of a transport error
+    deep inside the first step."""
+    served = collectives.served_device_types(group)
+    for gi, g in enumerate(param_groups):
+        for pi, p in enumerate(g["params"]):
+            if p.device.type not in served:
+                raise ValueError(
+                    f"{name}: param {pi} of group {gi} {tuple(p.shape)} is on {p.device}, but the "
+                    f"process group ({dist.get_backend(group)}) takes tensors on "
+                    f"{' or '.join(served)} only: move the model there first (model.to(device)) "
+                    "or initialise the process group with a backend for that device")
+
+
 class RankAgreement:
     """The agreement half of OnebitOptimizer."""
 
@@ -82,7 +98,7 @@ class RankAgreement:
 
     def _gather_int64(self, phase: str, values: List[int]) -> torch.Tensor:
         """[world, len(values)] int64: every rank's values."""
-        mine = torch.tensor(values, dtype=torch.int64, device=self._device())
+        mine = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
         out = torch.empty(self.world_size, len(values), dtype=torch.int64, device=mine.device)
         self._collective(phase, lambda: collectives.all_gather_flat(
             out.view(-1), mine, group=self.process_group, async_op=True))

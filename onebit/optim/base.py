@@ -20,7 +20,7 @@ from ..backends.layout import BlockLayout
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from ..graphs import GraphedRegion
 from . import functional as F
-from .agreement import RankAgreement, ReplicaDivergenceError  # noqa: F401 - re-exported
+from .agreement import RankAgreement, ReplicaDivergenceError, check_params_served  # noqa: F401
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY, Checkpoints
 from .checks import (check_block_size, check_flag, check_number, check_positive_int,
@@ -77,7 +77,11 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
 
         self.comm_backend_name = backend_name(comm_backend_name)
         self.backend = None
+        # Where this optimizer's own collectives (averaging, agreement) take tensors.
+        self.comm_device = collectives.communication_device(process_group) \
+            if self.distributed else torch.device("cpu")
         if self.world_size > 1:
+            check_params_served(type(self).__name__, self.param_groups, process_group)
             # MPI has its own communicator and no deadlines; torch.distributed
             # backends take the process group and the deadline.
             mpi = self.comm_backend_name.startswith("mpi")
@@ -205,6 +209,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             return
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
+            check_params_served(type(self).__name__, self.param_groups, self.process_group)
             self._check_ranks_agree(self._settings)
             self._broadcast_parameters(groups=self.param_groups[-1:])
         self._watch_group(self.param_groups[-1])

@@ -1,0 +1,103 @@
+"""Every collective runs on the device its process group serves.
+
+An NCCL group has no backend for host tensors: a collective on one raises
+"No backend type associated with device type cpu". A CPU-only machine
+reproduces that group with `init_process_group("cuda:gloo")`, whose only
+backend serves CUDA tensors. Under it, each side collective must *ask for*
+the group's device (here that fails with torch's "not compiled with CUDA",
+since there is no GPU) instead of handing the group a host tensor: the
+piece tuner at its 8th call, gather_numbers, the backend's agreement,
+the hierarchical setup, the optimizer's construction and the bench.
+"""
+import pytest
+import torch
+
+from distributed import run_workers
+
+HOST_TENSOR_ERROR = "No backend type associated with device type cpu"
+
+
+def _asks_for_the_gpu(what, fn):
+    try:
+        fn()
+    except (RuntimeError, AssertionError) as exc:  # torch: AssertionError("Torch not compiled ...")
+        text = str(exc)
+        assert HOST_TENSOR_ERROR not in text, f"{what} handed a host tensor to the group: {text}"
+        assert "CUDA" in text, f"{what} failed otherwise than by asking for CUDA: {text}"
+        return
+    raise AssertionError(f"{what} ran a collective without the group's device")
+
+
+def _side_collectives(rank, world):
+    import torch.distributed as dist
+
+    from onebit import collectives
+    from onebit.backends import CompressedBackend
+    from onebit.backends.hierarchical import torch_hierarchical
+    from onebit.backends.pipeline import TUNING_CALLS, PieceTuner
+
+    assert collectives.served_device_types() == ["cuda"]
+    assert collectives.communication_device().type == "cuda"
+    # The group really refuses host tensors, as NCCL does.
+    try:
+        dist.all_reduce(torch.zeros(1))
+        raise AssertionError("a host tensor went through a cuda-only group")
+    except RuntimeError as exc:
+        assert HOST_TENSOR_ERROR in str(exc)
+
+    _asks_for_the_gpu("gather_numbers", lambda: collectives.gather_numbers(
+        "test", [1, 2], torch.int64))
+    backend = CompressedBackend(piece_size=None)
+    _asks_for_the_gpu("backend.share", lambda: backend.share(torch.zeros(2)))
+    tuner = PieceTuner(None)
+    key = ("layout",)
+    for call in range(TUNING_CALLS - 1):  # the trials gather nothing
+        tuner.record(key, tuner.count(key, 1 << 23, world), 0.1, backend.share)
+    _asks_for_the_gpu("the piece tuner's decision", lambda: tuner.record(
+        key, tuner.count(key, 1 << 23, world), 0.1, backend.share))
+    m = torch.randn(100)
+    n, ns = backend.error_sizes(100)
+    _asks_for_the_gpu("compressed_allreduce's agreement", lambda: backend.compressed_allreduce(
+        m, torch.zeros(n), torch.zeros(ns)))
+    _asks_for_the_gpu("the hierarchical setup", lambda: torch_hierarchical(node_of_rank=[0, 0]))
+    return True
+
+
+def _optimizer_on_host_params(rank, world):
+    import onebit
+
+    try:
+        onebit.OnebitAdam(torch.nn.Linear(3, 2).parameters(), freeze_step=2)
+    except ValueError as exc:
+        assert "is on cpu" in str(exc) and "cuda only" in str(exc), exc
+        return True
+    raise AssertionError("an optimizer over host params was built on a cuda-only group")
+
+
+def _bench_step(rank, world):
+    from onebit.bench import step
+
+    a = dict(params=1 << 12, width=64, batch=2, steps=1, rounds=1, untimed=0,
+             optimizers=["onebitadam"], overlap="off")
+    _asks_for_the_gpu("bench step", lambda: step.measure(rank, world, a))
+    return True
+
+
+@pytest.mark.parametrize("body", [_side_collectives, _optimizer_on_host_params, _bench_step],
+                         ids=["side-collectives", "optimizer", "bench-step"])
+def test_every_collective_asks_for_the_groups_device(body):
+    assert run_workers(body, 2, timeout=90, backend="cuda:gloo") == [True, True]
+
+
+def _devices(rank, world):
+    import torch.distributed as dist
+
+    from onebit import collectives
+
+    cpu_only = dist.new_group([0, 1], backend="cpu:gloo")
+    return (str(collectives.communication_device()),  # plain gloo serves cpu and cuda
+            collectives.served_device_types(cpu_only))
+
+
+def test_communication_device_comes_from_the_groups_backend():
+    assert run_workers(_devices, 2, timeout=60)[0] == ("cpu", ["cpu"])
