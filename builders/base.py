@@ -2,6 +2,7 @@
 how a compiler is run so that concurrent ranks never load a half-written file."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -74,7 +75,10 @@ class OpBuilder:
         cmd = [self.compiler(), *args, "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            os.unlink(tmp)
+            # nvcc deletes its own output when the link fails: a missing file
+            # here must not hide the compiler's error below.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise OpBuilderError(
                 f"{self.NAME}: compiling failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
         os.replace(tmp, output)
@@ -82,3 +86,36 @@ class OpBuilder:
 
     def load(self):
         raise NotImplementedError
+
+
+def self_test(kernels, device) -> None:
+    """A tiny launch of `kernels` on `device`, checked against the wire
+    format computed here in plain Python: raises OpBuilderError naming what
+    went wrong. Run at load, so that a kernel that cannot run on this device
+    (no machine code or PTX for it, a driver older than the runtime it was
+    linked with) fails where the loader can still fall back, not at the first
+    step of training."""
+    import torch
+
+    name = getattr(kernels, "name", type(kernels).__name__)
+    values = [(-1.0) ** (i * i // 3) * (i + 1) for i in range(19)] + [-0.0]
+    want = bytearray(3)
+    for i, v in enumerate(values):
+        want[i // 8] |= (v >= 0) << (i % 8)
+    try:
+        x = torch.tensor(values, dtype=torch.float32, device=device)
+        bits = torch.empty(3, dtype=torch.uint8, device=device)
+        kernels.pack(x, bits)
+        out = torch.empty(len(values), dtype=torch.float32, device=device)
+        kernels.decode(bits.view(1, -1), torch.full((1,), 0.5, device=device), 24, len(values),
+                       out)
+        got_bits, got = bytes(bits.cpu().tolist()), out.cpu().tolist()
+    except Exception as exc:  # noqa: BLE001 - whatever the device says is the reason
+        raise OpBuilderError(f"{name} kernels failed their self-test launch on {device}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    if got_bits != bytes(want):
+        raise OpBuilderError(f"{name} kernels failed their self-test on {device}: packed "
+                             f"{got_bits.hex()}, expected {bytes(want).hex()}")
+    if got != [0.5 if v >= 0 else -0.5 for v in values]:
+        raise OpBuilderError(f"{name} kernels failed their self-test on {device}: decoded "
+                             f"{got}")

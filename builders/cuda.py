@@ -5,10 +5,11 @@ torch too). When it cannot be built, cupy's packbits is used, and
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
-from .base import OpBuilderError
+from .base import OpBuilderError, self_test
 from .native import LauncherKernels, SharedLibraryBuilder
 from .torch_kernels import TorchKernels
 
@@ -17,8 +18,19 @@ _DEFAULT_ARCHS = "80;90"
 
 
 def _gencode() -> list:
-    archs = os.environ.get("ONEBIT_CUDA_ARCH", _DEFAULT_ARCHS).replace(",", ";").split(";")
-    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a.strip()]
+    """Machine code (SASS) for each architecture, and PTX for the lowest:
+    a newer GPU than any listed JIT-compiles the PTX instead of finding
+    "no kernel image"."""
+    archs = [a.strip() for a in
+             os.environ.get("ONEBIT_CUDA_ARCH", _DEFAULT_ARCHS).replace(",", ";").split(";")
+             if a.strip()]
+    lowest = min(archs, key=int)
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs] + [
+        f"-gencode=arch=compute_{lowest},code=compute_{lowest}"]
+
+
+def _current_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 class CupyKernels(TorchKernels):
@@ -33,8 +45,11 @@ class CupyKernels(TorchKernels):
 
     def pack(self, x: torch.Tensor, out: torch.Tensor) -> None:
         cp = self._cp
-        nonneg = cp.asarray((x.reshape(-1) >= 0))
-        out.copy_(torch.as_tensor(cp.packbits(nonneg, bitorder="little"), device=out.device))
+        # cupy on torch's current stream and device (the tensors' GPU), not its own.
+        with cp.cuda.Device(out.device.index), \
+                cp.cuda.ExternalStream(_current_stream(out.device)):
+            nonneg = cp.asarray((x.reshape(-1) >= 0))
+            out.copy_(torch.as_tensor(cp.packbits(nonneg, bitorder="little"), device=out.device))
 
 
 class CUDAPackbitsBuilder(SharedLibraryBuilder):
@@ -46,15 +61,26 @@ class CUDAPackbitsBuilder(SharedLibraryBuilder):
 
     @property
     def FLAGS(self):  # noqa: N802 - the base class reads it as a constant
-        return ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", *_gencode()]
+        # -fmad=false: no contracted multiply-adds, so x - s * sign(x) rounds
+        # as the CPU kernel's separate multiply and subtract do.
+        return ["-O3", "-std=c++17", "-fmad=false", "-Xcompiler", "-fPIC", *_gencode()]
 
     def load(self):
+        """The CUDA kernel, self-tested on the current device; else cupy's
+        pack (with a warning naming why), self-tested too; else an
+        OpBuilderError (onebit.ops then falls back to pure torch)."""
+        device = torch.device("cuda", torch.cuda.current_device())
         try:
-            lib = self.open_library()
-            return LauncherKernels("cuda", lib, "onebit_cuda",
-                                   lambda: torch.cuda.current_stream().cuda_stream, stream_first=False)
-        except OpBuilderError as first:
+            kernels = LauncherKernels("cuda", self.open_library(), "onebit_cuda", _current_stream,
+                                      stream_first=False, device_guard=torch.cuda.device)
+            self_test(kernels, device)
+            return kernels
+        except (OpBuilderError, OSError) as first:
             try:
-                return CupyKernels()
+                kernels = CupyKernels()
             except ImportError:
                 raise OpBuilderError(f"{first}; and cupy is not installed") from first
+            self_test(kernels, device)
+            warnings.warn(f"onebit: the CUDA packbits kernel is unusable ({first}); using cupy's",
+                          RuntimeWarning, stacklevel=2)
+            return kernels

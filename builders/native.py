@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 
@@ -44,14 +44,19 @@ class SharedLibraryBuilder(OpBuilder):
 class LauncherKernels:
     """The kernels interface over extern "C" launchers that return 0 on success.
 
-    `stream()` gives the stream (CUDA, passed last) or queue (SYCL, passed
-    first) pointer for the current device stream.
+    Every launch runs on the device of the tensors it is given, whichever
+    thread calls it: inside `device_guard(device)` (the launcher's kernel
+    goes to the current device), on `stream(device)`, the stream (CUDA,
+    passed last) or queue (SYCL, passed first) pointer of that device's
+    current torch stream. A communication thread whose current device is 0
+    thus still launches on the data's GPU.
     """
 
     def __init__(self, name: str, lib: ctypes.CDLL, prefix: str,
-                 stream: Callable[[], int], stream_first: bool) -> None:
+                 stream: Callable[[torch.device], int], stream_first: bool,
+                 device_guard: Callable[[torch.device], ContextManager]) -> None:
         self.name = name
-        self._stream, self._first = stream, stream_first
+        self._stream, self._first, self._guard = stream, stream_first, device_guard
         s = [_P] if stream_first else []
         e = [] if stream_first else [_P]
         self._pack = self._fn(lib, f"{prefix}_pack", s + [_I, _P, _I64, _P] + e)
@@ -65,26 +70,28 @@ class LauncherKernels:
         f.argtypes, f.restype = argtypes, _I
         return f
 
-    def _call(self, f, *args) -> None:
-        stream = self._stream()
-        rc = f(stream, *args) if self._first else f(*args, stream)
+    def _call(self, f, device: torch.device, *args) -> None:
+        with self._guard(device):
+            stream = self._stream(device)
+            rc = f(stream, *args) if self._first else f(*args, stream)
         if rc != 0:
-            raise RuntimeError(f"{self.name}: kernel launch failed with error {rc}")
+            raise RuntimeError(f"{self.name}: kernel launch on {device} failed with error {rc}")
 
     def pack(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        self._call(self._pack, DTYPE_CODES[x.dtype], x.data_ptr(), x.numel(), out.data_ptr())
+        self._call(self._pack, out.device, DTYPE_CODES[x.dtype], x.data_ptr(), x.numel(),
+                   out.data_ptr())
 
     def decode(self, bits: torch.Tensor, scales: torch.Tensor, block: int, cols: int,
                out: torch.Tensor) -> None:
-        self._call(self._decode, bits.data_ptr(), bits.stride(0), bits.shape[0], scales.data_ptr(),
-                   block, cols, out.data_ptr())
+        self._call(self._decode, out.device, bits.data_ptr(), bits.stride(0), bits.shape[0],
+                   scales.data_ptr(), block, cols, out.data_ptr())
 
     def compensate(self, buf: torch.Tensor, err: torch.Tensor, sumsq: torch.Tensor,
                    block: int) -> None:
-        self._call(self._compensate, buf.data_ptr(), buf.numel(), err.data_ptr(), err.numel(),
-                   block, sumsq.data_ptr())
+        self._call(self._compensate, err.device, buf.data_ptr(), buf.numel(), err.data_ptr(),
+                   err.numel(), block, sumsq.data_ptr())
 
     def pack_error(self, err: torch.Tensor, scales: torch.Tensor, block: int,
                    out: torch.Tensor) -> None:
-        self._call(self._pack_error, err.data_ptr(), err.numel(), scales.data_ptr(), block,
-                   out.data_ptr())
+        self._call(self._pack_error, err.device, err.data_ptr(), err.numel(), scales.data_ptr(),
+                   block, out.data_ptr())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .base import OpBuilderError
+from .base import OpBuilderError, self_test
 from .native import LauncherKernels, SharedLibraryBuilder
 
 HOST_COMPILER_ENV = "ONEBIT_SYCL_HOST_CXX"  # default: clang++-22
@@ -23,7 +23,9 @@ class SYCLPackbitsBuilder(SharedLibraryBuilder):
     COMPILER_ENV = "ONEBIT_SYCL_CXX"
     DEFAULT_COMPILER = "icpx"
     LIB_STEM = "onebit_sycl"
-    FLAGS = ("-fsycl", "-O3", "-std=c++17", "-fPIC")
+    # icpx defaults to -fp-model=fast (reassociation, contraction); precise
+    # keeps the arithmetic in the order the CPU kernel uses.
+    FLAGS = ("-fsycl", "-O3", "-fp-model=precise", "-std=c++17", "-fPIC")
 
     def host_syntax_check(self, include_dir=None) -> None:
         """Check the kernel source against real SYCL headers without a device
@@ -51,5 +53,8 @@ class SYCLPackbitsBuilder(SharedLibraryBuilder):
     def load(self):
         lib = self.open_library()
         # torch.xpu.Stream.sycl_queue is the address of the stream's sycl::queue.
-        return LauncherKernels("sycl", lib, "onebit_sycl",
-                               lambda: torch.xpu.current_stream().sycl_queue, stream_first=True)
+        kernels = LauncherKernels("sycl", lib, "onebit_sycl",
+                                  lambda device: torch.xpu.current_stream(device).sycl_queue,
+                                  stream_first=True, device_guard=torch.xpu.device)
+        self_test(kernels, torch.device("xpu", torch.xpu.current_device()))
+        return kernels

@@ -33,7 +33,7 @@ _kernels = {}
 
 
 def _load(device_type: str):
-    from .builders import OpBuilderError, TorchKernels
+    from .builders import OpBuilderError, TorchKernels, self_test
     from .accelerator import CpuAccelerator
 
     if os.environ.get("ONEBIT_KERNELS", "").lower() == "torch":
@@ -43,7 +43,11 @@ def _load(device_type: str):
     if builder is None:
         return TorchKernels()
     try:
-        return builder.load()
+        kernels = builder.load()
+        # A kernel that cannot run here fails now, where we can fall back.
+        self_test(kernels, torch.device("cpu") if device_type == "cpu" else
+                  torch.device(device_type, acc.current_device()))
+        return kernels
     except (OpBuilderError, OSError, ImportError) as exc:
         warnings.warn(f"onebit: no native packbits kernel for {device_type} ({exc}); "
                       "using the pure-torch path, which is correct but slower",

@@ -19,6 +19,29 @@ def test_cuda_kernel_compiles_with_the_builders_own_step(tmp_path):
     assert obj.stat().st_size > 0
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_shared_library_links_exports_the_launchers_and_carries_ptx(tmp_path, monkeypatch):
+    """The library load() opens, built as the builder builds it: the four
+    launchers exported, contraction off (-fmad=false, the CPU kernel's
+    rounding), and PTX for the lowest architecture beside the machine code
+    (checked in an uncompressed twin: the fatbin compresses PTX)."""
+    import subprocess
+
+    monkeypatch.setenv("ONEBIT_BUILD_DIR", str(tmp_path))
+    builder = CUDAPackbitsBuilder()
+    assert "-fmad=false" in builder.FLAGS
+    lib = builder.build()
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
+                             text=True, check=True).stdout.split()
+    for name in ("pack", "decode", "compensate", "pack_error"):
+        assert f"onebit_cuda_{name}" in symbols
+    plain = builder.run_compiler([*builder.FLAGS, "-no-compress", "-shared",
+                                  *map(str, builder.sources())], tmp_path / "plain.so")
+    text = plain.read_bytes()
+    assert b".target sm_80" in text  # PTX of the lowest default architecture
+    assert b".target sm_90" not in text  # the others carry machine code only
+
+
 def test_sycl_kernel_passes_the_host_syntax_check():
     """clang++ -fsycl-host-only against intel-sycl-rt's headers (.ci/run
     installs both); skipped, with the reason, where they are missing."""
