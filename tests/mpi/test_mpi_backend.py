@@ -172,3 +172,15 @@ def test_mpi_optimizer_overlapped_with_backward_matches_fused(gloo):
     assert stats["launched_in_backward"] > 0 and stats["redone"] == 0, stats
     every = mpi_gather(overlapped)
     assert all(torch.equal(e, every[0]) for e in every)
+
+
+def test_cuda_aware_refuses_an_mpi_without_cuda_support():
+    """The [mpi] extra's MPICH is built without CUDA: cuda_aware=True must be
+    a clear error at construction, not a segfault at the first exchange."""
+    from onebit.backends import MpiBackend
+    from onebit.backends.mpi import mpi_cuda_support
+
+    assert not mpi_cuda_support(MPI)
+    with pytest.raises(ValueError, match="does not report CUDA support"):
+        MpiBackend(cuda_aware=True)
+    assert MpiBackend(cuda_aware=False).size == COMM.Get_size()
