@@ -57,6 +57,13 @@ class Accelerator(abc.ABC):
     def synchronize(self, index: Optional[int] = None) -> None:
         """Wait for all queued work on the device."""
 
+    def bind_thread(self, device: torch.device) -> None:
+        """Make `device` the calling thread's current device (a thread
+        starts on device 0): a communication thread calls it once, from the
+        data's device, before its first launch."""
+        if device.type == self.name and device.index is not None:
+            self.set_device(device.index)
+
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self.name
 
@@ -129,10 +136,16 @@ class Accelerator(abc.ABC):
 class _HostStream:
     """Host work is synchronous, so a host stream only needs to exist."""
 
+    def __init__(self, device: Any = None, **_: Any) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
     def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
         pass
 
 

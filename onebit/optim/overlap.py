@@ -54,6 +54,51 @@ from .guards import copy_masked_, mask_unseen_
 FIRST_BUCKET_MB = 1.0  # the last layers' gradients come first: start on the wire early (as DDP)
 
 
+class StreamHandoff:
+    """Orders device work that crosses between the compute thread and the
+    communication thread (the design's "Devices and streams"): the producer
+    records an event on its stream, the consumer's stream waits on it, and
+    no host sync is needed. The communication thread binds the data's device
+    once and runs every exchange on a stream of its own. On the host (or an
+    accelerator without streams) the events are trivially complete."""
+
+    def __init__(self) -> None:
+        self.comm_stream = None
+
+    @staticmethod
+    def _accelerator(device: torch.device):
+        from ..accelerator import CpuAccelerator, get_accelerator
+
+        acc = get_accelerator()
+        return acc if device.type == acc.name else CpuAccelerator()
+
+    def produced(self, device: torch.device):
+        """An event after what the calling thread's stream queued so far."""
+        acc = self._accelerator(device)
+        event = acc.Event()
+        event.record(acc.current_stream(device.index))
+        return event
+
+    def run_on_comm_thread(self, device: torch.device, ready, work) -> object:
+        """On the communication thread: once `ready` has happened, `work()`
+        on this thread's stream; returns the event after it."""
+        acc = self._accelerator(device)
+        if self.comm_stream is None:
+            acc.bind_thread(device)
+            self.comm_stream = acc.Stream(device=device)
+        with acc.stream(self.comm_stream):
+            self.comm_stream.wait_event(ready)
+            work()
+            done = acc.Event()
+            done.record(self.comm_stream)
+        return done
+
+    def consume(self, device: torch.device, done) -> None:
+        """The calling thread's stream waits for `done` before what it queues next."""
+        acc = self._accelerator(device)
+        acc.current_stream(device.index).wait_event(done)
+
+
 class Bucket:
     """Some consecutive trained params of one group, exchanged together."""
 
@@ -66,6 +111,9 @@ class Bucket:
         self.future = None  # the queued exchange
         self.collected = False  # step() has taken its result
         self.backup: Optional[tuple] = None  # the errors as they were before it
+        self.ready = None  # event: its input is written (compute stream)
+        self.done = None  # event: its exchange finished (communication stream)
+        self.ready_device: Optional[torch.device] = None  # where its buffer lives
         self.input_key = None  # what its input was written for (_exchange_input_key)
 
     def pick(self, xs: list) -> list:
@@ -135,6 +183,7 @@ class BackwardOverlap:
         self.stats = {"launched_in_backward": 0, "launched_in_step": 0, "redone": 0,
                       "wait_s": 0.0}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="onebit-exchange")
+        self.handoff = StreamHandoff()
 
     # ------------------------------------------------------------- hooks --
     def watch(self, params) -> None:
@@ -195,6 +244,8 @@ class BackwardOverlap:
         views = opt._views(bucket.key, bucket.params)
         opt._exchange_input_(bucket.index, bucket.params, grads, views, bucket.positions)
         bucket.input_key = opt._exchange_input_key(bucket.index)
+        bucket.ready_device = views[0].device
+        bucket.ready = self.handoff.produced(bucket.ready_device)
         bucket.future = self._thread.submit(self._exchange, bucket)
         self.launched += 1
 
@@ -204,13 +255,18 @@ class BackwardOverlap:
         collectives would each only wait out the deadline."""
         if self.failure is not None:
             raise self.failure
-        worker, server = self.opt._error_buffers(bucket.key)
-        if bucket.backup is None or bucket.backup[0].shape != worker.shape:
-            bucket.backup = (torch.empty_like(worker), torch.empty_like(server))
-        bucket.backup[0].copy_(worker)
-        bucket.backup[1].copy_(server)
-        try:
+
+        def backup_and_exchange() -> None:
+            worker, server = self.opt._error_buffers(bucket.key)
+            if bucket.backup is None or bucket.backup[0].shape != worker.shape:
+                bucket.backup = (torch.empty_like(worker), torch.empty_like(server))
+            bucket.backup[0].copy_(worker)
+            bucket.backup[1].copy_(server)
             self.opt._compressed_allreduce_flat(bucket.key)
+
+        try:
+            bucket.done = self.handoff.run_on_comm_thread(bucket.ready_device, bucket.ready,
+                                                          backup_and_exchange)
         except BaseException as exc:
             self.failure = exc
             raise
@@ -258,6 +314,7 @@ class BackwardOverlap:
             started = time.perf_counter()
             b.future.result()  # a CommunicationError of the thread surfaces here
             self.stats["wait_s"] += time.perf_counter() - started
+            self.handoff.consume(b.ready_device, b.done)
             b.collected = True
             b.land(out, self.opt._views(b.key, b.params), seen, masks)
             yield b.positions
@@ -295,6 +352,7 @@ class BackwardOverlap:
             except BaseException as exc:  # noqa: BLE001 - the first one is re-raised below
                 failure = failure or exc
             if b.backup is not None and failure is None:
+                self.handoff.consume(b.ready_device, b.done)
                 worker, server = self.opt._error_buffers(b.key)
                 worker.copy_(b.backup[0])
                 server.copy_(b.backup[1])
