@@ -56,7 +56,14 @@ class Pending:
 
     def wait(self) -> None:
         try:
-            self.work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            if stream_ordered(self.group):
+                # The current stream waits for the collective; the host does
+                # not (NCCL polls the host until done when given a timeout).
+                # NCCL's watchdog, at the process group's timeout, is then
+                # what ends a dead peer's wait.
+                self.work.wait()
+            else:
+                self.work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise _failed(self.phase, self.timeout_s, self.group, exc) from exc
 
@@ -101,6 +108,13 @@ def served_device_types(group=None) -> List[str]:
         device, sep, backend = entry.strip().partition(":")
         types.append(device if sep else _BACKEND_DEVICE.get(device.lower(), "cpu"))
     return types
+
+
+def stream_ordered(group=None) -> bool:
+    """Whether `group`'s collectives finish on a device stream (nccl, xccl)
+    rather than on the host (gloo, mpi)."""
+    return any(t in ("cuda", "xpu") for t in served_device_types(group)) and not any(
+        b in str(dist.get_backend(group)) for b in ("gloo", "mpi"))
 
 
 def communication_device(group=None) -> torch.device:
