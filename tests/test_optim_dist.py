@@ -361,7 +361,7 @@ def _train_and_save(rank, world, cls_name, steps, path):
         opt.step()
     if rank == 0:
         torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, path)
-    return losses
+    return losses, loss_and_grads(params, rank, world)  # the loss at the saved params
 
 
 def _resume(rank, world, cls_name, steps, path):
@@ -398,17 +398,15 @@ def loss_and_grads(params, rank, world):
 def test_checkpoint_in_compression_stage_resumes_at_other_world_sizes(cls_name, saved_on,
                                                                       resumed_on, tmp_path):
     path = str(tmp_path / "ckpt.pt")
-    before = run_workers(_train_and_save, saved_on, cls_name, 40, path, timeout=120)[0]
-    # The largest step change of the last 10 steps (the loss still falls fast here, so
-    # a shorter window can miss a normal step's size).
-    typical = max(abs(a - b) for a, b in zip(before[-11:], before[-10:]))
+    before, saved_loss = run_workers(_train_and_save, saved_on, cls_name, 40, path,
+                                     timeout=120)[0]
     for world in resumed_on:
         (after, step), *_ = run_workers(_resume, world, cls_name, 10, path, timeout=120)
         assert step == 50  # the stage (step count) came back with the checkpoint
-        # after[0] is the loss at the checkpointed point, before[-1] the loss one
-        # step earlier: their gap is one step's change, which must look normal.
-        jump = abs(after[0] - before[-1])
-        assert jump <= typical, f"loss jumped {jump} (largest recent step change {typical})"
+        # after[0] is the loss at the checkpointed params, before any resumed step: the
+        # very number the saving run computed there (a loss jump heuristic used to stand
+        # here; step 40's own change could exceed the 10 before it, as 0/1 Adam's does).
+        assert after[0] == saved_loss, (after[0], saved_loss)
         assert after[-1] < before[0]
 
 
