@@ -1,11 +1,11 @@
 """Install onebit, compiling the CPU sign-bit kernel ahead of time.
 
-`builders/` and `kernels/` are installed *inside* the package (as
-`onebit.builders` and `onebit.kernels`) so nothing generic lands at the top of
-site-packages, and so the just-in-time builder can find the sources after a
-plain `pip install .`.
+The kernel sources ship inside the package (`onebit/kernels`) so the
+just-in-time builders find them after a plain `pip install .`. The version
+lives in one place, `onebit/__init__.py`.
 """
 import os
+import re
 import sys
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -28,12 +28,21 @@ class optional_build_ext(build_ext):
             print(f"onebit: building {ext.name} failed ({exc})", file=sys.stderr)
 
 
+def read_version() -> str:
+    # Not `import onebit`: that needs torch, which the build environment lacks.
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "onebit", "__init__.py")).read()
+    return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
+
+
+VERSION = read_version()
+DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+
 ext_modules = []
 if os.environ.get("ONEBIT_NO_AOT", "0") in ("", "0"):
     ext_modules.append(
         Pybind11Extension(
             "onebit._packbits_cpu",
-            ["kernels/cpu/packbits.cpp"],
+            ["onebit/kernels/cpu/packbits.cpp"],
             cxx_std=17,
             extra_compile_args=["-O3"],
         )
@@ -41,15 +50,13 @@ if os.environ.get("ONEBIT_NO_AOT", "0") in ("", "0"):
 
 setup(
     name="onebit",
-    version="0.1.0",
+    version=VERSION,
     description="Communication-compressed 1-bit Adam, 1-bit LAMB and 0/1 Adam for PyTorch, on every accelerator",
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["onebit", "onebit.*"]) + ["onebit.builders", "onebit.kernels"],
-    package_dir={"onebit.builders": "builders", "onebit.kernels": "kernels"},
-    package_data={"onebit.kernels": ["cpu/*.cpp", "cuda/*.cu", "sycl/*.cpp"],
-                  "onebit.bench": ["data/*.txt.gz"]},
+    packages=find_packages(include=["onebit", "onebit.*"]),
+    package_data={"onebit.kernels": ["cpu/*.cpp", "cuda/*.cu", "sycl/*.cpp"]},
     include_package_data=True,
     # pybind11: headers for the just-in-time build; tqdm: the bench progress bar.
     install_requires=["torch>=2.1,<3", "numpy>=1.22", "pybind11>=2.10", "tqdm"],
@@ -57,10 +64,12 @@ setup(
         "mpi": ["mpi4py>=3.1", "mpich>=4"],
         "cuda": ["cupy-cuda12x>=13"],
         "xpu": [],  # torch>=2.5 has torch.xpu natively; nothing more to install
+        # examples and --plot run in the tests; the docs site is built there (--strict)
         "dev": ["pytest>=7", "pytest-timeout>=2", "pybind11>=2.10", "scikit-learn",
                 "transformers>=4.40", "accelerate>=0.26", "lightning>=2.2",
-                "matplotlib"],  # examples and --plot run in the tests
-        "bench": ["matplotlib", "scikit-learn"],
+                "matplotlib", *DOCS],
+        "docs": DOCS,
+        "bench": ["matplotlib", "scikit-learn"],  # the checkout's benchmarks/
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": optional_build_ext},

@@ -1,25 +1,26 @@
 """The error-feedback residual over a run, for the README: OnebitAdam on the
-language model of `python -m onebit.bench lm`, frozen at a sound point (20%
+language model of `python -m benchmarks.lm`, frozen at a sound point (20%
 of the steps) and at a bad one (2%, before the variance settles), with
 rank 0's `comm_stats()["worker_error_norm"]` after every step and the
 held-out loss. Writes docs/error_norm.png and prints the numbers.
 
-  python benchmarks/error_norm.py [--steps 240]
+  python -m benchmarks.error_norm [--steps 240]
 """
 import argparse
 import json
 import sys
 
-from onebit.bench import lm
+from benchmarks import lm
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--freezes", type=float, nargs="+", default=[0.02, 0.2])
     p.add_argument("--plot", default="docs/error_norm.png")
     p.add_argument("--json")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> bool:
     parser = argparse.ArgumentParser()
     lm.add_arguments(parser)
     runs = {}
@@ -57,8 +58,10 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({str(k): v for k, v in runs.items()}, f)
-    return 0
+    return True
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from onebit.bench.command import main
+
+    sys.exit(main(sys.modules[__name__]))

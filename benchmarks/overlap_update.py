@@ -9,7 +9,7 @@ setup after another). Setups: `floor` (torch.optim.Adam, no communication),
 before stepping, as before the per-bucket update), `fused` (no overlap).
 For the README's figure, on 4 shaped hosts:
 
-  OMP_NUM_THREADS=1 sudo ../shared/tools/shaped_net.sh run 4 100mbit -- \\
+  sudo OMP_NUM_THREADS=1 benchmarks/shaped_net.sh run 4 100mbit -- \\
       .venv/bin/python benchmarks/overlap_update.py
 """
 import argparse
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from onebit import launch
-from onebit.bench.step import _model
+from onebit.bench.step import make_model
 from onebit.optim.overlap import Overlapping
 
 SETUPS = ("floor", "per-bucket", "after-last", "fused")
@@ -36,7 +36,7 @@ def _build(name: str, a: dict):
     import onebit
 
     torch.manual_seed(0)  # the same model in every setup and on every rank
-    model = _model(a["params"], a["width"])
+    model = make_model(a["params"], a["width"])
     if name == "floor":
         return model, torch.optim.Adam(model.parameters(), lr=1e-5)
     opt = onebit.OnebitAdam(model.parameters(), lr=1e-5, freeze_step=2,

@@ -18,9 +18,9 @@ import torch
 
 import onebit
 from onebit import launch
-from onebit.bench.convergence import load_digits_split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from digits import load_digits_split  # noqa: E402
 from train_digits import (AveragingCheck, batches, evaluate, fit,  # noqa: E402
                           make_model_and_groups, recipe_parser)
 

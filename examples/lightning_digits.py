@@ -22,9 +22,9 @@ import torch
 
 import onebit
 from onebit import launch
-from onebit.bench.convergence import load_digits_split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from digits import load_digits_split  # noqa: E402
 from train_digits import AveragingCheck, make_model_and_groups, recipe_parser  # noqa: E402
 
 

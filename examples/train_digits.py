@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import onebit
 from onebit import launch
-from onebit.bench.convergence import load_digits_split
+from digits import load_digits_split
 
 
 def make_model_and_groups(xtr):

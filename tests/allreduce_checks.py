@@ -3,7 +3,7 @@ and the mpirun tests: `gather` is the only thing a transport supplies."""
 import numpy as np
 import torch
 
-from reference import reference_round
+from tests.reference import reference_round
 
 SIZES = [1, 5, 77777, 1000003]
 # A fused buffer as an optimizer builds it: tensors of awkward sizes, one of
@@ -119,7 +119,7 @@ def check_hierarchical_rounds(backend, rank, p, nodes, gather):
     three-stage reference (reference.hierarchical_round), lockstep like
     check_rounds: the all-zero tensor comes back exactly zero, the errors are
     the shard's and match, every rank ends with the same bits."""
-    from reference import hierarchical_round
+    from tests.reference import hierarchical_round
 
     block = backend.block_size
     layout = backend.layout(FUSED)

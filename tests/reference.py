@@ -1,5 +1,5 @@
 """Independent float64 reference of the compressed allreduce (wire format v2),
-written from the 1-bit Adam paper (Tang et al., 2021, Alg. 1) and DESIGN.md's
+written from the 1-bit Adam paper (Tang et al., 2021, Alg. 1) and docs/design.md's
 block-scale contract -- it imports nothing from onebit, so a bug there cannot
 hide here.
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from allreduce_checks import ROUNDS, SIZES, check_fused_rounds, check_rounds, make_inputs
-from distributed import run_workers
-from reference import reference_round
+from tests.allreduce_checks import ROUNDS, SIZES, check_fused_rounds, check_rounds, make_inputs
+from tests.distributed import run_workers
+from tests.reference import reference_round
 
 def _gloo_rounds(rank, p):
     import torch.distributed as dist

@@ -39,6 +39,56 @@ def test_bench_two_local_ranks_small_sizes(tmp_path):
         assert abs(r["busbw"] - r["algbw"] * 2 * (2 - 1) / 2) < 1e-9
 
 
+def _table_rows(text):
+    return [l for l in text.splitlines() if l.startswith(" ")]
+
+
+def test_bench_log_with_both_streams_reads_as_a_table():
+    """stdout and stderr in one pipe (a log file): no progress bar, no carriage
+    returns, and every table row whole on its own line."""
+    proc = subprocess.run([sys.executable, "-m", "onebit.bench", "--nproc", "2", "-b", "4K", "-e", "16K",
+                           "-w", "0", "-n", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "\r" not in proc.stdout and "it/s" not in proc.stdout, proc.stdout
+    rows = _table_rows(proc.stdout)
+    assert len(rows) == 3 * 3 and len({len(r.split()) for r in rows}) == 1, rows
+
+
+def test_bench_on_a_terminal_draws_the_bar_apart_from_the_rows():
+    """On a terminal the bar shows, and each row still lands on a line of its own."""
+    import pty
+
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    # A terminal 100 columns wide: at the new pty's 0 columns tqdm draws nothing.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "onebit.bench", "--nproc", "2", "-b", "4K", "-e", "16K",
+                             "-w", "0", "-n", "1"], stdout=follower, stderr=follower, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert proc.wait(timeout=300) == 0
+    os.close(leader)
+    text = b"".join(chunks).decode()
+    assert "onebit.bench:" in text  # the bar was drawn
+    # What a terminal shows: a carriage return starts the line over.
+    shown = [line.rsplit("\r", 1)[-1] for line in text.replace("\r\n", "\n").split("\n")]
+    rows = _table_rows("\n".join(shown))
+    assert len(rows) == 3 * 3 and len({len(r.split()) for r in rows}) == 1, rows
+
+
 def test_bench_piece_sizes_give_the_same_bits(tmp_path):
     """Fixed pieces, no pieces and the tuner: all match the float64 simulation
     (which knows nothing of pieces), and the footer names the counts used."""
@@ -224,7 +274,9 @@ def test_local_ranks_use_gloo_without_a_device_per_rank():
 ])
 def test_bad_bench_flags_are_usage_errors(flags):
     """argparse's usage error and exit status 2, at once: no loop, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "onebit.bench", *flags], capture_output=True,
+    # The research benchmarks moved to the checkout's benchmarks/ and share the flag handling.
+    module = ["benchmarks." + flags.pop(0)] if flags[0] in ("lm", "soak") else ["onebit.bench"]
+    proc = subprocess.run([sys.executable, "-m", *module, *flags], capture_output=True,
                           text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2, (flags, proc.stdout, proc.stderr)
     assert "usage:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_workers
+from tests.distributed import run_workers
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bits.json"
 STEPS = 40

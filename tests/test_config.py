@@ -88,7 +88,7 @@ def _deepspeed_backend_names(rank, world):
 def test_deepspeed_backend_names_run_at_two_ranks():
     """"nccl" (in every DeepSpeed 1-bit config) means the torch.distributed
     backend, whatever the device: it trains on 2 gloo ranks, identically."""
-    from distributed import run_workers
+    from tests.distributed import run_workers
 
     a, b = run_workers(_deepspeed_backend_names, 2, timeout=120)
     assert a == b

@@ -1,9 +1,11 @@
-"""Short version of `python -m onebit.bench convergence`: on real data (the
+"""Short version of `python -m benchmarks.convergence`: on real data (the
 digits that ship with scikit-learn), 4 gloo ranks, each 1-bit optimizer ends
 within the bar of its full-precision baseline after the same steps."""
 import pytest
 
-from onebit.bench.convergence import compare
+from benchmarks.convergence import compare
+
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 
 @pytest.mark.timeout(600)

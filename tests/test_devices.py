@@ -12,7 +12,7 @@ the hierarchical setup, the optimizer's construction and the bench.
 import pytest
 import torch
 
-from distributed import run_workers
+from tests.distributed import run_workers
 
 HOST_TENSOR_ERROR = "No backend type associated with device type cpu"
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from distributed import run_workers
+from tests.distributed import run_workers
 
 SHAPES = [(6, 4), (9,)]
 

@@ -9,8 +9,8 @@ graphs where there is a GPU (marked gpu; skipped here, with the reason).
 import pytest
 import torch
 
-from distributed import run_workers
-from graph_emulator import EmulatedGraphAccelerator
+from tests.distributed import run_workers
+from tests.graph_emulator import EmulatedGraphAccelerator
 from onebit.accelerator import CpuAccelerator, CudaAccelerator
 
 on_cuda = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

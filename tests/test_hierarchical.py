@@ -4,8 +4,8 @@ checked against the independent three-stage float64 reference."""
 import pytest
 import torch
 
-from allreduce_checks import FUSED, check_hierarchical_rounds, fused_inputs
-from distributed import run_workers
+from tests.allreduce_checks import FUSED, check_hierarchical_rounds, fused_inputs
+from tests.distributed import run_workers
 
 
 def _gather(p):
@@ -183,7 +183,7 @@ SWITCH = 36
 
 
 def _adam_on_hierarchical(rank, world, steps, freeze):
-    from test_optim_dist import make, make_params, synthetic_grad
+    from tests.test_optim_dist import make, make_params, synthetic_grad
 
     params = make_params(seed=0)
     opt = make("OnebitAdam", params, freeze_step=freeze, lr=1e-2, comm_backend_name="hierarchical")
@@ -201,8 +201,8 @@ def test_onebit_adam_on_2x2_matches_simulation_with_the_hierarchical_exchange():
     reference (test_optim_dist's simulation with the exchange swapped)."""
     import numpy as np
 
-    from reference import hierarchical_round, placement
-    from test_optim_dist import BLOCK, make_params, simulate_onebit_adam
+    from tests.reference import hierarchical_round, placement
+    from tests.test_optim_dist import BLOCK, make_params, simulate_onebit_adam
 
     nodes = [[0, 1], [2, 3]]
     sizes = [p.numel() for p in make_params(0)]
@@ -230,7 +230,7 @@ def _train_then_switch(rank, world, cls_name, prefix, first, second):
     optimizer built on `second`'s that loads it: the replicas stay identical
     (check_replicas_every=1 compares them wherever they should match) and
     the loss keeps falling."""
-    from test_optim_dist import CONFIGS, assert_identical, loss_and_grads, make, make_params
+    from tests.test_optim_dist import CONFIGS, assert_identical, loss_and_grads, make, make_params
 
     params = make_params(seed=0)
     kw = {**CONFIGS[cls_name], "check_replicas_every": 1}  # the variance freezes at step 30

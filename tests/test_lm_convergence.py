@@ -1,9 +1,11 @@
-"""Short version of `python -m onebit.bench lm`: a tiny GPT on real text
+"""Short version of `python -m benchmarks.lm`: a tiny GPT on real text
 (4k-word vocabulary, tied embeddings) on 2 gloo ranks. Every optimizer stays
 finite at every step and ends near its full-precision baseline."""
 import pytest
 
-from onebit.bench.lm import compare
+from benchmarks.lm import compare
+
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 SHORT = dict(steps=100, freeze=0.2, nproc=2, seeds=[0], lr=2e-3, lamb_lr_scale=3.0, vocab=4096, dim=32, layers=1,
              heads=2, context=16, batch=8, eval_batch=64, every=50, block_size=256,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
+
 HERE = Path(__file__).resolve().parent
 
 

@@ -1,6 +1,9 @@
 """`python -m onebit.bench optim` measures what it says (small sizes here)."""
-from distributed import run_workers
+import pytest
+from tests.distributed import run_workers
 from onebit.bench.optim import measure
+
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 
 def test_optim_bench_reports_every_optimizer_against_adam():

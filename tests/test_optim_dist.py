@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_workers
-from reference import placement, reference_round
+from tests.distributed import run_workers
+from tests.reference import placement, reference_round
 
 BLOCK = 256  # the optimizers' default block_size
 
@@ -348,35 +348,6 @@ def test_exp_avg_mask_keeps_masked_momentum_exactly_zero():
         assert unmasked > 1e-3 and masked == 0.0
 
 
-# ------------------------------------------------------- checkpoints --
-def _train_and_save(rank, world, cls_name, steps, path):
-    import onebit  # noqa: F401
-    from test_optim_dist import CONFIGS, loss_and_grads
-
-    params = make_params(seed=0)
-    opt = make(cls_name, params, **CONFIGS[cls_name])
-    losses = []
-    for t in range(1, steps + 1):
-        losses.append(loss_and_grads(params, rank, world))
-        opt.step()
-    if rank == 0:
-        torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, path)
-    return losses, loss_and_grads(params, rank, world)  # the loss at the saved params
-
-
-def _resume(rank, world, cls_name, steps, path):
-    from test_optim_dist import CONFIGS, loss_and_grads
-
-    ckpt = torch.load(path, weights_only=False)
-    params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
-    opt = make(cls_name, params, **CONFIGS[cls_name])
-    opt.load_state_dict(ckpt["opt"])
-    losses = []
-    for _ in range(steps):
-        losses.append(loss_and_grads(params, rank, world))
-        opt.step()
-    return losses, opt.counters["step"]
-
 
 TARGETS = [torch.randn(s, generator=torch.Generator().manual_seed(5)) for s in SHAPES]
 
@@ -391,23 +362,6 @@ def loss_and_grads(params, rank, world):
         g = torch.Generator().manual_seed(1000 * rank + i + int(1e6 * abs(loss)) % 997)
         p.grad = diff + 0.1 * torch.randn(p.shape, generator=g)
     return loss
-
-
-@pytest.mark.parametrize("saved_on, resumed_on", [(4, (2, 3)), (2, (4,))])
-@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
-def test_checkpoint_in_compression_stage_resumes_at_other_world_sizes(cls_name, saved_on,
-                                                                      resumed_on, tmp_path):
-    path = str(tmp_path / "ckpt.pt")
-    before, saved_loss = run_workers(_train_and_save, saved_on, cls_name, 40, path,
-                                     timeout=120)[0]
-    for world in resumed_on:
-        (after, step), *_ = run_workers(_resume, world, cls_name, 10, path, timeout=120)
-        assert step == 50  # the stage (step count) came back with the checkpoint
-        # after[0] is the loss at the checkpointed params, before any resumed step: the
-        # very number the saving run computed there (a loss jump heuristic used to stand
-        # here; step 40's own change could exceed the 10 before it, as 0/1 Adam's does).
-        assert after[0] == saved_loss, (after[0], saved_loss)
-        assert after[-1] < before[0]
 
 
 # --------------------------------------------------------------- DDP --
@@ -507,148 +461,3 @@ def test_ddp_hook_one_full_allreduce_in_warmup_none_after():
     for per_step in run_workers(_count_ddp_allreduces, 2, timeout=60):
         assert per_step[:3] == [[n]] * 3, per_step  # warmup: DDP's one bucket, the optimizer none
         assert per_step[3:] == [[]] * 3, per_step  # compression: only the 1-bit exchange
-
-
-def _uninterrupted(rank, world, cls_name, steps):
-    from test_optim_dist import CONFIGS, loss_and_grads
-
-    params = make_params(seed=0)
-    opt = make(cls_name, params, **CONFIGS[cls_name])
-    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
-    return losses, [p.detach().reshape(-1).tolist() for p in params]
-
-
-_STRAIGHT = {}
-
-
-def straight_run(cls_name):
-    """50 uninterrupted steps on 3 ranks (computed once per optimizer)."""
-    if cls_name not in _STRAIGHT:
-        _STRAIGHT[cls_name] = run_workers(_uninterrupted, 3, cls_name, 50, timeout=120)
-    return _STRAIGHT[cls_name]
-
-
-def _save_each_rank(rank, world, cls_name, steps, prefix):
-    from test_optim_dist import CONFIGS, loss_and_grads
-
-    params = make_params(seed=0)
-    opt = make(cls_name, params, **CONFIGS[cls_name])
-    for _ in range(steps):
-        loss_and_grads(params, rank, world)
-        opt.step()
-    # Each rank its own file: 0/1 Adam's params and state differ between syncs.
-    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict(),
-                "errors": opt.error_feedback_state_dict()}, f"{prefix}.{rank}")
-
-
-def _resume_each_rank(rank, world, cls_name, steps, prefix, errors_shift):
-    from test_optim_dist import CONFIGS, loss_and_grads
-
-    ckpt = torch.load(f"{prefix}.{rank}", weights_only=False)
-    errs = torch.load(f"{prefix}.{(rank + errors_shift) % world}", weights_only=False)["errors"]
-    params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
-    opt = make(cls_name, params, **CONFIGS[cls_name])
-    opt.load_state_dict(ckpt["opt"])
-    restored = opt.load_error_feedback_state_dict(errs)
-    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
-    return restored, losses, [p.detach().reshape(-1).tolist() for p in params]
-
-
-def _resume_scaled_lamb(rank, world, prefix):
-    ckpt = torch.load(f"{prefix}.{rank}", weights_only=False)
-    for st in ckpt["opt"]["state"].values():
-        st["scaling_coeff"] = 2.0  # what onebit before 2026-11 saved: its errors were scaled
-    params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
-    opt = make("OnebitLamb", params, **CONFIGS["OnebitLamb"])
-    opt.load_state_dict(ckpt["opt"])
-    restored = opt.load_error_feedback_state_dict(ckpt["errors"])
-    return restored, [k for st in opt.state.values() for k in st if k == "scaling_coeff"]
-
-
-def test_lamb_checkpoint_with_momentum_scaling_restarts_its_error_buffers(tmp_path):
-    """1-bit LAMB no longer scales the momenta before the exchange; a
-    checkpoint that says it did has errors in scaled units, which mean
-    nothing now: they restart from zero, and the coefficient is dropped."""
-    prefix = str(tmp_path / "ckpt")
-    run_workers(_save_each_rank, 2, "OnebitLamb", 12, prefix, timeout=120)
-    assert run_workers(_resume_scaled_lamb, 2, prefix, timeout=120) == [(False, [])] * 2
-
-
-@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
-def test_resume_with_each_ranks_error_buffers_is_bitwise_identical_to_not_stopping(cls_name,
-                                                                                  tmp_path):
-    """Saved mid-compression (step 40 of 50) on 3 ranks: the resumed run's
-    losses and parameters equal the uninterrupted run's, bit for bit, on
-    every rank. Without the error buffers (DeepSpeed's reset) they do not."""
-    prefix = str(tmp_path / "ckpt")
-    straight = straight_run(cls_name)
-    run_workers(_save_each_rank, 3, cls_name, 40, prefix, timeout=120)
-    resumed = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 0, timeout=120)
-    for (losses, params), (restored, after, params_after) in zip(straight, resumed):
-        assert restored
-        assert after == losses[40:] and params_after == params
-    # Another rank's buffers are refused (they restart from zero), and the
-    # resume is then no longer exact: the buffers carried real information.
-    swapped = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 1, timeout=120)
-    assert not any(r[0] for r in swapped)
-    assert any(r[2] != s[1] for r, s in zip(swapped, straight))
-
-
-def _dcp_save_or_resume(rank, world, cls_name, steps, path, resume):
-    """torch.distributed.checkpoint, as FSDP2/Accelerate use it: the model and
-    get_optimizer_state_dict, plus this rank's error buffers under a key
-    naming the rank (each rank writes its own shard of them)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    from test_optim_dist import CONFIGS, loss_and_grads
-
-    params = make_params(seed=0 if not resume else 99)  # resumed: every value from the checkpoint
-    model = torch.nn.ParameterList(params)
-    opt = make(cls_name, params, **CONFIGS[cls_name])
-    errors = opt.error_feedback_key()
-    if not resume:
-        for _ in range(steps):
-            loss_and_grads(params, rank, world)
-            opt.step()
-        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
-                  errors: opt.error_feedback_state_dict()}, checkpoint_id=path)
-        return None
-    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
-             errors: opt.error_feedback_state_dict()}
-    # At a larger world size the new ranks' error entries are not in the
-    # checkpoint: a partial load leaves their (zero) buffers as they are.
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=True) if resume == "partial" else None
-    dcp.load(state, checkpoint_id=path, planner=planner)
-    model.load_state_dict(state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    restored = opt.load_error_feedback_state_dict(state[errors])
-    step = opt.counters["step"]
-    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
-    return restored, step, losses, [p.detach().reshape(-1).tolist() for p in params]
-
-
-@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
-def test_torch_distributed_checkpoint_resume_is_bitwise_identical(cls_name, tmp_path):
-    """Saved with DCP at step 40 (compression stage; a 0/1 Adam sync) on 3
-    ranks, loaded into fresh optimizers in fresh processes: 10 more steps
-    equal the uninterrupted run bit for bit on every rank."""
-    path = str(tmp_path / "dcp")
-    straight = straight_run(cls_name)
-    run_workers(_dcp_save_or_resume, 3, cls_name, 40, path, False, timeout=120)
-    resumed = run_workers(_dcp_save_or_resume, 3, cls_name, 10, path, True, timeout=120)
-    for (losses, params), (restored, step, after, params_after) in zip(straight, resumed):
-        assert restored and step == 40
-        assert after == losses[40:] and params_after == params
-
-
-def test_torch_distributed_checkpoint_resumes_at_other_world_sizes(tmp_path):
-    """DCP saved on 3 ranks: on 2 and 4 the stage comes back and the error
-    buffers restart from zero (reported, not silently mixed)."""
-    path = str(tmp_path / "dcp")
-    run_workers(_dcp_save_or_resume, 3, "OnebitAdam", 40, path, False, timeout=120)
-    for world in (2, 4):
-        out = run_workers(_dcp_save_or_resume, world, "OnebitAdam", 3, path, "partial", timeout=120)
-        for restored, step, losses, params in out:
-            assert not restored and step == 40 and all(math.isfinite(x) for x in losses)
-        assert all(r[3] == out[0][3] for r in out)

@@ -227,37 +227,6 @@ def test_adam_step_rounds_each_tensor_by_its_own_dtype():
         assert torch.allclose(w.double(), exact.to(p.dtype).double(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
-def test_state_dict_round_trip_continues_exactly(cls):
-    kw = {"var_freeze_step": 4, "local_step_scaler": 2} if cls is ZeroOneAdam else {"freeze_step": 4}
-    m1, x, y = model_and_data()
-    o1 = cls(m1.parameters(), lr=1e-2, **kw)
-    train(m1, o1, x, y, 7)  # into the compression stage
-    m2 = copy.deepcopy(m1)
-    o2 = cls(m2.parameters(), lr=1e-2, **kw)
-    o2.load_state_dict(copy.deepcopy(o1.state_dict()))
-    assert o2.counters == o1.counters
-    l1, l2 = train(m1, o1, x, y, 6), train(m2, o2, x, y, 6)
-    assert l1 == l2
-    for a, b in zip(m1.parameters(), m2.parameters()):
-        assert torch.equal(a, b)
-
-
-def test_exp_avg_mask_survives_checkpoint_from_current_groups():
-    p = torch.nn.Parameter(torch.randn(4))
-    mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    opt = OnebitAdam([{"params": [p], "exp_avg_mask": mask}], freeze_step=1)
-    p.grad = torch.ones(4)
-    opt.step()
-    sd = opt.state_dict()
-    sd["param_groups"][0]["exp_avg_mask"] = torch.ones(4)  # a stale mask in the checkpoint
-    opt.load_state_dict(sd)
-    assert torch.equal(opt.param_groups[0]["exp_avg_mask"], mask)
-    opt2 = OnebitAdam([p], freeze_step=1)  # no mask now: the checkpoint's is dropped
-    opt2.load_state_dict(opt.state_dict())
-    assert "exp_avg_mask" not in opt2.param_groups[0]
-
-
 def test_nan_gradient_raises_and_changes_nothing():
     model, x, y = model_and_data()
     opt = OnebitAdam(model.parameters(), freeze_step=2)

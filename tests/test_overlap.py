@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_workers
+from tests.distributed import run_workers
 
 STEPS = {"OnebitAdam": 9, "OnebitLamb": 9, "ZeroOneAdam": 16}
 STAGES = {"OnebitAdam": dict(freeze_step=3), "OnebitLamb": dict(freeze_step=3),
@@ -236,43 +236,6 @@ def test_grad_scaler_steps_are_exchanged_in_step_from_unscaled_gradients():
         # to step() rather than send them twice. 4 compressed steps.
         assert stats["redone"] == stats["launched_in_backward"] <= stats["buckets"], stats
         assert stats["launched_in_step"] >= 3 * stats["buckets"], stats
-
-
-def _resume(rank, world, path, stop, cls_name):
-    import torch.distributed as dist
-
-    model, opt = build(cls_name, "bucketed")
-    steps = STEPS[cls_name]
-    if stop:
-        for step in range(stop):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                    "errors": opt.error_feedback_state_dict()}, f"{path}.{rank}")
-        dist.barrier()
-        model, opt = build(cls_name, "bucketed")
-        saved = torch.load(f"{path}.{rank}", weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        assert opt.load_error_feedback_state_dict(saved["errors"])
-        assert any("." in k for k in saved["errors"]["groups"])  # the buckets' errors
-    for step in range(stop, steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return flat_params(model)
-
-
-@pytest.mark.parametrize("cls_name,stop", [("OnebitAdam", 5), ("ZeroOneAdam", 11)])
-def test_resume_with_bucket_error_buffers_is_bitwise_identical(tmp_path, cls_name, stop):
-    """OnebitAdam in its compression stage; 0/1 Adam after its freeze, between
-    a sync launched in backward (11) and the next (12)."""
-    straight = run_workers(_resume, 2, str(tmp_path / "ck"), 0, cls_name, timeout=180)
-    resumed = run_workers(_resume, 2, str(tmp_path / "ck"), stop, cls_name, timeout=180)
-    assert all(np.array_equal(a, b) for a, b in zip(straight, resumed))
 
 
 def _refused(rank, world):

@@ -1,9 +1,14 @@
-"""The wheel installs `onebit` only: builders and kernels live inside it."""
+"""The wheel installs the library, `onebit` only: builders and kernel sources
+inside it, and none of the checkout's research harness (benchmarks/, its corpus,
+examples/)."""
+import pytest
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,8 +27,10 @@ def test_wheel_contains_only_the_onebit_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"onebit", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, tops
-    sources = [str(p.relative_to(ROOT)) for p in (ROOT / "onebit").rglob("*.py")]
-    sources += ["onebit/" + str(p.relative_to(ROOT)) for d in ("builders", "kernels")
-                for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".cpp", ".cu")]
+    sources = [str(p.relative_to(ROOT)) for p in (ROOT / "onebit").rglob("*")
+               if p.suffix in (".py", ".cpp", ".cu") and "__pycache__" not in p.parts]
+    assert any(s.endswith(".cu") for s in sources) and any(s.endswith("builders/cpu.py") for s in sources)
     missing = sorted(set(sources) - set(names))
     assert not missing, f"not in the wheel: {missing}"  # an editable install would hide this
+    harness = [n for n in names if n.endswith(".gz") or "/lm" in n or "convergence" in n or "soak" in n]
+    assert not harness, harness

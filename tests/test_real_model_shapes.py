@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_workers
+from tests.distributed import run_workers
 
 ALL = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
 STAGES = {  # short warmups, so both stages run within a few dozen steps

@@ -1,8 +1,10 @@
 """Short soak: 4 ranks, every optimizer through both stages, memory flat."""
 import pytest
 
-from onebit.bench.soak import freeze_step, soak
+from benchmarks.soak import freeze_step, soak
 from onebit.launch import spawn_local
+
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 
 @pytest.mark.timeout(400)

@@ -11,8 +11,8 @@ import threading
 
 import torch
 
-from distributed import run_workers
-from test_overlap import Model, batch
+from tests.distributed import run_workers
+from tests.test_overlap import Model, batch
 
 
 def _recording_accelerator():

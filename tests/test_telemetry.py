@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from distributed import run_workers
+from tests.distributed import run_workers
 
 SIZES = [(33, 7), (5,), (300,)]  # 231 + 5 + 300 elements, none a multiple of a block
 BLOCK = 256

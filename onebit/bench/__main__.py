@@ -1,31 +1,23 @@
-"""python -m onebit.bench [allreduce|kernels|lm|convergence|optim|probe|soak|step] ...  (allreduce is the default)."""
+"""python -m onebit.bench [allreduce|kernels|optim|probe|step] ...  (allreduce is the default).
+
+The research benchmarks (language model, digits convergence, memory soak) run
+from a checkout: `python -m benchmarks.lm`, `benchmarks.convergence`,
+`benchmarks.soak`.
+"""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from . import allreduce, convergence, kernels, lm, optim, probe, soak, step
+from . import allreduce, kernels, optim, probe, step
+from .command import main as run_module
 
-COMMANDS = {"allreduce": allreduce, "kernels": kernels, "lm": lm, "convergence": convergence,
-            "optim": optim, "probe": probe, "soak": soak, "step": step}
+COMMANDS = {"allreduce": allreduce, "kernels": kernels, "optim": optim, "probe": probe, "step": step}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv.pop(0) if argv and argv[0] in COMMANDS else "allreduce"
-    module = COMMANDS[name]
-    parser = argparse.ArgumentParser(prog=f"python -m onebit.bench {name}",
-                                     description=module.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(parser)
-    args = parser.parse_args(argv)
-    check = getattr(module, "check_arguments", None)
-    if check is not None:
-        try:
-            check(args)
-        except ValueError as exc:
-            parser.error(str(exc))  # usage and the message on stderr, exit status 2
-    return 0 if module.run(args) is not False else 1
+    return run_module(COMMANDS[name], argv, prog=f"python -m onebit.bench {name}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Times forward, backward and step() of an MLP of about `--params` parameters,
 `--batch` samples per rank, under any launcher (local ranks by default,
-torchrun, mpirun, or ../shared/tools/shaped_net.sh for shaped links). In the
+torchrun, mpirun, or, from a checkout, benchmarks/shaped_net.sh for shaped links). In the
 same run, as baselines:
   floor      the same model and torch.optim.Adam with no communication at
              all: what a step costs if the network were free;
@@ -46,7 +46,7 @@ FREEZE = 2  # warmup steps before the compression stage (each is a full-precisio
 LR = 1e-5
 
 
-def _model(params: int, width: int) -> torch.nn.Module:
+def make_model(params: int, width: int) -> torch.nn.Module:
     depth = max(1, round(params / (width * width + width)))
     layers: List[torch.nn.Module] = []
     for _ in range(depth):
@@ -90,7 +90,7 @@ class _Setup:
         torch.manual_seed(0)
         # On the group's device: an NCCL group takes no host tensors.
         self.name = name
-        self.model = _model(a["params"], a["width"]).to(collectives.communication_device())
+        self.model = make_model(a["params"], a["width"]).to(collectives.communication_device())
         self.onebit = name not in (FLOOR, "ddp+adam")
         net = self.model
         if name == "ddp+adam":
@@ -149,7 +149,7 @@ def _interleaved(setup: _Setup, floor: _Setup, floor_before: float, a: dict) -> 
 def measure(rank: int, world: int, a: dict) -> List[Dict]:
     table = Table(COLUMNS, quiet=rank != 0)
     if rank == 0:
-        n = sum(p.numel() for p in _model(a["params"], a["width"]).parameters())
+        n = sum(p.numel() for p in make_model(a["params"], a["width"]).parameters())
         print(f"# onebit.bench step: MLP {n / 1e6:.1f}M params (width {a['width']}), "
               f"batch={a['batch']}/rank, ranks={world}, threads/rank={torch.get_num_threads()}, "
               f"{a['rounds']} rounds of {a['steps']} steps per setup, each round followed by "

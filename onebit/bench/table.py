@@ -16,7 +16,7 @@ class Table:
 
     def header(self) -> None:
         if not self.quiet:
-            print("#" + " ".join(f"{n:>{w}}" for n, w, _ in self.columns), file=self.out)
+            self._print("#" + " ".join(f"{n:>{w}}" for n, w, _ in self.columns))
 
     def row(self, **values) -> None:
         if self.quiet:
@@ -25,7 +25,18 @@ class Table:
         for name, width, fmt in self.columns:
             v = values.get(name, "")
             cells.append(f"{(format(v, fmt) if v != '' else ''):>{width}}")
-        print(" " + " ".join(cells), file=self.out, flush=True)
+        self._print(" " + " ".join(cells))
+
+    def _print(self, line: str) -> None:
+        # Through tqdm when it is there: a live progress bar is cleared first and
+        # redrawn below the row, so the two never share a line on a terminal.
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            print(line, file=self.out, flush=True)
+            return
+        tqdm.write(line, file=self.out)
+        self.out.flush()
 
 
 def parse_size(text: str) -> int:
@@ -92,10 +103,14 @@ def int_arg(minimum: int):
 
 
 def progress(total: int, desc: str):
-    """A progress bar on stderr (tqdm when installed, else nothing)."""
+    """A progress bar on stderr when stderr is a terminal and tqdm is
+    installed; else nothing, so a log file (or a pipe that stdout shares)
+    reads as the table alone."""
     try:
         from tqdm import tqdm
 
+        if not sys.stderr.isatty():
+            raise ImportError("stderr is not a terminal")
         return tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
     except ImportError:
         class _Quiet:

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from allreduce_checks import SIZES, check_fused_rounds, check_rounds, make_inputs
+from tests.allreduce_checks import SIZES, check_fused_rounds, check_rounds, make_inputs
 
 COMM = MPI.COMM_WORLD
 
@@ -99,7 +99,7 @@ def _layouts(p):
 
 
 def test_mpi_hierarchical_matches_three_stage_reference():
-    from allreduce_checks import check_hierarchical_rounds
+    from tests.allreduce_checks import check_hierarchical_rounds
     from onebit.backends.hierarchical import mpi_hierarchical
 
     rank, p = COMM.Get_rank(), COMM.Get_size()

@@ -1,4 +1,4 @@
-"""`python -m onebit.bench soak`: many steps on local ranks, memory watched.
+"""`python -m benchmarks.soak`: many steps on local ranks, memory watched.
 
 Each rank trains a small MLP with every onebit optimizer in turn (warmup,
 then compression from 20% of the steps) and samples its resident memory
@@ -18,8 +18,8 @@ from typing import Dict, List
 
 import torch
 
-from .table import int_arg
-from .. import launch
+from onebit.bench.table import int_arg
+from onebit import launch
 
 NAMES = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
 
@@ -70,7 +70,7 @@ def soak(rank: int, world: int, steps: int) -> List[Dict]:
 
 def run(args: argparse.Namespace) -> bool:
     per_rank = launch.spawn_local(soak, args.nproc, args.steps)
-    print(f"# onebit.bench soak: ranks={args.nproc} steps={args.steps}, RSS from step "
+    print(f"# benchmarks.soak: ranks={args.nproc} steps={args.steps}, RSS from step "
           f"{freeze_step(args.steps) + 50} (compression stage + 50) to the end")
     print(f"#{'optimizer':>12} {'rank':>4} {'from(MB)':>9} {'end(MB)':>8} {'max+':>6} {'trend':>6}")
     rows = [r for rank_rows in per_rank for r in rank_rows]
@@ -91,3 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int_arg(1), default=4)
     p.add_argument("--slack-mb", type=float, default=4.0, help="allowed RSS trend once settled")
     p.add_argument("--json")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from onebit.bench.command import main
+
+    sys.exit(main(sys.modules[__name__]))

@@ -1,10 +1,10 @@
-"""`python -m onebit.bench lm`: the headline convergence figure -- a small
+"""`python -m benchmarks.lm`: the headline convergence figure -- a small
 GPT-style language model on real text, 1-bit optimizers against their
 full-precision baselines at equal steps.
 
 Model: token + position embeddings, --layers pre-LN transformer blocks
 (causal self-attention, GELU MLP), a final LayerNorm and an output head tied
-to the token embedding. Text: onebit/bench/data/pydocs.txt.gz (CPython's
+to the token embedding. Text: benchmarks/data/pydocs.txt.gz (CPython's
 docstrings and reference topics, see benchmarks/make_lm_corpus.py), split
 into words and punctuation; the --vocab most frequent words are the
 vocabulary (the rest map to <unk>), so most embedding rows are absent from
@@ -32,10 +32,10 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from .table import int_arg
-from .. import launch
-from ..backends.base import DEFAULT_BLOCK_SIZE
-from ..optim.lamb import TRUST_RATIOS
+from onebit.bench.table import int_arg
+from onebit import launch
+from onebit.backends.base import DEFAULT_BLOCK_SIZE
+from onebit.optim.lamb import TRUST_RATIOS
 
 TRUST_RATIO = TRUST_RATIOS[0]  # OnebitLamb's default
 
@@ -228,7 +228,7 @@ def plot(runs: List[Dict], path: str) -> None:
 
 def run(args: argparse.Namespace) -> bool:
     a = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
-    print(f"# onebit.bench lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
+    print(f"# benchmarks.lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
           f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
           f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}, "
           f"trust_ratio={a.get('trust_ratio', TRUST_RATIO)}) "
@@ -296,3 +296,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="simulate nodes of this many local ranks (for --backend hierarchical)")
     p.add_argument("--json")
     p.add_argument("--plot", help="write the held-out loss curves to this PNG")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from onebit.bench.command import main
+
+    sys.exit(main(sys.modules[__name__]))

@@ -1,6 +1,6 @@
 // Sign-bit packing for onebit on the CPU.
 //
-// Wire format (DESIGN.md): bit = 1 iff x >= 0 (IEEE compare, so -0.0 -> 1 and
+// Wire format (docs/design.md): bit = 1 iff x >= 0 (IEEE compare, so -0.0 -> 1 and
 // NaN -> 0); element 8*i + j is bit j of byte i; a short tail is padded with
 // zero bits; unpacking gives +1.0f for a 1 bit and -1.0f for a 0 bit.
 //

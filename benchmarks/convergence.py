@@ -1,4 +1,4 @@
-"""`python -m onebit.bench convergence`: 1-bit optimizers vs their baselines
+"""`python -m benchmarks.convergence`: 1-bit optimizers vs their baselines
 on real data (scikit-learn's digits: 1797 8x8 images, 10 classes), on
 --nproc local gloo ranks, an MLP 64-128(tanh)-10, the same seeds for every run.
 
@@ -21,27 +21,12 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from .table import int_arg
-from .. import launch
+from onebit.bench.table import int_arg
+from onebit import launch
+
+from examples.digits import load_digits_split
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam")]
-
-
-def load_digits_split(seed: int = 0):
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover - dev extra
-        raise SystemExit("the convergence benchmark needs scikit-learn: pip install 'onebit[dev]'") from exc
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32)
-    y = torch.tensor(y)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    cut = int(0.8 * len(y))
-    tr, te = perm[:cut], perm[cut:]
-    # Standardise with training statistics; constant pixels stay exactly 0.
-    mean, std = x[tr].mean(0), x[tr].std(0)
-    x = torch.where(std > 0, (x - mean) / std.clamp_min(1e-6), torch.zeros_like(x))
-    return x[tr], y[tr], x[te], y[te]
 
 
 def _optimizer(name: str, params, steps: int, freeze: float, lr: float):
@@ -125,7 +110,7 @@ def compare(steps: int, freeze: float, nproc: int, lr: float = 3e-3,
 
 
 def run(args: argparse.Namespace) -> bool:
-    print(f"# onebit.bench convergence: digits MLP, ranks={args.nproc} steps={args.steps} "
+    print(f"# benchmarks.convergence: digits MLP, ranks={args.nproc} steps={args.steps} "
           f"freeze={args.freeze:.0%} lr={args.lr} lamb_lr={args.lamb_lr}")
     print(f"#{'optimizer':>12} {'baseline':>11} {'loss':>8} {'base':>8} {'gap%':>6} "
           f"{'acc':>6} {'base':>6} {'gap':>5} ok")
@@ -147,3 +132,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="Adam's lr")
     p.add_argument("--lamb-lr", type=float, default=1e-2, help="LAMB's lr")
     p.add_argument("--json")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from onebit.bench.command import main
+
+    sys.exit(main(sys.modules[__name__]))

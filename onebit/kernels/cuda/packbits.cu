@@ -1,6 +1,6 @@
 // Sign-bit packing for onebit on NVIDIA GPUs.
 //
-// Same wire format as every other kernel (DESIGN.md): bit = 1 iff x >= 0,
+// Same wire format as every other kernel (docs/design.md): bit = 1 iff x >= 0,
 // element 8*i + j is bit j of byte i, a short tail is padded with zero bits,
 // unpacking gives +1.0f / -1.0f. A warp ballot turns 32 compares into one
 // 32-bit word whose bit j is lane j: on a little-endian GPU that word *is*

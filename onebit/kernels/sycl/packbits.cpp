@@ -1,6 +1,6 @@
 // Sign-bit packing for onebit on Intel GPUs (SYCL 2020).
 //
-// Same wire format as every other kernel (DESIGN.md): bit = 1 iff x >= 0,
+// Same wire format as every other kernel (docs/design.md): bit = 1 iff x >= 0,
 // element 8*i + j is bit j of byte i, a short tail is padded with zero bits,
 // unpacking gives +1.0f / -1.0f. One work-item builds one output byte, which
 // keeps every write whole and needs no sub-group ballot.

@@ -1,0 +1,362 @@
+"""Checkpoints, in one place: state_dict round trips, resuming mid-compression
+at the same and at other world sizes (torch.save and torch.distributed.checkpoint),
+each rank's error-feedback buffers, switching from torch.optim.Adam, and
+checkpoints that must be refused."""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from onebit import OnebitAdam, ZeroOneAdam
+from tests.distributed import run_workers
+from tests.test_optim_dist import CONFIGS, loss_and_grads, make, make_params
+from tests.test_overlap import STEPS, batch, build, flat_params
+from tests.test_optim_local import OPTIMIZERS, model_and_data, train
+from tests.test_training_loops import flat, small_model
+
+
+# ---------------------------------------------------------- one process --
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_state_dict_round_trip_continues_exactly(cls):
+    kw = {"var_freeze_step": 4, "local_step_scaler": 2} if cls is ZeroOneAdam else {"freeze_step": 4}
+    m1, x, y = model_and_data()
+    o1 = cls(m1.parameters(), lr=1e-2, **kw)
+    train(m1, o1, x, y, 7)  # into the compression stage
+    m2 = copy.deepcopy(m1)
+    o2 = cls(m2.parameters(), lr=1e-2, **kw)
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+    assert o2.counters == o1.counters
+    l1, l2 = train(m1, o1, x, y, 6), train(m2, o2, x, y, 6)
+    assert l1 == l2
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_exp_avg_mask_survives_checkpoint_from_current_groups():
+    p = torch.nn.Parameter(torch.randn(4))
+    mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    opt = OnebitAdam([{"params": [p], "exp_avg_mask": mask}], freeze_step=1)
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["exp_avg_mask"] = torch.ones(4)  # a stale mask in the checkpoint
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.param_groups[0]["exp_avg_mask"], mask)
+    opt2 = OnebitAdam([p], freeze_step=1)  # no mask now: the checkpoint's is dropped
+    opt2.load_state_dict(opt.state_dict())
+    assert "exp_avg_mask" not in opt2.param_groups[0]
+
+
+# ------------------------------------------------- ranks, torch.save --
+def _train_and_save(rank, world, cls_name, steps, path):
+    import onebit  # noqa: F401
+
+    params = make_params(seed=0)
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    losses = []
+    for t in range(1, steps + 1):
+        losses.append(loss_and_grads(params, rank, world))
+        opt.step()
+    if rank == 0:
+        torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, path)
+    return losses, loss_and_grads(params, rank, world)  # the loss at the saved params
+
+
+def _resume(rank, world, cls_name, steps, path):
+    ckpt = torch.load(path, weights_only=False)
+    params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    opt.load_state_dict(ckpt["opt"])
+    losses = []
+    for _ in range(steps):
+        losses.append(loss_and_grads(params, rank, world))
+        opt.step()
+    return losses, opt.counters["step"]
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [(4, (2, 3)), (2, (4,))])
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_checkpoint_in_compression_stage_resumes_at_other_world_sizes(cls_name, saved_on,
+                                                                      resumed_on, tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    before, saved_loss = run_workers(_train_and_save, saved_on, cls_name, 40, path,
+                                     timeout=120)[0]
+    for world in resumed_on:
+        (after, step), *_ = run_workers(_resume, world, cls_name, 10, path, timeout=120)
+        assert step == 50  # the stage (step count) came back with the checkpoint
+        # after[0] is the loss at the checkpointed params, before any resumed step: the
+        # very number the saving run computed there (a loss jump heuristic used to stand
+        # here; step 40's own change could exceed the 10 before it, as 0/1 Adam's does).
+        assert after[0] == saved_loss, (after[0], saved_loss)
+        assert after[-1] < before[0]
+
+
+
+
+def _uninterrupted(rank, world, cls_name, steps):
+    params = make_params(seed=0)
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
+    return losses, [p.detach().reshape(-1).tolist() for p in params]
+
+
+_STRAIGHT = {}
+
+
+def straight_run(cls_name):
+    """50 uninterrupted steps on 3 ranks (computed once per optimizer)."""
+    if cls_name not in _STRAIGHT:
+        _STRAIGHT[cls_name] = run_workers(_uninterrupted, 3, cls_name, 50, timeout=120)
+    return _STRAIGHT[cls_name]
+
+
+def _save_each_rank(rank, world, cls_name, steps, prefix):
+    params = make_params(seed=0)
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    for _ in range(steps):
+        loss_and_grads(params, rank, world)
+        opt.step()
+    # Each rank its own file: 0/1 Adam's params and state differ between syncs.
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict(),
+                "errors": opt.error_feedback_state_dict()}, f"{prefix}.{rank}")
+
+
+def _resume_each_rank(rank, world, cls_name, steps, prefix, errors_shift):
+    ckpt = torch.load(f"{prefix}.{rank}", weights_only=False)
+    errs = torch.load(f"{prefix}.{(rank + errors_shift) % world}", weights_only=False)["errors"]
+    params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    opt.load_state_dict(ckpt["opt"])
+    restored = opt.load_error_feedback_state_dict(errs)
+    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
+    return restored, losses, [p.detach().reshape(-1).tolist() for p in params]
+
+
+def _resume_scaled_lamb(rank, world, prefix):
+    ckpt = torch.load(f"{prefix}.{rank}", weights_only=False)
+    for st in ckpt["opt"]["state"].values():
+        st["scaling_coeff"] = 2.0  # what onebit before 2026-11 saved: its errors were scaled
+    params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
+    opt = make("OnebitLamb", params, **CONFIGS["OnebitLamb"])
+    opt.load_state_dict(ckpt["opt"])
+    restored = opt.load_error_feedback_state_dict(ckpt["errors"])
+    return restored, [k for st in opt.state.values() for k in st if k == "scaling_coeff"]
+
+
+def test_lamb_checkpoint_with_momentum_scaling_restarts_its_error_buffers(tmp_path):
+    """1-bit LAMB no longer scales the momenta before the exchange; a
+    checkpoint that says it did has errors in scaled units, which mean
+    nothing now: they restart from zero, and the coefficient is dropped."""
+    prefix = str(tmp_path / "ckpt")
+    run_workers(_save_each_rank, 2, "OnebitLamb", 12, prefix, timeout=120)
+    assert run_workers(_resume_scaled_lamb, 2, prefix, timeout=120) == [(False, [])] * 2
+
+
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_resume_with_each_ranks_error_buffers_is_bitwise_identical_to_not_stopping(cls_name,
+                                                                                  tmp_path):
+    """Saved mid-compression (step 40 of 50) on 3 ranks: the resumed run's
+    losses and parameters equal the uninterrupted run's, bit for bit, on
+    every rank. Without the error buffers (DeepSpeed's reset) they do not."""
+    prefix = str(tmp_path / "ckpt")
+    straight = straight_run(cls_name)
+    run_workers(_save_each_rank, 3, cls_name, 40, prefix, timeout=120)
+    resumed = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 0, timeout=120)
+    for (losses, params), (restored, after, params_after) in zip(straight, resumed):
+        assert restored
+        assert after == losses[40:] and params_after == params
+    # Another rank's buffers are refused (they restart from zero), and the
+    # resume is then no longer exact: the buffers carried real information.
+    swapped = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 1, timeout=120)
+    assert not any(r[0] for r in swapped)
+    assert any(r[2] != s[1] for r, s in zip(swapped, straight))
+
+
+def _dcp_save_or_resume(rank, world, cls_name, steps, path, resume):
+    """torch.distributed.checkpoint, as FSDP2/Accelerate use it: the model and
+    get_optimizer_state_dict, plus this rank's error buffers under a key
+    naming the rank (each rank writes its own shard of them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    params = make_params(seed=0 if not resume else 99)  # resumed: every value from the checkpoint
+    model = torch.nn.ParameterList(params)
+    opt = make(cls_name, params, **CONFIGS[cls_name])
+    errors = opt.error_feedback_key()
+    if not resume:
+        for _ in range(steps):
+            loss_and_grads(params, rank, world)
+            opt.step()
+        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
+                  errors: opt.error_feedback_state_dict()}, checkpoint_id=path)
+        return None
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
+             errors: opt.error_feedback_state_dict()}
+    # At a larger world size the new ranks' error entries are not in the
+    # checkpoint: a partial load leaves their (zero) buffers as they are.
+    planner = dcp.DefaultLoadPlanner(allow_partial_load=True) if resume == "partial" else None
+    dcp.load(state, checkpoint_id=path, planner=planner)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    restored = opt.load_error_feedback_state_dict(state[errors])
+    step = opt.counters["step"]
+    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
+    return restored, step, losses, [p.detach().reshape(-1).tolist() for p in params]
+
+
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_torch_distributed_checkpoint_resume_is_bitwise_identical(cls_name, tmp_path):
+    """Saved with DCP at step 40 (compression stage; a 0/1 Adam sync) on 3
+    ranks, loaded into fresh optimizers in fresh processes: 10 more steps
+    equal the uninterrupted run bit for bit on every rank."""
+    path = str(tmp_path / "dcp")
+    straight = straight_run(cls_name)
+    run_workers(_dcp_save_or_resume, 3, cls_name, 40, path, False, timeout=120)
+    resumed = run_workers(_dcp_save_or_resume, 3, cls_name, 10, path, True, timeout=120)
+    for (losses, params), (restored, step, after, params_after) in zip(straight, resumed):
+        assert restored and step == 40
+        assert after == losses[40:] and params_after == params
+
+
+def test_torch_distributed_checkpoint_resumes_at_other_world_sizes(tmp_path):
+    """DCP saved on 3 ranks: on 2 and 4 the stage comes back and the error
+    buffers restart from zero (reported, not silently mixed)."""
+    path = str(tmp_path / "dcp")
+    run_workers(_dcp_save_or_resume, 3, "OnebitAdam", 40, path, False, timeout=120)
+    for world in (2, 4):
+        out = run_workers(_dcp_save_or_resume, world, "OnebitAdam", 3, path, "partial", timeout=120)
+        for restored, step, losses, params in out:
+            assert not restored and step == 40 and all(math.isfinite(x) for x in losses)
+        assert all(r[3] == out[0][3] for r in out)
+
+
+# ------------------------------------------------ from other optimizers --
+def _adam_then_onebit(rank, world, name):
+    """torch.optim.Adam (gradients averaged by hand) for 4 steps, its
+    state_dict loaded into a onebit optimizer, then 4 more steps; and torch
+    Adam alone for all 8."""
+    import onebit
+
+    def steps(model, opt, ts, average):
+        for t in ts:
+            g = torch.Generator().manual_seed(1000 * t + rank)
+            opt.zero_grad()
+            model(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
+            if average:
+                for p in model.parameters():
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= world
+            opt.step()
+
+    model = small_model(0)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps(model, adam, range(1, 5), True)
+    # A copy, as torch.save makes: state_dict() hands out the live tensors.
+    saved, moments = copy.deepcopy(adam.state_dict()), [adam.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+    mine = small_model(0)
+    mine.load_state_dict(model.state_dict())
+    step = "var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"
+    extra = {"var_update_scaler": 2} if name == "ZeroOneAdam" else {}
+    opt = getattr(onebit, name)(mine.parameters(), lr=3e-2, **{step: 100}, **extra)
+    opt.load_state_dict(saved)
+    loaded = {"lr": opt.param_groups[0]["lr"], "step": opt.counters["step"],
+              "v_equal": all(torch.equal(opt.state[p]["exp_avg_sq"], v)
+                             for p, v in zip(mine.parameters(), moments))}
+    steps(mine, opt, range(5, 9), False)
+    steps(model, adam, range(5, 9), True)
+    return {**loaded, "mine": flat(mine), "adam": flat(model),
+            "var_updates": opt.counters.get("var_updates")}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["OnebitAdam", "ZeroOneAdam"])
+def test_a_torch_adam_checkpoint_switches_to_onebit(name):
+    out = run_workers(_adam_then_onebit, 2, name, timeout=90)
+    for r in out:
+        assert r["lr"] == 1e-2 and r["step"] == 4 and r["v_equal"], r
+        assert r["mine"] == out[0]["mine"]
+    if name == "OnebitAdam":  # still in warmup: it is Adam, continued
+        assert torch.allclose(torch.tensor(out[0]["mine"]), torch.tensor(out[0]["adam"]),
+                              rtol=1e-5, atol=1e-6)
+    else:
+        # v carried 4 Adam updates. The interval doubles every 2 variance
+        # updates: steps 1, 2 (then interval 2), 4 (replayed), 6 (then 4), 8.
+        # So two more: 6 and 8.
+        assert out[0]["var_updates"] == 4 + 2
+
+
+def test_checkpoints_from_another_algorithm_are_refused_and_change_nothing():
+    import onebit
+
+    def trained(opt, model):
+        model(torch.randn(3, 6)).sum().backward()
+        opt.step()
+        return opt.state_dict()
+
+    model = small_model(0)
+    lamb = trained(onebit.OnebitLamb(model.parameters()), model)
+    adam = trained(onebit.OnebitAdam(model.parameters()), model)
+    zero = trained(onebit.ZeroOneAdam(model.parameters()), model)
+    ams = trained(torch.optim.Adam(model.parameters(), amsgrad=True), model)
+    torch_adam = trained(torch.optim.Adam(model.parameters()), model)
+    sgd = trained(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    cases = [(onebit.OnebitAdam, lamb, "written by OnebitLamb"),
+             (onebit.OnebitAdam, zero, "written by ZeroOneAdam"),
+             (onebit.ZeroOneAdam, adam, "written by OnebitAdam"),
+             (onebit.OnebitLamb, adam, "written by OnebitAdam"),
+             (onebit.OnebitLamb, torch_adam, "trust ratios"),
+             (onebit.OnebitAdam, ams, "amsgrad=True"),
+             (onebit.OnebitAdam, sgd, "not an optimizer state_dict that onebit knows")]
+    for cls, sd, why in cases:
+        opt = cls(model.parameters())
+        before = opt.state_dict()
+        with pytest.raises(ValueError, match=why):
+            opt.load_state_dict(sd)
+        assert repr(opt.state_dict()) == repr(before)
+    # A checkpoint written before checkpoints named their optimizer still loads.
+    old = {"state": {k: v for k, v in adam["state"].items()}, "param_groups": adam["param_groups"]}
+    old["state"]["onebit"] = {"step": 1}  # where counters lived before DCP support
+    old["param_groups"] = [{k: v for k, v in g.items() if k != "onebit"} for g in old["param_groups"]]
+    opt = onebit.OnebitAdam(model.parameters())
+    opt.load_state_dict(old)
+    assert opt.counters["step"] == 1
+
+
+# ------------------------------------------------- overlap_backward --
+def _resume_overlapped(rank, world, path, stop, cls_name):
+    import torch.distributed as dist
+
+    model, opt = build(cls_name, "bucketed")
+    steps = STEPS[cls_name]
+    if stop:
+        for step in range(stop):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "errors": opt.error_feedback_state_dict()}, f"{path}.{rank}")
+        dist.barrier()
+        model, opt = build(cls_name, "bucketed")
+        saved = torch.load(f"{path}.{rank}", weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        assert opt.load_error_feedback_state_dict(saved["errors"])
+        assert any("." in k for k in saved["errors"]["groups"])  # the buckets' errors
+    for step in range(stop, steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return flat_params(model)
+
+
+@pytest.mark.parametrize("cls_name,stop", [("OnebitAdam", 5), ("ZeroOneAdam", 11)])
+def test_resume_with_bucket_error_buffers_is_bitwise_identical(tmp_path, cls_name, stop):
+    """OnebitAdam in its compression stage; 0/1 Adam after its freeze, between
+    a sync launched in backward (11) and the next (12)."""
+    straight = run_workers(_resume_overlapped, 2, str(tmp_path / "ck"), 0, cls_name, timeout=180)
+    resumed = run_workers(_resume_overlapped, 2, str(tmp_path / "ck"), stop, cls_name, timeout=180)
+    assert all(np.array_equal(a, b) for a, b in zip(straight, resumed))
