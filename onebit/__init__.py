@@ -1,6 +1,6 @@
 """onebit: communication-compressed 1-bit optimizers for data-parallel PyTorch.
 
-See DESIGN.md for the layers: kernels -> op builders -> accelerator ->
+See docs/design.md for the layers: kernels -> op builders -> accelerator ->
 compressed backends -> optimizers.
 """
 __version__ = "0.1.0"

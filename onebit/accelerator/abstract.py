@@ -30,7 +30,7 @@ class EagerGraph:
 
 
 class Accelerator(abc.ABC):
-    """Interface every accelerator implements (see DESIGN.md, "Layers")."""
+    """Interface every accelerator implements (see docs/design.md, "Layers")."""
 
     name: str = "abstract"
 

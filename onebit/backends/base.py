@@ -26,7 +26,7 @@ scale decision is local to its block.
 Wire layout. Chunk k (elements [k*N/p, (k+1)*N/p)) is served by rank k.
 It travels as one message row per pipelined piece (pipeline.py: piece j is
 the same block-aligned sub-range j of every chunk; one piece unless the
-buffer is large): the piece's packed signs (DESIGN.md's bit order), then the
+buffer is large): the piece's packed signs (docs/design.md's bit order), then the
 scales of its blocks in block order, each a little-endian fp32 (4 bytes) or
 bf16 (2 bytes, the top half of the fp32) per `scale_dtype`. The signs and
 their scales travel in one collective per phase and piece. The piece count
