@@ -10,7 +10,7 @@ Used by the compressed backends (one scale per block of `block` elements):
                            pass over memory where the kernel fuses them: the CPU's)
   decode_mean(...)         mean over rows of the block's scale * sign
 
-Wire format (DESIGN.md): bit = 1 iff x >= 0, element 8*i + j in bit j of
+Wire format (docs/design.md): bit = 1 iff x >= 0, element 8*i + j in bit j of
 byte i, identical to numpy.packbits(x >= 0, bitorder="little").
 
 Which kernel runs: host tensors use the CPU builder; device tensors use the
