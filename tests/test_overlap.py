@@ -59,6 +59,11 @@ def flat_params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
 
 
+def errors_of(opt):
+    """Error-buffer key -> (worker, server) of every fused buffer so far."""
+    return opt._ef_exchange.error_buffers()
+
+
 def _train(rank, world, cls_name, mode):
     import torch.distributed as dist
 
@@ -141,7 +146,7 @@ def _nonfinite_on_one_rank(rank, world, use_scaler):
         if step == 4:
             before = (flat_params(model), {k: v.clone() for k, v in
                                            ((k, torch.cat([e.reshape(-1) for e in errs]))
-                                            for k, errs in opt._errors.items())},
+                                            for k, errs in errors_of(opt).items())},
                       [opt.state[p]["exp_avg"].clone() for p in model.parameters()
                        if "exp_avg" in opt.state[p]])
         (scaler.scale(loss) if scaler else loss).backward()
@@ -160,9 +165,9 @@ def _nonfinite_on_one_rank(rank, world, use_scaler):
         assert (launched == 0) if scaler else (launched > 0), launched
         params, errors, moments = before
         assert np.array_equal(flat_params(model), params)
-        assert set(errors) == set(opt._errors) and errors
+        assert set(errors) == set(errors_of(opt)) and errors
         for k, e in errors.items():
-            assert torch.equal(torch.cat([t.reshape(-1) for t in opt._errors[k]]), e), k
+            assert torch.equal(torch.cat([t.reshape(-1) for t in errors_of(opt)[k]]), e), k
         now = [opt.state[p]["exp_avg"] for p in model.parameters() if "exp_avg" in opt.state[p]]
         assert all(torch.equal(a, b) for a, b in zip(now, moments))
         if scaler:
@@ -254,6 +259,38 @@ def _refused(rank, world):
 def test_overlap_refuses_clipping_and_graph_capture_clearly():
     for msgs in run_workers(_refused, 2, timeout=120):
         assert "max_grad_norm=0" in msgs[0] and "graph_capture" in msgs[1]
+
+
+def _two_groups(rank, world):
+    import onebit
+    from onebit.optim.exchange import BucketKey
+
+    torch.manual_seed(0)
+    model = Model()
+    groups = [{"params": [model.emb.weight, *model.hidden.parameters()]},
+              {"params": [model.out, *model.unused_head.parameters()]}]
+    opt = onebit.OnebitAdam(groups, lr=1e-2, overlap_backward=True, bucket_cap_mb=0.004,
+                            freeze_step=2)
+    for step in range(4):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    state = opt.error_feedback_state_dict()["groups"]
+    live = {k: v for k, v in errors_of(opt).items() if isinstance(k, BucketKey)}
+    same = all(torch.equal(state[k.name]["worker"], w) and torch.equal(state[k.name]["server"], s)
+               for k, (w, s) in live.items())
+    return list(state), sorted(k.name for k in live), same
+
+
+def test_bucket_numbers_run_across_groups_in_the_saved_error_names():
+    """Buckets are numbered in plan order over the whole plan (the last group
+    first), so "1.0" holds group 1's params and group 0's follow as "0.1",
+    "0.2" (1048 elements a bucket: hidden's 520, then the embedding's 3600);
+    the saved names are the groups, then the buckets in plan order."""
+    for names, live, same in run_workers(_two_groups, 2, timeout=120):
+        assert names == ["0", "1", "1.0", "0.1", "0.2"], names
+        assert live == ["0.1", "0.2", "1.0"] and same, (live, same)
 
 
 def _under_ddp(rank, world, cls_name, mode):

@@ -12,6 +12,7 @@ from .guards import mask_unseen_, only_seen
 from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from .checks import adam_defaults, check_positive_int
+from .exchange import GroupKey
 
 
 class OnebitAdam(FreezeStepOptimizer):
@@ -146,14 +147,14 @@ class OnebitAdam(FreezeStepOptimizer):
                 index=i, group=group, params=params, m=m, grads=self._static_copy(i, gs),
                 denom=self._denominators(i, group, v, bc2, "frozen"),
                 scalars=self._step_scalars(i, params[0].device, (-lr / bc1, 1.0 - lr * wd)),
-                flat=[self._flat_buffer(i, m)] if self.world_size > 1 else [],
+                flat=[self._ef_exchange.buffer(GroupKey(i), m)] if self.world_size > 1 else [],
                 mask=[self._group_mask(group, params[0].device)] if "exp_avg_mask" in group else []))
 
         def momentum():
             for s in plan:
                 F.update_momentum_(s.m, s.grads, s.group["betas"][0])
                 for f in s.flat:
-                    self._flatten_into(s.index, s.m)
+                    self._ef_exchange.flatten_into(GroupKey(s.index), s.m)
 
         def update():
             for s in plan:
@@ -161,7 +162,7 @@ class OnebitAdam(FreezeStepOptimizer):
                 # (it holds the averaged m), else the gradients' buffer (the
                 # momentum region is done with it).
                 if s.flat:
-                    scratch = self._views(s.index, s.m)
+                    scratch = self._ef_exchange.views(GroupKey(s.index), s.m)
                     self._mask_(s.group, scratch)
                     mask_unseen_(scratch, s.masks, s.seen)
                     torch._foreach_copy_(s.m, scratch)
@@ -180,7 +181,7 @@ class OnebitAdam(FreezeStepOptimizer):
                       momentum)
         for s in plan:
             if s.flat:
-                self._compressed_allreduce_flat(s.index)
+                self._ef_exchange.allreduce(GroupKey(s.index))
         decays = tuple((bool(s.group["weight_decay"]), tuple(s.seen)) for s in plan)
         self._graphed("update", (decays, tensor_key(*(x for s in plan for x in (
             s.params, s.m, s.grads, s.denom, s.flat, s.mask, [k for k in s.masks if k is not None],

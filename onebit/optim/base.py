@@ -3,20 +3,20 @@ backend, gradient averaging, the fused compressed allreduce of a list of
 tensors and GradScaler support. The concerns around them live beside it:
 hyper-parameter checks (checks.py), the zero-variance guard (guards.py),
 rank agreement (agreement.py), checkpoints (checkpoints.py), overlap with
-backward (overlap.py), fixed-address buffers for graphs (capture.py). The
-maths lives in `functional.py`; the stage machines in the optimizer classes.
+backward (overlap.py), fixed-address buffers for graphs (capture.py), the
+fused buffers and their error feedback (exchange.py). The maths lives in
+`functional.py`; the stage machines in the optimizer classes.
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
 from ..backends.base import DEFAULT_BLOCK_SIZE
-from ..backends.layout import BlockLayout
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from ..graphs import GraphedRegion
 from . import functional as F
@@ -25,6 +25,7 @@ from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY, Checkpoints
 from .checks import (check_block_size, check_flag, check_number, check_positive_int,
                      scale_dtype_from)
+from .exchange import ErrorFeedbackExchange, GroupKey, LateKey
 from .guards import ZeroVarianceGuard
 from .late import LateJoiners
 from .overlap import Overlapping, exchange_group
@@ -96,9 +97,8 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             self._check_ranks_agree(settings)
             self._broadcast_parameters()
         self._settings = settings  # re-checked when a param group is added
-        self._errors: Dict[int, tuple] = {}  # group index -> (worker_error, server_error)
-        self._saved_errors: Dict[int, dict] = {}  # loaded, used when the group's layout matches
-        self._flat: Dict[int, Tuple[torch.Tensor, BlockLayout]] = {}  # group index -> (buffer, layout)
+        # The fused buffers, their layouts and error feedback (exchange.py).
+        self._ef_exchange = ErrorFeedbackExchange(self.backend)
         self._zero_variance = ZeroVarianceGuard()
         self._denoms: Dict[int, tuple] = {}  # group index -> (key, cached denominators)
         self._grads_averaged_externally = False  # set by the DDP hook for one step
@@ -172,10 +172,10 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
         if full:
             for i, gs in enumerate(grads):
-                self._average_(i, gs)
+                self._average_(GroupKey(i), gs)
         if not self._grads_averaged_externally:  # late joiners: full precision (late.py)
             for i, gs in enumerate(late_grads):
-                self._average_(-1 - i, gs)
+                self._average_(LateKey(i), gs)
         self._grads_averaged_externally = False  # the DDP hook's promise covers one step
         self.counters["step"] = t
         self._step_in_progress = t  # what an exchange input written from here on is for
@@ -265,44 +265,21 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             torch._foreach_mul_(grads, (1.0 / scale.double()).float().item())
         return grads
 
-    def _flat_buffer(self, index: int, tensors: List[torch.Tensor]) -> torch.Tensor:
-        """Group `index`'s fused buffer: the tensors at block boundaries (the
-        backend's BlockLayout), zeros in between that stay zero."""
-        sizes = [t.numel() for t in tensors]
-        cached = self._flat.get(index)
-        if cached is None or cached[1].sizes != sizes:
-            layout = self.backend.layout(sizes)
-            device = tensors[0].device if tensors else torch.device("cpu")
-            cached = self._flat[index] = (torch.zeros(layout.numel, device=device), layout)
-        return cached[0]
-
-    def _views(self, index: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Group `index`'s fused buffer cut into views shaped like `tensors`."""
-        flat, layout = self._flat[index]
-        return layout.views(flat, [t.shape for t in tensors])
-
-    def _flatten_into(self, index: int, tensors: List[torch.Tensor]) -> None:
-        if tensors:
-            torch._foreach_copy_(self._views(index, tensors), tensors)
-
-    def _unflatten_from(self, index: int, tensors: List[torch.Tensor]) -> None:
-        if tensors:
-            torch._foreach_copy_(tensors, self._views(index, tensors))
-
     # -------------------------------------------------------- communication --
-    def _average_(self, index: int, tensors: List[torch.Tensor]) -> None:
-        """Full-precision mean across ranks, as one collective on a flat buffer."""
+    def _average_(self, key, tensors: List[torch.Tensor]) -> None:
+        """Full-precision mean across ranks, as one collective on fused buffer
+        `key` (a GroupKey, or a LateKey for late joiners)."""
         if self.world_size == 1 or self._grads_averaged_externally or not tensors:
             return
-        flat = self._flat_buffer(index, tensors)
-        self._flatten_into(index, tensors)
-        started = time.perf_counter()
-        self._collective("gradient averaging (full-precision all-reduce)",
-                         lambda: dist.all_reduce(flat, group=self.process_group, async_op=True))
-        nominal = fp32_allreduce_bytes(sum(t.numel() for t in tensors), self.world_size)
-        self.traffic.add(nominal, nominal, nominal, time.perf_counter() - started)
-        flat.div_(self.world_size)
-        self._unflatten_from(index, tensors)
+
+        def all_reduce(flat: torch.Tensor) -> None:
+            started = time.perf_counter()
+            self._collective("gradient averaging (full-precision all-reduce)",
+                             lambda: dist.all_reduce(flat, group=self.process_group, async_op=True))
+            nominal = fp32_allreduce_bytes(sum(t.numel() for t in tensors), self.world_size)
+            self.traffic.add(nominal, nominal, nominal, time.perf_counter() - started)
+
+        self._ef_exchange.average_(key, tensors, all_reduce, self.world_size)
 
     def _compressed_average_(self, index: int, tensors: List[torch.Tensor]) -> None:
         """1-bit error-compensated mean across ranks of `tensors` (group
@@ -317,29 +294,11 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
                     tensors, [True] * len(tensors), [None] * len(tensors)):
                 pass
             return
-        self._flat_buffer(index, tensors)
-        self._flatten_into(index, tensors)
-        self._compressed_allreduce_flat(index)
-        self._unflatten_from(index, tensors)
-
-    def _compressed_allreduce_flat(self, index: int) -> None:
-        """The compressed allreduce of group `index`'s flat buffer, in place,
-        with that group's error-feedback buffers."""
-        flat, layout = self._flat[index]
-        self.backend.compressed_allreduce(flat, *self._error_buffers(index), layout=layout)
-
-    def _error_buffers(self, index) -> tuple:
-        """(worker_error, server_error) of fused buffer `index` (a group
-        index, or a bucket's key): restored from a checkpoint, or zeros."""
-        flat, layout = self._flat[index]
-        errors = self._errors.get(index)
-        if errors is None or (errors[0].numel(), errors[1].numel()) != layout.error_sizes:
-            errors = self._errors[index] = self._restored_errors(index, layout, flat.device)
-        return errors
+        self._ef_exchange.compressed_average_(GroupKey(index), tensors)
 
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
-        self._errors.clear()
+        self._ef_exchange.reset()
 
     # -------------------------------------------------------- graph capture --
     def _collective(self, phase: str, start) -> None:
@@ -352,9 +311,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         return torch.device("cpu")
 
     def _forget_layouts(self) -> None:
-        self.reset_compression_errors()
-        self._saved_errors = {}
-        self._flat.clear()
+        self._ef_exchange.forget_layouts()
         self._zero_variance.clear()
         self._denoms.clear()
         self._graph_regions.clear()

@@ -185,12 +185,7 @@ class Checkpoints:
         zeros of the right size, so a fresh optimizer's dict is a target DCP
         can load into."""
         rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
-        groups = {}
-        for key, layout in self._error_layouts().items():
-            w, s = self._errors.get(key) or self._restored_errors(key, layout, self._device(),
-                                                                  keep=True)
-            groups[_key_name(key)] = {"layout": repr(layout.key), "worker": w.detach().clone(),
-                                      "server": s.detach().clone()}
+        groups = self._ef_exchange.errors_state(self._error_layouts(), self._device())
         return {"rank": rank, "world_size": self.world_size, "wire_format": WIRE_FORMAT_VERSION,
                 "block_size": self.block_size, "step": self.counters["step"], "groups": groups}
 
@@ -218,41 +213,16 @@ class Checkpoints:
             # Buffers saved under another layout (say the hierarchical backend's
             # shards against the flat one's, or another bucket plan) have
             # other sizes and meanings.
-            layouts = self._error_layouts()
-            for name, g in state["groups"].items():
-                layout = layouts.get(_key_of(name))
-                if layout is None or g["layout"] != repr(layout.key):
-                    same = False
-        self.reset_compression_errors()
-        self._saved_errors = {_key_of(k): g for k, g in state["groups"].items()} if same else {}
+            same = self._ef_exchange.layouts_match(state["groups"], self._error_layouts())
+        self._ef_exchange.load_errors(state["groups"] if same else None)
         return same
 
     def _error_layouts(self) -> dict:
         """Error-buffer key -> layout of every fused buffer this optimizer
-        exchanges: a group index, and with overlap_backward each bucket's
-        (group, number) too (where every compressed exchange then goes)."""
+        exchanges: each group's, and with overlap_backward each bucket's too
+        (where every compressed exchange then goes)."""
         if self.world_size == 1:
             return {}
         trained = self._trained_lists()
-        out = {i: self.backend.layout([p.numel() for p in ps]) for i, ps in enumerate(trained) if ps}
-        if self._overlap is not None:
-            out.update(self._overlap.layouts(trained))
-        return out
-
-    def _restored_errors(self, index, layout, device, keep: bool = False):
-        """Group `index`'s error buffers: the ones loaded for this layout, or zeros."""
-        saved = self._saved_errors.get(index) if keep else self._saved_errors.pop(index, None)
-        if saved is not None and saved["layout"] == repr(layout.key):
-            return saved["worker"].to(device), saved["server"].to(device)
-        worker, server = layout.error_sizes
-        return torch.zeros(worker, device=device), torch.zeros(server, device=device)
-
-
-def _key_name(key) -> str:
-    """A group index as "3", a bucket's (group, number) as "3.1"."""
-    return ".".join(map(str, key)) if isinstance(key, tuple) else str(key)
-
-
-def _key_of(name: str):
-    parts = tuple(int(x) for x in name.split("."))
-    return parts if len(parts) > 1 else parts[0]
+        buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
+        return self._ef_exchange.layouts(trained, buckets)

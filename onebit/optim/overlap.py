@@ -45,10 +45,12 @@ import contextlib
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterator, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .exchange import BucketKey, ErrorFeedbackExchange, GroupKey
 from .guards import copy_masked_, mask_unseen_
 
 FIRST_BUCKET_MB = 1.0  # the last layers' gradients come first: start on the wire early (as DDP)
@@ -102,15 +104,14 @@ class StreamHandoff:
 class Bucket:
     """Some consecutive trained params of one group, exchanged together."""
 
-    def __init__(self, key: tuple, params: List[torch.Tensor], positions: List[int]) -> None:
-        self.key = key  # (group index, bucket number): names its fused buffer and errors
-        self.index = key[0]
+    def __init__(self, key: BucketKey, params: List[torch.Tensor], positions: List[int]) -> None:
+        self.key = key  # names its fused buffer and errors in the exchange
+        self.index = key.group
         self.params = params
         self.positions = positions  # where the params sit in the group's trained list
         self.waiting: set = set()
         self.future = None  # the queued exchange
         self.collected = False  # step() has taken its result
-        self.backup: Optional[tuple] = None  # the errors as they were before it
         self.ready = None  # event: its input is written (compute stream)
         self.done = None  # event: its exchange finished (communication stream)
         self.ready_device: Optional[torch.device] = None  # where its buffer lives
@@ -138,13 +139,13 @@ def plan_buckets(trained: List[List[torch.Tensor]], cap: int, first_cap: int) ->
             limit = first_cap if not buckets else cap
             n = trained[i][j].numel()
             if params and size + n > limit:
-                buckets.append(Bucket((i, len(buckets)), params, positions))
+                buckets.append(Bucket(BucketKey(i, len(buckets)), params, positions))
                 params, positions, size = [], [], 0
             params.append(trained[i][j])
             positions.append(j)
             size += n
         if params:
-            buckets.append(Bucket((i, len(buckets)), params, positions))
+            buckets.append(Bucket(BucketKey(i, len(buckets)), params, positions))
     return buckets
 
 
@@ -152,11 +153,26 @@ def signature(trained: List[List[torch.Tensor]]) -> tuple:
     return tuple(tuple(id(p) for p in ps) for ps in trained)
 
 
-class BackwardOverlap:
-    """The hooks, the bucket plan and the communication thread of one optimizer."""
+@dataclass(frozen=True)
+class OverlapCallbacks:
+    """What the overlap asks of its optimizer, and nothing else."""
 
-    def __init__(self, optimizer, bucket_cap_mb: float) -> None:
-        self.opt = optimizer
+    active: Callable[[], bool]  # can the coming step's exchange start during backward?
+    trained: Callable[[], List[List[torch.Tensor]]]  # each group's trained params
+    gradients: Callable[[List[torch.Tensor]], List[torch.Tensor]]  # their fp32 gradients
+    # write_input(group, params, grads, out, positions): the exchange input into `out`
+    write_input: Callable[..., None]
+    input_key: Callable[[int], object]  # what a group's input depends on besides gradients
+
+
+class BackwardOverlap:
+    """The hooks, the bucket plan and the communication thread of one
+    optimizer: its buckets' buffers and errors live in `exchange`."""
+
+    def __init__(self, exchange: ErrorFeedbackExchange, callbacks: OverlapCallbacks,
+                 bucket_cap_mb: float) -> None:
+        self.exchange = exchange
+        self.callbacks = callbacks
         self.cap = max(1, int(bucket_cap_mb * 2 ** 20) // 4)
         self.first_cap = min(self.cap, int(FIRST_BUCKET_MB * 2 ** 20) // 4)
         self.buckets: List[Bucket] = []
@@ -194,10 +210,10 @@ class BackwardOverlap:
                 self._hooked.add(id(p))
 
     def _ready(self, p: torch.Tensor) -> None:
-        if not self.enabled or self.scaled or not self.opt._exchange_during_backward():
+        if not self.enabled or self.scaled or not self.callbacks.active():
             return
         if not self.planned:
-            self._plan(self.opt._trained_lists())
+            self._plan(self.callbacks.trained())
             self.planned = True
         bucket = self.of_param.get(id(p))
         if bucket is None:
@@ -227,23 +243,23 @@ class BackwardOverlap:
         for b in self.buckets:
             b.waiting = {id(p) for p in b.params} - self.absent
 
-    def layouts(self, trained: List[List[torch.Tensor]]) -> Dict[tuple, object]:
-        """Bucket key -> its layout, for the trained params `trained`."""
-        return {b.key: self.opt.backend.layout([p.numel() for p in b.params])
-                for b in plan_buckets(trained, self.cap, self.first_cap)}
+    def bucket_sizes(self, trained: List[List[torch.Tensor]]
+                     ) -> List[Tuple[BucketKey, Sequence[int]]]:
+        """Each bucket's key and its params' sizes, in plan order, for the
+        trained params `trained`."""
+        return [(b.key, [p.numel() for p in b.params])
+                for b in plan_buckets(trained, self.cap, self.first_cap)]
 
     # ---------------------------------------------------------- exchange --
     def _launch(self, bucket: Bucket, grads: Optional[List[torch.Tensor]]) -> None:
         """Write the bucket's exchange input and queue its exchange.
         grads: the step's own gradients of its params (None: read .grad)."""
-        opt = self.opt
         self.stats["launched_in_step" if grads is not None else "launched_in_backward"] += 1
         if grads is None:
-            grads = opt._gradients(bucket.params)
-        opt._flat_buffer(bucket.key, bucket.params)
-        views = opt._views(bucket.key, bucket.params)
-        opt._exchange_input_(bucket.index, bucket.params, grads, views, bucket.positions)
-        bucket.input_key = opt._exchange_input_key(bucket.index)
+            grads = self.callbacks.gradients(bucket.params)
+        views = self.exchange.prepare(bucket.key, bucket.params)
+        self.callbacks.write_input(bucket.index, bucket.params, grads, views, bucket.positions)
+        bucket.input_key = self.callbacks.input_key(bucket.index)
         bucket.ready_device = views[0].device
         bucket.ready = self.handoff.produced(bucket.ready_device)
         bucket.future = self._thread.submit(self._exchange, bucket)
@@ -257,12 +273,9 @@ class BackwardOverlap:
             raise self.failure
 
         def backup_and_exchange() -> None:
-            worker, server = self.opt._error_buffers(bucket.key)
-            if bucket.backup is None or bucket.backup[0].shape != worker.shape:
-                bucket.backup = (torch.empty_like(worker), torch.empty_like(server))
-            bucket.backup[0].copy_(worker)
-            bucket.backup[1].copy_(server)
-            self.opt._compressed_allreduce_flat(bucket.key)
+            # Both here, in the comm stream: the errors may be created now.
+            self.exchange.backup(bucket.key)
+            self.exchange.allreduce(bucket.key)
 
         try:
             bucket.done = self.handoff.run_on_comm_thread(bucket.ready_device, bucket.ready,
@@ -281,7 +294,7 @@ class BackwardOverlap:
         self.scaled = relaunch
         # An input written for other hyper-parameters (0/1 Adam's sync bakes
         # in lr: a scheduler that stepped between backward and step()).
-        changed = any(b.input_key != self.opt._exchange_input_key(b.index)
+        changed = any(b.input_key != self.callbacks.input_key(b.index)
                       for b in self.buckets[:self.launched])
         redo = self.stale or relaunch or changed or signature(trained) != self.signature
         if redo and self.launched:
@@ -316,7 +329,7 @@ class BackwardOverlap:
             self.stats["wait_s"] += time.perf_counter() - started
             self.handoff.consume(b.ready_device, b.done)
             b.collected = True
-            b.land(out, self.opt._views(b.key, b.params), seen, masks)
+            b.land(out, self.exchange.views(b.key, b.params), seen, masks)
             yield b.positions
 
     def exchange_now(self, index: int, write, out: List[torch.Tensor], seen: List[bool],
@@ -330,13 +343,10 @@ class BackwardOverlap:
         during backward for this step are undone first."""
         if self.launched:
             self.abandon()
-        for b in plan_buckets(self.opt._trained_lists(), self.cap, self.first_cap):
+        for b in plan_buckets(self.callbacks.trained(), self.cap, self.first_cap):
             if b.index != index:
                 continue
-            self.opt._flat_buffer(b.key, b.params)
-            views = self.opt._views(b.key, b.params)
-            write(b, views)
-            self.opt._compressed_allreduce_flat(b.key)
+            views = self.exchange.exchange(b.key, b.params, lambda views, b=b: write(b, views))
             b.land(out, views, seen, masks)
             yield b.positions
 
@@ -351,11 +361,9 @@ class BackwardOverlap:
                 b.future.result()
             except BaseException as exc:  # noqa: BLE001 - the first one is re-raised below
                 failure = failure or exc
-            if b.backup is not None and failure is None:
+            if failure is None:  # its exchange ran, after its backup
                 self.handoff.consume(b.ready_device, b.done)
-                worker, server = self.opt._error_buffers(b.key)
-                worker.copy_(b.backup[0])
-                server.copy_(b.backup[1])
+                self.exchange.restore(b.key)
             b.future = None
         self.launched = 0
         if failure is not None:
@@ -406,7 +414,14 @@ class Overlapping:
         if self.graph_capture:
             raise ValueError("overlap_backward=True and graph_capture=True cannot be combined: "
                              "a graph replays the whole exchange at step()")
-        self._overlap = BackwardOverlap(self, bucket_cap_mb)
+        # Late-bound: a subclass (or a test) may replace these methods.
+        callbacks = OverlapCallbacks(
+            active=lambda: self._exchange_during_backward(),
+            trained=lambda: self._trained_lists(),
+            gradients=lambda params: self._gradients(params),
+            write_input=lambda *args: self._exchange_input_(*args),
+            input_key=lambda index: self._exchange_input_key(index))
+        self._overlap = BackwardOverlap(self._ef_exchange, callbacks, bucket_cap_mb)
         for group in self.param_groups:
             self._check_overlap_group(group)
             self._overlap.watch(group["params"])
@@ -480,10 +495,10 @@ class Overlapping:
             self._exchange_input_(index, params, grads, out, range(len(params)))
             mask_unseen_(out, masks, seen)
         else:
-            self._flat_buffer(index, out)
-            views = self._views(index, out)
-            self._exchange_input_(index, params, grads, views, range(len(params)))
-            self._compressed_allreduce_flat(index)
+            views = self._ef_exchange.exchange(
+                GroupKey(index), out,
+                lambda views: self._exchange_input_(index, params, grads, views,
+                                                    range(len(params))))
             copy_masked_(out, views, masks, seen)
         yield list(range(len(out)))
 

@@ -53,7 +53,7 @@ class Telemetry:
         if self.backend is not None:
             for k, v in self.backend.stats.snapshot().items():
                 totals[k] += v
-        errors = list(self._errors.values())
+        errors = list(self._ef_exchange.error_buffers().values())
         return {
             "step": self.counters["step"], "stage": last.get("stage"), "world_size": self.world_size,
             **{k: last[k] for k in ("bytes_sent", "bytes_received", "fp32_bytes", "comm_s",

@@ -12,6 +12,7 @@ from .guards import mask_unseen_, only_seen
 from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
 from .checks import adam_defaults, check_positive_int
+from .exchange import GroupKey
 
 
 class ZeroOneAdam(OnebitOptimizer):
@@ -328,11 +329,11 @@ class ZeroOneAdam(OnebitOptimizer):
         else:
             # u * denom goes straight into the fused buffer, and the average
             # is read from there: no pass to scale u, none to copy it back.
-            self._flat_buffer(i, u)
-            avg = self._views(i, u)
-            for ui, di, out in zip(u, denom, avg):
-                torch.mul(ui, di, out=out)
-            self._compressed_allreduce_flat(i)
+            def scaled_u(views):
+                for ui, di, out in zip(u, denom, views):
+                    torch.mul(ui, di, out=out)
+
+            avg = self._ef_exchange.exchange(GroupKey(i), u, scaled_u)
         self._mask_(group, avg)
         mask_unseen_(avg, masks, seen)
         for mi, ai in zip(m, avg):
