@@ -135,13 +135,31 @@ def communication_device(group=None) -> torch.device:
     return torch.device(served[0])
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a small CPU tensor) on `device` without a host sync: through
+    pinned memory and a non-blocking copy where the device is an accelerator
+    (a pageable copy would wait for the stream), as it is on the host."""
+    if device.type == "cpu":
+        return host
+    on_device = torch.empty_like(host, device=device)
+    return on_device.copy_(host.pin_memory(), non_blocking=True)
+
+
 def gather_numbers(phase: str, values: list, dtype: torch.dtype, group=None,
                    timeout_s: Optional[float] = None) -> List[list]:
     """Every rank's `values` (a few numbers, as many on each rank), one list
     per rank of `group`, through one bounded all-gather on the group's
-    communication device."""
+    communication device, and one host sync to read the result.
+
+    A value may be a 0-dim tensor already on the device (a flag computed
+    there): it joins the message on the device, never read on the host
+    before the gather."""
     device = communication_device(group)
-    mine = torch.tensor(values, dtype=dtype, device=device)
+    mine = to_device(torch.tensor([0 if isinstance(v, torch.Tensor) else v for v in values],
+                                  dtype=dtype), device)
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            mine[i] = v.to(device=device, dtype=dtype).reshape(())
     every = torch.empty(dist.get_world_size(group) * len(values), dtype=dtype, device=device)
     run(phase, lambda: all_gather_flat(every, mine, group=group, async_op=True), timeout_s, group)
     return every.view(-1, len(values)).tolist() if values else []

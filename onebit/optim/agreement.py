@@ -37,40 +37,47 @@ def check_params_served(name: str, param_groups, group) -> None:
 class RankAgreement:
     """The agreement half of OnebitOptimizer."""
 
-    @staticmethod
-    def _finite(tensors: List[torch.Tensor]) -> bool:
-        """One pass, no temporaries: a tensor's 2-norm is NaN or inf iff it
-        holds a NaN or an inf (or values beyond ~1e19, which count as overflow).
-        The 2-norm is 5x faster here than the max-norm."""
-        live = [t for t in tensors if t.numel()]
-        if not live:
-            return True
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(live))).all())
+    def _nonfinite_flag(self, grads_by_group: List[List[torch.Tensor]]) -> torch.Tensor:
+        """1 (a 0-dim int64 tensor on the communication device) where a
+        GradScaler saw inf/NaN or a gradient holds a NaN or an inf (or values
+        beyond ~1e19, which count as overflow): a tensor's 2-norm is NaN or
+        inf iff it does, in one pass with no temporaries, 5x faster here than
+        the max-norm. Decided on the device: no host sync."""
+        flag = torch.zeros((), dtype=torch.int64, device=self.comm_device)
+        live = [t for g in grads_by_group for t in g if t.numel()]
+        if live:
+            norms = torch.stack([n.to(self.comm_device) for n in torch._foreach_norm(live)])
+            flag |= ~torch.isfinite(norms).all()
+        found = getattr(self, "found_inf", None)
+        if found is not None:
+            flag |= (found.to(self.comm_device) > 0).reshape(())
+        return flag
 
     def _skip_for_nonfinite(self, grads_by_group: List[List[torch.Tensor]]) -> bool:
         """Whether this step must be skipped: a GradScaler saw inf/NaN, or a
         gradient is not finite, on any rank. Without a GradScaler, non-finite
         gradients raise on every rank before anything changes. The same
-        collective checks that the ranks train the same params."""
-        found = getattr(self, "found_inf", None)
-        bad = bool(found.item() > 0) if found is not None else False
-        if not bad:
-            bad = not all(self._finite(g) for g in grads_by_group)
+        collective checks that the ranks train the same params. The flag
+        stays on the device until the gathered table comes back: one host
+        sync in all."""
+        flag = self._nonfinite_flag(grads_by_group)
         if self.world_size > 1:
             # Third column: a bucket exchanged during backward must be done
             # again (overlap.py); every rank then redoes it, or none.
             table = self._gather_int64("agreeing on the trainable params and on skipping a "
-                                       "non-finite step", [int(bad), self._trainable_digest,
+                                       "non-finite step", [flag, self._trainable_digest,
                                                            int(self._overlap_stale())])
-            self._agree_overlap_stale(bool(table[:, 2].max() > 0))
-            if len(set(table[:, 1].tolist())) > 1:
+            self._agree_overlap_stale(any(row[2] for row in table))
+            if len({row[1] for row in table}) > 1:
                 raise ValueError(
                     f"{type(self).__name__}: ranks disagree on which parameters require grad "
                     f"at step {self.counters['step'] + 1}; nothing was updated. This rank "
                     f"({dist.get_rank(self.process_group)}) trains {self._trainable_summary()}. "
                     "Freeze and unfreeze the same parameters on every rank, at the same step")
-            bad = bool(table[:, 0].max() > 0)
-        if bad and found is None:
+            bad = any(row[0] for row in table)
+        else:
+            bad = bool(flag)
+        if bad and getattr(self, "found_inf", None) is None:
             raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step "
                              f"{self.counters['step'] + 1} on at least one rank; nothing was "
                              "updated (use torch.amp.GradScaler to skip such steps)")
@@ -96,13 +103,11 @@ class RankAgreement:
         self._trainable_signature = signature
         self._trainable_digest = stable_digest(signature)
 
-    def _gather_int64(self, phase: str, values: List[int]) -> torch.Tensor:
-        """[world, len(values)] int64: every rank's values."""
-        mine = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
-        out = torch.empty(self.world_size, len(values), dtype=torch.int64, device=mine.device)
-        self._collective(phase, lambda: collectives.all_gather_flat(
-            out.view(-1), mine, group=self.process_group, async_op=True))
-        return out
+    def _gather_int64(self, phase: str, values: list) -> List[List[int]]:
+        """Every rank's `values` (ints, or 0-dim tensors on the communication
+        device), one list per rank, in one bounded all-gather."""
+        return collectives.gather_numbers(f"{type(self).__name__}: {phase}", values, torch.int64,
+                                          self.process_group, self.timeout_s)
 
     def _check_ranks_agree(self, settings: dict) -> None:
         """Construction-time fingerprint (one small all-gather): every rank
@@ -120,7 +125,7 @@ class RankAgreement:
         }
         digest = [stable_digest(v) for v in fields.values()]
         table = self._gather_int64("construction fingerprint", digest)
-        bad = [name for j, name in enumerate(fields) if len(set(table[:, j].tolist())) > 1]
+        bad = [name for j, name in enumerate(fields) if len({row[j] for row in table}) > 1]
         if bad:
             rank = dist.get_rank(self.process_group)
             raise ValueError(f"{type(self).__name__}: ranks disagree on {', '.join(bad)}; "
@@ -148,7 +153,7 @@ class RankAgreement:
             return
         table = self._gather_int64("replica divergence check", sums)
         for j, name in enumerate(names):
-            column = table[:, j].tolist()
+            column = [row[j] for row in table]
             if len(set(column)) > 1:
                 odd = [r for r, v in enumerate(column) if v != column[0]]
                 raise ReplicaDivergenceError(

@@ -197,8 +197,10 @@ def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
     """||p|| / ||u|| clamped to [min_coeff, max_coeff]; 1 where either norm
     is 0. u is `updates` times `updates_scale` (a pass saved where the
     caller's buffers hold a multiple of the update)."""
+    # One host sync for both lists of norms.
+    both = norms([p.float() for p in params] + list(updates))
     out = []
-    for w, u in zip(norms([p.float() for p in params]), norms(updates)):
+    for w, u in zip(both[:len(params)], both[len(params):]):
         u *= updates_scale
         out.append(min(max(w / u, min_coeff), max_coeff) if w > 0 and u > 0 else 1.0)
     return out
