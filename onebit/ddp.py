@@ -47,7 +47,7 @@ def ddp_comm_hook(state: OnebitHookState,
                            "state.optimizer = the onebit optimizer before the first backward")
     buf = bucket.buffer()
     if opt.world_size > 1 and opt.needs_full_precision_gradients():
-        opt._grads_averaged_externally = True
+        opt.mark_gradients_averaged()
         nominal = fp32_allreduce_bytes(buf.numel(), opt.world_size)
         opt.traffic.add(nominal, nominal, nominal)  # time: it overlaps backward, not counted
         buf.div_(opt.world_size)

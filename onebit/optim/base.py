@@ -226,6 +226,12 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         lr = group["lr"]
         return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
 
+    def mark_gradients_averaged(self) -> None:
+        """The DDP comm hook's promise: this step's gradients reach step()
+        already averaged in full precision (over this optimizer's group), so
+        step() does not average them again. It covers one step."""
+        self._grads_averaged_externally = True
+
     # ------------------------------------------------------------- tensors --
     def _trainable(self, group) -> List[torch.Tensor]:
         """The params this optimizer trains with its own stages: those that
