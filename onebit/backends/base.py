@@ -206,7 +206,7 @@ class CompressedAllreduceBase:
                 raise ValueError(f"buffer_m has {numel} elements and worker_error {n}; the layout "
                                  f"needs {layout.numel} and {layout.padded}")
 
-    def check_finite(self, buffer_m: torch.Tensor) -> None:
+    def reject_nonfinite(self, buffer_m: torch.Tensor) -> None:
         """A ValueError if `buffer_m` holds a NaN or an inf (two host reads)."""
         lo, hi = torch.aminmax(buffer_m.detach().reshape(-1))  # NaN and +-inf all surface here
         if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
@@ -284,7 +284,7 @@ class CompressedAllreduceBase:
             server_error.zero_()
             return buffer_m
         if self.check_finite:
-            self.check_finite(buffer_m)
+            self.reject_nonfinite(buffer_m)
         p, rank, device = self.size, self.rank, buffer_m.device
         layout = self._layout_for(buffer_m.numel(), worker_error.numel(), layout)
         self._agree(layout)

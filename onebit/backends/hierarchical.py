@@ -209,7 +209,7 @@ class HierarchicalBackend:
             server_error.zero_()
             return buffer_m
         if self.check_finite:
-            self.net.check_finite(buffer_m)
+            self.net.reject_nonfinite(buffer_m)
         device, k = buffer_m.device, self.ranks_per_node
         self._agree(layout, device)
         before = self.net.stats.snapshot()
