@@ -68,12 +68,23 @@ class Pending:
             raise _failed(self.phase, self.timeout_s, self.group, exc) from exc
 
 
+# What a transport says when the peer is gone rather than the call wrong.
+_PEER_GONE = ("timed out", "timeout", "closed by peer", "connection reset", "broken pipe",
+              "connection refused", "end of file", "watchdog")
+
+
 def _failed(phase: str, t: float, group, exc: Exception) -> CommunicationError:
+    """A CommunicationError naming the phase and the rank. Only a deadline
+    passed or a connection lost is blamed on a peer; any other error (a
+    tensor the group cannot take, an op with no implementation) is reported
+    as itself."""
     where = f"rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
-    return CommunicationError(
-        f"onebit: {phase} failed or did not finish within {t:g} s on {where}: {exc}. "
-        "A peer rank probably died, hung, or stopped calling step() in step with the "
-        "others")
+    if any(s in str(exc).lower() for s in _PEER_GONE):
+        return CommunicationError(
+            f"onebit: {phase} failed or did not finish within {t:g} s on {where}: {exc}. "
+            "A peer rank probably died, hung, or stopped calling step() in step with the "
+            "others")
+    return CommunicationError(f"onebit: {phase} failed on {where}: {exc}")
 
 
 def start(phase: str, begin: Callable[[], "dist.Work"], timeout_s: Optional[float] = None,

@@ -188,3 +188,42 @@ def test_shutdown_waits_for_every_peer_before_destroying_the_group(tmp_path):
     run, no rank gets past shutdown before all have reached it."""
     marker = str(tmp_path / "rank1-done")
     assert run_workers(_orderly_shutdown, 3, marker, timeout=60) == [True, True, True]
+
+
+def _builds_over_fsdp2(rank, world, name):
+    import onebit
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    with pytest.raises(ValueError) as err:
+        getattr(onebit, name)(model.parameters())
+    return str(err.value)
+
+
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_fsdp2_parameters_are_refused_at_construction_naming_ddp(name):
+    """Not 'a peer rank probably died' from the first broadcast: the params
+    are DTensors, and the error says so and what to use instead."""
+    for message in run_workers(_builds_over_fsdp2, 2, name, timeout=60):
+        assert "is a DTensor" in message and "register_comm_hook" in message, message
+        assert "probably died" not in message, message
+
+
+def _collective_on_a_tensor_the_group_refuses(rank, world):
+    import torch.distributed as dist
+
+    from onebit import collectives
+
+    with pytest.raises(collectives.CommunicationError) as err:
+        # A bitwise AND of floats: an error at once, no peer involved.
+        collectives.run("test phase", lambda: dist.all_reduce(
+            torch.zeros(2), op=dist.ReduceOp.BAND, async_op=True), 5.0)
+    return str(err.value)
+
+
+def test_an_immediate_error_is_reported_as_itself_not_as_a_dead_peer():
+    for message in run_workers(_collective_on_a_tensor_the_group_refuses, 2, timeout=60):
+        assert "test phase failed on rank" in message, message
+        assert "probably died" not in message and "within" not in message, message

@@ -24,7 +24,7 @@ from .agreement import RankAgreement, ReplicaDivergenceError, check_params_serve
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY, Checkpoints
 from .checks import (check_block_size, check_flag, check_number, check_positive_int,
-                     scale_dtype_from)
+                     check_whole_parameters, scale_dtype_from)
 from .exchange import ErrorFeedbackExchange, GroupKey, LateKey
 from .guards import ZeroVarianceGuard
 from .late import LateJoiners
@@ -204,6 +204,11 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         rank must add the same group at the same step (checked, like the
         construction), and its params start from rank 0's values. A group
         added after the variance froze gets its own warmup (late.py)."""
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a generator is read once
+            params = param_group["params"] = list(params)
+        check_whole_parameters(type(self).__name__, [params] if isinstance(params, torch.Tensor)
+                               else params)
         super().add_param_group(param_group)
         if not hasattr(self, "_settings"):  # torch's __init__ adding the first groups
             return
