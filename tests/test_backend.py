@@ -54,6 +54,7 @@ def _pipelined_rounds(rank, p):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", [2, 3])
 def test_pipelined_pieces_match_reference(p):
     assert run_workers(_pipelined_rounds, p, timeout=240) == [True] * p
@@ -91,6 +92,7 @@ def _pieces_change_no_bit(rank, p):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipelining_changes_no_bit(p):
     assert run_workers(_pieces_change_no_bit, p, timeout=180) == [True] * p

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each runs the bench's own ranks or a fresh interpreter; the fast tier (-m "not slow") leaves these out
+
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {"size", "count", "type", "backend", "time", "algbw", "busbw", "wire", "speedup", "wrong"}
@@ -282,29 +284,29 @@ def test_bad_bench_flags_are_usage_errors(flags):
     assert "usage:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_help_lists_every_subcommand_and_no_file_outside_the_package():
-    from onebit.bench.__main__ import COMMANDS
+def test_help_lists_every_subcommand_and_no_file_outside_the_package(capsys):
+    from onebit.bench.__main__ import COMMANDS, main
+    from onebit.bench.command import parser_for
 
-    proc = subprocess.run([sys.executable, "-m", "onebit.bench", "--help"], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    listed = proc.stdout.split("subcommands:")[1].split("\n\n")[0]
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    listed = out.split("subcommands:")[1].split("\n\n")[0]
     assert [line.split()[0] for line in listed.strip().splitlines()] == list(COMMANDS)
-    assert "--block-size" in proc.stdout  # and the default's flags
-    for name in COMMANDS:
-        text = subprocess.run([sys.executable, "-m", "onebit.bench", name, "--help"],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT).stdout
+    assert "--block-size" in out  # and the default's flags
+    for name, module in COMMANDS.items():
+        text = parser_for(module, name).format_help()
         assert "shared/" not in text and "reproduce_readme" not in text, (name, text)
 
 
 @pytest.mark.parametrize("typo", ["prob", "allreduc", "lm"])
-def test_unknown_subcommand_names_the_valid_ones(typo):
-    proc = subprocess.run([sys.executable, "-m", "onebit.bench", typo], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 2, proc.stdout
-    assert f"unknown subcommand {typo!r}" in proc.stderr
-    assert "allreduce, kernels, optim, probe, step" in proc.stderr
-    assert ("python -m benchmarks.lm" in proc.stderr) == (typo == "lm")
+def test_unknown_subcommand_names_the_valid_ones(typo, capsys):
+    from onebit.bench.__main__ import main
+
+    assert main([typo]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown subcommand {typo!r}" in err
+    assert "allreduce, kernels, optim, probe, step" in err
+    assert ("python -m benchmarks.lm" in err) == (typo == "lm")
 
 
 def test_sizes_with_unit_suffixes_parse():

@@ -16,6 +16,8 @@ from tests.test_overlap import STEPS, batch, build, flat_params
 from tests.test_optim_local import OPTIMIZERS, model_and_data, train
 from tests.test_training_loops import flat, small_model
 
+pytestmark = pytest.mark.slow  # multi-process resumes at several world sizes; the fast tier (-m "not slow") leaves these out
+
 
 # ---------------------------------------------------------- one process --
 @pytest.mark.parametrize("cls", OPTIMIZERS)

@@ -46,6 +46,7 @@ def test_unknown_type_or_parameter_lists_valid_names():
         onebit.build_optimizer(params(), {"params": {}})
 
 
+@pytest.mark.slow
 def test_command_line_validates_a_config(tmp_path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps({"optimizer": {"type": "ZeroOneAdam", "params": {"var_freeze_step": 7}}}))

@@ -10,6 +10,8 @@ import torch
 
 from tests.distributed import run_workers
 
+pytestmark = pytest.mark.slow  # dead and hung ranks: each waits out a deadline; the fast tier (-m "not slow") leaves these out
+
 SHAPES = [(6, 4), (9,)]
 
 

@@ -184,6 +184,7 @@ def _dist_compare(rank, world, cls_name):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls_name", list(CONFIGS))
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_captured_step_equals_eager_and_replicas_match(world_size, cls_name):

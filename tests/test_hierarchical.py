@@ -7,6 +7,8 @@ import torch
 from tests.allreduce_checks import FUSED, check_hierarchical_rounds, fused_inputs
 from tests.distributed import run_workers
 
+pytestmark = pytest.mark.slow  # multi-process, up to 6 ranks; the fast tier (-m "not slow") leaves these out
+
 
 def _gather(p):
     import torch.distributed as dist

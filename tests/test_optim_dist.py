@@ -11,6 +11,8 @@ import torch
 from tests.distributed import run_workers
 from tests.reference import placement, reference_round
 
+pytestmark = pytest.mark.slow  # multi-process optimizer runs against float64 simulations; the fast tier (-m "not slow") leaves these out
+
 BLOCK = 256  # the optimizers' default block_size
 
 SHAPES = [(7, 5), (13,), (0,), (4, 3, 2)]

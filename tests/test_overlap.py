@@ -16,6 +16,8 @@ import torch
 
 from tests.distributed import run_workers
 
+pytestmark = pytest.mark.slow  # multi-process bitwise comparisons at p = 2..4; the fast tier (-m "not slow") leaves these out
+
 STEPS = {"OnebitAdam": 9, "OnebitLamb": 9, "ZeroOneAdam": 16}
 STAGES = {"OnebitAdam": dict(freeze_step=3), "OnebitLamb": dict(freeze_step=3),
           # 1-bit gradient steps at 3, 5, 6, 7; syncs after 9

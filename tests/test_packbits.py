@@ -238,6 +238,7 @@ print(k._m.__file__)
 """
 
 
+@pytest.mark.slow
 def test_jit_build_when_installed_kernel_is_missing(tmp_path):
     proc = _run_isolated(JIT, ONEBIT_FORCE_JIT="1", ONEBIT_BUILD_DIR=str(tmp_path))
     assert proc.returncode == 0, proc.stderr

@@ -9,6 +9,8 @@ import torch
 
 from tests.distributed import run_workers
 
+pytestmark = pytest.mark.slow  # multi-process training of small models; the fast tier (-m "not slow") leaves these out
+
 ALL = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
 STAGES = {  # short warmups, so both stages run within a few dozen steps
     "OnebitAdam": dict(freeze_step=6),
