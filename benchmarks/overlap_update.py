@@ -20,14 +20,14 @@ import torch.distributed as dist
 
 from onebit import launch
 from onebit.bench.step import make_model
-from onebit.optim.overlap import Overlapping
+from onebit.optim.base import OnebitOptimizer
 
 SETUPS = ("floor", "per-bucket", "after-last", "fused")
 
 
-def _after_last(self, index, params, grads, out, scales=None):
+def _after_last(self, index, params, grads, out, seen, masks):
     """_exchanged_parts that waits for every bucket, then yields them as one."""
-    for _ in Overlapping._exchanged_parts(self, index, params, grads, out, scales):
+    for _ in OnebitOptimizer._exchanged_parts(self, index, params, grads, out, seen, masks):
         pass
     yield list(range(len(out)))
 

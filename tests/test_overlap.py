@@ -82,7 +82,7 @@ def _train(rank, world, cls_name, mode):
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
         # 0/1 Adam's ranks differ between syncs by design; they meet at each sync.
-        if opt._replicas_should_match(step + 1):
+        if opt.last_stage.replicas_match:
             assert all(torch.equal(e, every[0]) for e in every), f"replicas differ at step {step + 1}"
         per_step.append(mine.numpy().copy())
     assert np.array_equal(flat_params(model.unused_head), head), "a param without grad moved"

@@ -102,10 +102,10 @@ class OnebitAdam(FreezeStepOptimizer):
                          block_size=block_size, scale_dtype=scale_dtype,
                          overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
 
-    def _update(self, t, groups, grads) -> None:
-        compress = self.compression_started(t)
+    def _update(self, stage, groups, grads) -> None:
+        t, compress, version = stage.step, stage.compressed, stage.variance_version
         if compress and self.graph_capture:
-            self._graphed_compression_step(t, groups, grads)
+            self._graphed_compression_step(stage, groups, grads)
             return
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
@@ -115,9 +115,8 @@ class OnebitAdam(FreezeStepOptimizer):
             if not compress:
                 F.update_momentum_(m, gs, beta1)
                 F.update_variance_(v, gs, beta2)
-            version = "frozen" if compress else None
             seen, masks = self._seen(i, group, v, version)
-            bc1, bc2 = self._bias_corrections(group, t, min(t, self.freeze_step))
+            bc1, bc2 = self._bias_corrections(group, t, stage.variance_updates)
             denom = self._denominators(i, group, v, bc2, version)
             # m <- the 1-bit average of the new momentum, in parts: with
             # overlap_backward, each bucket's params step while the next
@@ -130,7 +129,7 @@ class OnebitAdam(FreezeStepOptimizer):
                     self._mask_(group, ms)
                 F.adam_step_(*only_seen(ss, ps, ms, ds), group["lr"], group["weight_decay"], bc1)
 
-    def _graphed_compression_step(self, t, groups, grads) -> None:
+    def _graphed_compression_step(self, stage, groups, grads) -> None:
         """The compression-stage step as two graphed regions around the
         allreduce. Host-side work stays outside them: clipping (it needs the
         norm on the host), copying the gradients to fixed addresses, the
@@ -140,13 +139,13 @@ class OnebitAdam(FreezeStepOptimizer):
             if not params:
                 continue
             m, v = self._moments(group, params, gs)
-            bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
+            bc1, bc2 = self._bias_corrections(group, stage.step, stage.variance_updates)
             lr, wd = group["lr"], group["weight_decay"]
-            seen, masks = self._seen(i, group, v, "frozen")
+            seen, masks = self._seen(i, group, v, stage.variance_version)
             plan.append(SimpleNamespace(seen=seen, masks=masks,
-                index=i, group=group, params=params, m=m, grads=self._static_copy(i, gs),
-                denom=self._denominators(i, group, v, bc2, "frozen"),
-                scalars=self._step_scalars(i, params[0].device, (-lr / bc1, 1.0 - lr * wd)),
+                index=i, group=group, params=params, m=m, grads=self._static.copy(i, gs),
+                denom=self._denominators(i, group, v, bc2, stage.variance_version),
+                scalars=self._static.scalars(i, params[0].device, (-lr / bc1, 1.0 - lr * wd)),
                 flat=[self._ef_exchange.buffer(GroupKey(i), m)] if self.world_size > 1 else [],
                 mask=[self._group_mask(group, params[0].device)] if "exp_avg_mask" in group else []))
 
@@ -177,12 +176,12 @@ class OnebitAdam(FreezeStepOptimizer):
 
         # The keys name what each graph baked in: addresses, and Python floats.
         betas = tuple(s.group["betas"][0] for s in plan)
-        self._graphed("momentum", (betas, tensor_key(*(x for s in plan for x in (s.m, s.grads, s.flat)))),
+        self._static.graphed("momentum", (betas, tensor_key(*(x for s in plan for x in (s.m, s.grads, s.flat)))),
                       momentum)
         for s in plan:
             if s.flat:
                 self._ef_exchange.allreduce(GroupKey(s.index))
         decays = tuple((bool(s.group["weight_decay"]), tuple(s.seen)) for s in plan)
-        self._graphed("update", (decays, tensor_key(*(x for s in plan for x in (
+        self._static.graphed("update", (decays, tensor_key(*(x for s in plan for x in (
             s.params, s.m, s.grads, s.denom, s.flat, s.mask, [k for k in s.masks if k is not None],
             [s.scalars])))), update)

@@ -1,72 +1,102 @@
-"""What the three 1-bit optimizers share: the process group and compressed
-backend, gradient averaging, the fused compressed allreduce of a list of
-tensors and GradScaler support. The concerns around them live beside it:
-hyper-parameter checks (checks.py), the zero-variance guard (guards.py),
-rank agreement (agreement.py), checkpoints (checkpoints.py), overlap with
-backward (overlap.py), fixed-address buffers for graphs (capture.py), the
-fused buffers and their error feedback (exchange.py). The maths lives in
-`functional.py`; the stage machines in the optimizer classes.
+"""What the three 1-bit optimizers share: the step that orchestrates them.
+
+`OnebitOptimizer.step()` gathers fp32 gradients, asks the ranks to agree
+(on the params that train, on skipping a non-finite step), averages in full
+precision where the stage says so, and hands the maths of the step to the
+subclass's `_update`. Each concern around that is an object it holds, built
+from explicit inputs and testable without an optimizer:
+
+- `RankAgreement` (agreement.py): the construction fingerprint, the
+  per-step verdict, the replica divergence guard;
+- `ErrorFeedbackExchange` (exchange.py): the fused buffers, their layouts
+  and the error feedback of every 1-bit exchange;
+- `BackwardOverlap` (overlap.py): the exchange started during backward;
+- `LateJoiners` (late.py): params that start training after v froze;
+- `StaticBuffers` (capture.py): fixed-address buffers and CUDA graphs;
+- `StepTelemetry` (telemetry.py): `comm_stats()`;
+- `ZeroVarianceGuard` (guards.py): what an exchange must not move.
+
+Hyper-parameter checks live in checks.py, the checkpoint formats in
+checkpoints.py, the maths in functional.py, the stage machines in the
+optimizer classes (adam.py, lamb.py, zoadam.py).
 """
 from __future__ import annotations
 
+import abc
+import contextlib
+import copy
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..backends.base import DEFAULT_BLOCK_SIZE
+from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, stable_digest
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
-from ..graphs import GraphedRegion
+from . import checkpoints
 from . import functional as F
-from .agreement import RankAgreement, ReplicaDivergenceError, check_params_served  # noqa: F401
+from .agreement import (RankAgreement, ReplicaDivergenceError, check_params_served,  # noqa: F401
+                        nonfinite_flag)
 from .capture import StaticBuffers
-from .checkpoints import COUNTERS_KEY, Checkpoints
+from .checkpoints import COUNTERS_KEY
 from .checks import (check_block_size, check_flag, check_number, check_positive_int,
                      check_whole_parameters, scale_dtype_from)
 from .exchange import ErrorFeedbackExchange, GroupKey, LateKey
-from .guards import ZeroVarianceGuard
-from .late import LateJoiners
-from .overlap import Overlapping, exchange_group
-from .telemetry import Telemetry
+from .guards import ZeroVarianceGuard, copy_masked_, mask_unseen_
+from .late import LATE_KEY, LateJoiners
+from .overlap import BackwardOverlap, OverlapCallbacks, exchange_group
+from .stage import Stage
+from .telemetry import StepTelemetry
 
 
-
-class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overlapping,
-                      StaticBuffers, torch.optim.Optimizer):
+class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base class; see OnebitAdam for the user-facing documentation.
 
     `process_group` is the data-parallel group (default: the world, or no
     communication at all when torch.distributed is not initialised).
+
+    The contract of a subclass:
+
+    - `rank_agreed_settings`: the names of its own attributes (set before
+      calling this constructor) that every rank must share, such as
+      `freeze_step`; the construction fingerprint checks them;
+    - required: `stage_at(step)`, the stage of step `step`; `_update(stage,
+      groups, grads)`, its maths; `_exchange_input_(...)`, what its 1-bit
+      exchange sends; `_warmup_length()`, the steps before v freezes;
+    - optional, with defaults here: `_exchange_during_backward()` (False),
+      `_exchange_input_key(index)` (None), `_initial_counters()` and
+      `_counters_at(step)`, `_staged_state()` (checkpoints), `_on_group_added()`,
+      `_late_update(...)` (Adam for late joiners).
     """
 
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
     # stepping only on ranks that saw finite gradients (which would hang).
     _step_supports_amp_scaling = True
+    rank_agreed_settings: Tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, comm_backend_name: Optional[str], cuda_aware: bool,
                  process_group=None, timeout_s: Optional[float] = None,
                  check_replicas_every: int = 0, graph_capture: bool = False,
                  block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
                  overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
-        # What the subclass set before calling us: its stage settings
-        # (freeze_step, var_update_scaler, ...), part of the rank fingerprint.
-        settings = {k: v for k, v in vars(self).items() if isinstance(v, (int, float, str, tuple))}
         check_positive_int("check_replicas_every", check_replicas_every, minimum=0)
         check_flag("graph_capture", graph_capture)
         check_flag("cuda_aware", cuda_aware)
         collectives.check_timeout(timeout_s)
-        # It changes the rounding of the update, so ranks must agree on it too.
-        self.graph_capture = settings["graph_capture"] = graph_capture
         check_block_size(block_size)
-        self.block_size = settings["block_size"] = block_size
-        self.scale_dtype = scale_dtype_from(scale_dtype)
-        settings["scale_dtype"] = str(self.scale_dtype)
         check_flag("overlap_backward", overlap_backward)
         check_number("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True)
-        # Both decide the bucket plan, which every rank must share.
-        settings["overlap_backward"], settings["bucket_cap_mb"] = overlap_backward, bucket_cap_mb
+        self.graph_capture, self.block_size = graph_capture, block_size
+        self.scale_dtype = scale_dtype_from(scale_dtype)
+        # What every rank must share besides the param groups: the subclass's
+        # stage settings; graph capture (it changes the rounding of the
+        # update); the wire format; and what decides the bucket plan.
+        self._settings = {name: getattr(self, name) for name in self.rank_agreed_settings}
+        self._settings.update(graph_capture=graph_capture, block_size=block_size,
+                              scale_dtype=str(self.scale_dtype), overlap_backward=overlap_backward,
+                              bucket_cap_mb=bucket_cap_mb)
+        self._constructed = False
         super().__init__(params, defaults)
         self.timeout_s = timeout_s
         self.check_replicas_every = check_replicas_every
@@ -81,6 +111,7 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
         self.comm_device = collectives.communication_device(process_group) \
             if self.distributed else torch.device("cpu")
+        self._agreement = RankAgreement(type(self).__name__, process_group, timeout_s)
         if self.world_size > 1:
             check_params_served(type(self).__name__, self.param_groups, process_group)
             # MPI has its own communicator and no deadlines; torch.distributed
@@ -94,25 +125,58 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             self.backend = get_backend(self.comm_backend_name, group=group, check_finite=False,
                                        block_size=block_size, scale_dtype=self.scale_dtype,
                                        **kwargs)
-            self._check_ranks_agree(settings)
+            self._agreement.check_construction(self._settings, self.param_groups,
+                                               self.comm_backend_name)
             self._broadcast_parameters()
-        self._settings = settings  # re-checked when a param group is added
-        # The fused buffers, their layouts and error feedback (exchange.py).
+        self._constructed = True
         self._ef_exchange = ErrorFeedbackExchange(self.backend)
+        self._late = LateJoiners(self._warmup_length())
+        self._static = StaticBuffers()
         self._zero_variance = ZeroVarianceGuard()
-        self._denoms: Dict[int, tuple] = {}  # group index -> (key, cached denominators)
+        self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
         self._grads_averaged_externally = False  # set by the DDP hook for one step
-        self._graph_regions: Dict[str, GraphedRegion] = {}
-        self._static: Dict[tuple, object] = {}  # buffers kept from step to step (see capture.py)
         self._trainable_signature = None  # see _notice_trainable_changes
+        self._trainable_digest = 0
         self.traffic = TrafficStats()  # full-precision averaging (the backend counts its own)
-        self._skipped_steps = 0
-        self._last_step: Dict[str, object] = {}
-        self._window = self._traffic_snapshot()  # traffic since the last step ended
+        self._telemetry = StepTelemetry(
+            [self.traffic] + ([self.backend.stats] if self.backend is not None else []))
+        self.last_stage: Optional[Stage] = None  # the stage of the last step taken
         self._share_counters(self._initial_counters())
+        self._overlap: Optional[BackwardOverlap] = None
+        self._step_in_progress: Optional[int] = None  # set by step() once it agreed to go on
         self._setup_overlap(overlap_backward, bucket_cap_mb)
 
-    # ------------------------------------------------------------ counters --
+    # ------------------------------------------------ the subclass contract --
+    @abc.abstractmethod
+    def stage_at(self, step: int) -> Stage:
+        """The stage of step `step` (computed from the counters before it)."""
+
+    @abc.abstractmethod
+    def _update(self, stage: Stage, groups: list, grads: list) -> None:
+        """The maths of step `stage.step`: groups is [(param_group, trainable
+        params)], grads the matching fp32 gradients (averaged when the stage
+        is full precision)."""
+
+    @abc.abstractmethod
+    def _exchange_input_(self, index: int, params, grads, out, positions) -> None:
+        """Write what the coming step exchanges for these params of group
+        `index` (at `positions` in its trained list) into `out`."""
+
+    @abc.abstractmethod
+    def _warmup_length(self) -> int:
+        """Steps before v freezes (a late joiner's own warmup is as long)."""
+
+    def _exchange_during_backward(self) -> bool:
+        """Whether the coming step's compressed exchange can start during
+        backward (subclasses: in which stages)."""
+        return False
+
+    def _exchange_input_key(self, index: int):
+        """What, besides the gradients, group `index`'s exchange input was
+        written from that could change between backward and step()
+        (subclasses whose input depends on the hyper-parameters)."""
+        return None
+
     def _initial_counters(self) -> dict:
         # The name tells a checkpoint's reader which optimizer's state it is.
         return {"optimizer": type(self).__name__, "step": 0}
@@ -122,6 +186,30 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         torch.optim.Adam checkpoint means, see checkpoints.py)."""
         return {**self._initial_counters(), "step": step}
 
+    def _staged_state(self) -> Dict[str, tuple]:
+        """Per-param state created only at some stage: name -> (placeholder
+        maker, whether a checkpoint at `step` holds it for real). See
+        `state_dict`."""
+        return {}
+
+    def _on_group_added(self) -> None:
+        """Subclasses size their per-group counters here."""
+
+    def _late_update(self, key: LateKey, group, params, grads) -> None:
+        """A late joiner's own warmup step: Adam, with bias corrections
+        counted per param from its first step (late.py)."""
+        beta1, beta2 = group["betas"]
+        self._clip_(grads, group["max_grad_norm"])
+        for p, g in zip(params, grads):
+            k = LateJoiners.steps_done(self.state, p) + 1
+            m, v = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
+            F.update_momentum_([m], [g], beta1)
+            F.update_variance_([v], [g], beta2)
+            bc1, bc2 = self._bias_corrections(group, k, k)
+            denom = F.denominators([v], group["eps"], group["eps_inside_sqrt"], bc2)
+            F.adam_step_([p], [m], denom, group["lr"], group["weight_decay"], bc1)
+
+    # ------------------------------------------------------------ counters --
     @property
     def counters(self) -> dict:
         """The counters that decide the stage. They live in every param group
@@ -132,6 +220,15 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
     def _share_counters(self, counters: dict) -> None:
         for g in self.param_groups:
             g[COUNTERS_KEY] = counters
+
+    def stage(self) -> str:
+        """The stage of the coming step, in words."""
+        return self.stage_at(self.counters["step"] + 1).name
+
+    def needs_full_precision_gradients(self) -> bool:
+        """Whether the coming step averages gradients in full precision (the
+        DDP hook asks this during backward)."""
+        return self.stage_at(self.counters["step"] + 1).full_precision
 
     # ---------------------------------------------------------------- step --
     @torch.no_grad()
@@ -147,30 +244,26 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        t = self.counters["step"] + 1
-        full = self.needs_full_precision_gradients()
-        stage = self.stage()
-        self._mark_late()
+        stage = self.stage_at(self.counters["step"] + 1)
+        t = stage.step
+        self._late.mark(self.state, self.param_groups, stage.variance_frozen)
         self._notice_trainable_changes()
         groups = [(self._with_float_lr(g), self._trainable(g)) for g in self.param_groups]
-        late = [(g, self._late(raw)) for (g, _), raw in zip(groups, self.param_groups)]
+        late = [(g, self._late.params(self.state, raw)) for (g, _), raw in
+                zip(groups, self.param_groups)]
         grads = [self._gradients(ps) for _, ps in groups]
         late_grads = [self._gradients(ps) for _, ps in late]
-        # Before any collective that depends on them, the ranks agree on which
-        # params train (else the exchanges would not match: gloo aborts the
-        # process) and on skipping a non-finite step, in one tiny all-gather.
         try:
-            skip = self._skip_for_nonfinite(grads + late_grads)
+            skip = self._agree_before_step(t, grads + late_grads)
         except BaseException:
             self._end_overlap()  # undoes what backward exchanged (overlap.py)
             raise
         if skip:
             self._end_overlap()
-            self._skipped_steps += 1
-            self._end_window(t, stage, skipped=True)
+            self._telemetry.end_step(t, stage.name, skipped=True)
             return loss
         exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
-        if full:
+        if stage.full_precision:
             for i, gs in enumerate(grads):
                 self._average_(GroupKey(i), gs)
         if not self._grads_averaged_externally:  # late joiners: full precision (late.py)
@@ -183,21 +276,43 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             if exchanged_in_buckets:  # wait for them (a GradScaler's unscaling: exchange again)
                 self._overlap.settle([ps for _, ps in groups], grads,
                                      relaunch=getattr(self, "grad_scale", None) is not None)
-            self._update(t, groups, grads)
+            self._update(stage, groups, grads)
         finally:
             self._step_in_progress = None
             self._end_overlap()
-        self._late_step(late, late_grads)
+        for i, ((group, params), gs) in enumerate(zip(late, late_grads)):
+            if params:
+                self._late_update(LateKey(i), group, params, gs)
+                LateJoiners.advance(self.state, params)
+        self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
-                and self._replicas_should_match(t)):
-            self._check_replicas(t)
-        self._end_window(t, stage, skipped=False)
+                and stage.replicas_match):
+            self._agreement.check_replicas(t, self.param_groups, self.state)
+        self._telemetry.end_step(t, stage.name, skipped=False)
         return loss
 
-    def _update(self, t: int, groups: list, grads: list) -> None:
-        """The maths of step t: groups is [(param_group, trainable params)],
-        grads the matching fp32 gradients (averaged when full precision)."""
-        raise NotImplementedError
+    def _agree_before_step(self, t: int, grads_by_group: List[List[torch.Tensor]]) -> bool:
+        """Whether step t must be skipped: a GradScaler saw inf/NaN, or a
+        gradient is not finite, on any rank. Without a GradScaler, non-finite
+        gradients raise on every rank before anything changes. Before any
+        collective that depends on them, the same all-gather checks that the
+        ranks train the same params: one host sync in all."""
+        found_inf = getattr(self, "found_inf", None)
+        flag = nonfinite_flag(grads_by_group, self.comm_device, found_inf)
+        if self.world_size > 1:
+            stale = self._overlap is not None and self._overlap.stale
+            verdict = self._agreement.before_step(t, flag, self._trainable_digest, stale,
+                                                  self.param_groups)
+            if self._overlap is not None:  # every rank redoes its buckets, or none
+                self._overlap.stale = verdict.redo_buckets
+            bad = verdict.nonfinite
+        else:
+            bad = bool(flag)
+        if bad and found_inf is None:
+            raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
+                             "least one rank; nothing was updated (use torch.amp.GradScaler to "
+                             "skip such steps)")
+        return bad
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's add_param_group, made safe for data parallelism: every
@@ -210,18 +325,18 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         check_whole_parameters(type(self).__name__, [params] if isinstance(params, torch.Tensor)
                                else params)
         super().add_param_group(param_group)
-        if not hasattr(self, "_settings"):  # torch's __init__ adding the first groups
+        if not getattr(self, "_constructed", False):  # torch's __init__ adding the first groups
             return
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
             check_params_served(type(self).__name__, self.param_groups, self.process_group)
-            self._check_ranks_agree(self._settings)
+            self._agreement.check_construction(self._settings, self.param_groups,
+                                               self.comm_backend_name)
             self._broadcast_parameters(groups=self.param_groups[-1:])
-        self._watch_group(self.param_groups[-1])
+        if self._overlap is not None:  # its params get hooks too
+            self._check_overlap_group(self.param_groups[-1])
+            self._overlap.watch(self.param_groups[-1]["params"])
         self._on_group_added()
-
-    def _on_group_added(self) -> None:
-        """Subclasses size their per-group counters here."""
 
     @staticmethod
     def _with_float_lr(group: dict) -> dict:
@@ -237,13 +352,54 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
         step() does not average them again. It covers one step."""
         self._grads_averaged_externally = True
 
+    def comm_stats(self) -> Dict[str, object]:
+        """What the last step sent and what it cost, and the totals so far, as
+        a plain dict (cheap: call it every step and log it).
+
+        step and stage of the last step (`stage()`: the coming one's), world_size; for it:
+        bytes_sent, bytes_received, fp32_bytes (what an fp32 ring all-reduce
+        of the same gradients would have sent), compression_ratio
+        (fp32_bytes / bytes_sent), comm_s (in the transport) and compress_s
+        (compression kernels around it); the same summed over the run as
+        total_*; worker_error_norm and server_error_norm (the error-feedback
+        residual: a norm that keeps growing is the early sign of a bad freeze
+        point); skipped_steps (non-finite gradients under a GradScaler).
+        Traffic of a DDP hook during backward counts toward the step after it.
+        Bytes are each rank's share (see onebit.backends.stats)."""
+        return self._telemetry.report(self.counters["step"], self.world_size,
+                                      self._ef_exchange.error_buffers().values())
+
+    def graph_stats(self) -> Dict[str, dict]:
+        """Per graphed region: how many eager runs, captures and replays so far."""
+        return self._static.stats()
+
     # ------------------------------------------------------------- tensors --
     def _trainable(self, group) -> List[torch.Tensor]:
         """The params this optimizer trains with its own stages: those that
         require grad, less late joiners in their own warmup (late.py). A param
         whose .grad is None at a step counts as a zero gradient, so every rank
         flattens the same layout."""
-        return [p for p in group["params"] if p.requires_grad and not self._is_late(p)]
+        return [p for p in group["params"]
+                if p.requires_grad and not self._late.is_late(self.state, p)]
+
+    def _trained_lists(self) -> List[List[torch.Tensor]]:
+        return [self._trainable(g) for g in self.param_groups]
+
+    def _notice_trainable_changes(self) -> None:
+        """Keep the digest of which params train (requires_grad) current; when
+        it changes (layers frozen or unfrozen, a param group added), forget
+        everything laid out for the old set: flat buffers, error-feedback
+        buffers (they restart from zero), cached denominators and guards,
+        graphs."""
+        # 0: frozen, 1: trained, 2: a late joiner in its own warmup (late.py)
+        signature = [[p.requires_grad + (p.requires_grad and self._late.is_late(self.state, p))
+                      for p in g["params"]] for g in self.param_groups]
+        if signature == self._trainable_signature:
+            return
+        if self._trainable_signature is not None:
+            self._forget_layouts()
+        self._trainable_signature = signature
+        self._trainable_digest = stable_digest(signature)
 
     def _state_tensor(self, p: torch.Tensor, name: str) -> torch.Tensor:
         st = self.state[p]
@@ -276,7 +432,29 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             torch._foreach_mul_(grads, (1.0 / scale.double()).float().item())
         return grads
 
+    def _device(self) -> torch.device:
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def _forget_layouts(self) -> None:
+        self._ef_exchange.forget_layouts()
+        self._zero_variance.clear()
+        self._denoms.clear()
+        self._static.clear()
+
+    def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
+        if max_norm > 0 and grads:
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            coef = max_norm / (float(total) + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+
     # -------------------------------------------------------- communication --
+    def _collective(self, phase: str, start) -> None:
+        collectives.run(f"{type(self).__name__}: {phase}", start, self.timeout_s, self.process_group)
+
     def _average_(self, key, tensors: List[torch.Tensor]) -> None:
         """Full-precision mean across ranks, as one collective on fused buffer
         `key` (a GroupKey, or a LateKey for late joiners)."""
@@ -307,33 +485,48 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             return
         self._ef_exchange.compressed_average_(GroupKey(index), tensors)
 
+    def _exchange_(self, index: int, params, grads, out: List[torch.Tensor], seen: List[bool],
+                   masks: list) -> None:
+        """out <- the 1-bit average of what this step exchanges for the
+        params of group `index` (see `_exchanged_parts`), all of it."""
+        for _ in self._exchanged_parts(index, params, grads, out, seen, masks):
+            pass
+
+    def _exchanged_parts(self, index: int, params, grads, out: List[torch.Tensor],
+                         seen: List[bool], masks: list) -> Iterator[List[int]]:
+        """out <- the 1-bit average of what this step exchanges for the
+        params of group `index` (`_exchange_input_`), zeroed where v == 0
+        (the zero-variance guard's `seen` and `masks`, guards.py) as it
+        lands, in parts: yields the positions in `out` that are ready, so
+        that the caller can update those params while the rest is still on
+        the wire. From the buckets exchanged during backward, one part each;
+        else the input is written straight into the group's fused buffer, as
+        the buckets do (no pass to update the state first and another to
+        copy it in), and exchanged now, as one part. At world size 1 nothing
+        is exchanged: out <- the input."""
+        if self._overlap is not None and self._overlap.settled:
+            yield from self._overlap.collect(index, out, seen, masks)
+            return
+        if self._overlap is not None:  # a step that could not start in backward: its buckets now
+            yield from self._overlap.exchange_now(
+                index, lambda b, views: self._exchange_input_(index, b.params, b.pick(grads),
+                                                              views, b.positions),
+                out, seen, masks)
+            return
+        if self.world_size == 1:
+            self._exchange_input_(index, params, grads, out, range(len(params)))
+            mask_unseen_(out, masks, seen)
+        else:
+            views = self._ef_exchange.exchange(
+                GroupKey(index), out,
+                lambda views: self._exchange_input_(index, params, grads, views,
+                                                    range(len(params))))
+            copy_masked_(out, views, masks, seen)
+        yield list(range(len(out)))
+
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._ef_exchange.reset()
-
-    # -------------------------------------------------------- graph capture --
-    def _collective(self, phase: str, start) -> None:
-        collectives.run(f"{type(self).__name__}: {phase}", start, self.timeout_s, self.process_group)
-
-    def _device(self) -> torch.device:
-        for g in self.param_groups:
-            for p in g["params"]:
-                return p.device
-        return torch.device("cpu")
-
-    def _forget_layouts(self) -> None:
-        self._ef_exchange.forget_layouts()
-        self._zero_variance.clear()
-        self._denoms.clear()
-        self._graph_regions.clear()
-        self._static.clear()
-
-    def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
-        if max_norm > 0 and grads:
-            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-            coef = max_norm / (float(total) + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
 
     def _broadcast_parameters(self, groups=None) -> None:
         """Start every rank from rank 0's parameters (one collective per group)."""
@@ -350,6 +543,140 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
                 for p, v in zip(params, flat.split([p.numel() for p in params])):
                     p.copy_(v.view_as(p))
 
+    # ------------------------------------------------- overlap with backward --
+    def _coming_step(self) -> int:
+        """The step an exchange input is written for: the coming one during
+        backward, the current one inside step()."""
+        return self._step_in_progress or self.counters["step"] + 1
+
+    def _setup_overlap(self, overlap_backward: bool, bucket_cap_mb: float) -> None:
+        if not overlap_backward or self.world_size == 1:
+            return
+        if self.graph_capture:
+            raise ValueError("overlap_backward=True and graph_capture=True cannot be combined: "
+                             "a graph replays the whole exchange at step()")
+        # Late-bound: a subclass (or a test) may replace these methods.
+        callbacks = OverlapCallbacks(
+            active=lambda: self._exchange_during_backward(),
+            trained=lambda: self._trained_lists(),
+            gradients=lambda params: self._gradients(params),
+            write_input=lambda *args: self._exchange_input_(*args),
+            input_key=lambda index: self._exchange_input_key(index))
+        self._overlap = BackwardOverlap(self._ef_exchange, callbacks, bucket_cap_mb)
+        for group in self.param_groups:
+            self._check_overlap_group(group)
+            self._overlap.watch(group["params"])
+
+    def _check_overlap_group(self, group: dict) -> None:
+        if self._overlap is not None and group["max_grad_norm"] > 0:
+            raise ValueError("overlap_backward=True needs max_grad_norm=0: clipping needs the norm "
+                             "of every gradient, which exists only after backward. Clip before "
+                             "step() yourself, or turn the overlap off")
+
+    def no_overlap(self):
+        """Context manager: the backward passes inside it start no exchange
+        (gradient accumulation: every micro-batch but the last, as DDP's
+        no_sync). Without overlap_backward it does nothing."""
+        return self._overlap.no_overlap() if self._overlap is not None else contextlib.nullcontext()
+
+    def overlap_stats(self) -> Optional[dict]:
+        """With overlap_backward: how many bucket exchanges started during
+        backward and how many in step() (gradients that never arrived, or a
+        GradScaler's step), how many were done again, and the seconds step()
+        spent waiting for them; else None."""
+        return dict(self._overlap.stats) if self._overlap is not None else None
+
+    def _end_overlap(self) -> None:
+        if self._overlap is not None:
+            self._overlap.end_step()
+
+    # --------------------------------------------------------- checkpoints --
+    def state_dict(self) -> dict:
+        """torch's state_dict, with the counters copied (the saved dict must
+        not follow training) and a placeholder for each per-param state a
+        later stage creates, so a fresh optimizer's state_dict has every key
+        a trained one has: DCP loads only into keys the target already has."""
+        sd = super().state_dict()
+        for g in sd["param_groups"]:
+            g[COUNTERS_KEY] = copy.deepcopy(g[COUNTERS_KEY])
+        params = [p for g in self.param_groups for p in g["params"]]
+        checkpoints.add_placeholders(sd, params, self._all_staged_state())
+        return sd
+
+    def _all_staged_state(self) -> Dict[str, tuple]:
+        # A late joiner's own warmup count (late.py); "done" for everyone else.
+        warm = self._late.warmup_length
+        return {LATE_KEY: (lambda p: warm, lambda step: True), **self._staged_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a checkpoint, from any world size: this optimizer's own, or a
+        torch.optim.Adam/AdamW one where that makes sense (see checkpoints.py).
+
+        Kept from the *current* param groups, not the checkpoint: each group's
+        `exp_avg_mask` (it may change between training phases, as DeepSpeed
+        does). Reset: the error-feedback buffers; restore this rank's with
+        `load_error_feedback_state_dict` afterwards (same world size), or
+        they restart from zero (DeepSpeed's documented choice).
+        """
+        state_dict = checkpoints.adapt(self, state_dict, self._counters_at)
+        super().load_state_dict(checkpoints.keep_masks(state_dict, self.param_groups))
+        counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
+        self._share_counters(counters)
+        checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"])
+        self._forget_layouts()
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if self.world_size > 1 else 0
+
+    def error_feedback_state_dict(self) -> dict:
+        """This rank's error-feedback buffers: what `state_dict()` leaves out,
+        because they differ on every rank. Save one per rank next to the
+        optimizer's checkpoint (with DCP: under a key naming the rank, see
+        the README); with both, a resume at the same world size is bitwise
+        identical to not stopping. Groups that have not exchanged yet get
+        zeros of the right size, so a fresh optimizer's dict is a target DCP
+        can load into."""
+        groups = self._ef_exchange.errors_state(self._error_layouts(), self._device())
+        return {"rank": self._rank(), "world_size": self.world_size,
+                "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
+                "step": self.counters["step"], "groups": groups}
+
+    def error_feedback_key(self) -> str:
+        """The key for this rank's error buffers in a DCP checkpoint. It names
+        the world size too: at another one the buffers have other sizes, and
+        DCP refuses to load a tensor into one of another size, so there the
+        key is simply absent (load with allow_partial_load=True)."""
+        return f"onebit_errors.world{self.world_size}.rank{self._rank()}"
+
+    def load_error_feedback_state_dict(self, state: dict) -> bool:
+        """Restore what `error_feedback_state_dict` saved on this rank. At
+        another world size, rank, block size, wire format or backend layout
+        (flat against hierarchical), or from another
+        step than the loaded optimizer state's, the buffers mean nothing
+        here: they restart from zero (DeepSpeed's choice) and this returns
+        False. Call it after `load_state_dict`, which resets them."""
+        same = (state.get("world_size"), state.get("rank"), state.get("wire_format"),
+                state.get("block_size"), state.get("step")) == (
+                    self.world_size, self._rank(), WIRE_FORMAT_VERSION, self.block_size,
+                    self.counters["step"])
+        if same and self.world_size > 1:
+            # Buffers saved under another layout (say the hierarchical backend's
+            # shards against the flat one's, or another bucket plan) have
+            # other sizes and meanings.
+            same = self._ef_exchange.layouts_match(state["groups"], self._error_layouts())
+        self._ef_exchange.load_errors(state["groups"] if same else None)
+        return same
+
+    def _error_layouts(self) -> dict:
+        """Error-buffer key -> layout of every fused buffer this optimizer
+        exchanges: each group's, and with overlap_backward each bucket's too
+        (where every compressed exchange then goes)."""
+        if self.world_size == 1:
+            return {}
+        trained = self._trained_lists()
+        buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
+        return self._ef_exchange.layouts(trained, buckets)
+
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):
         """State for `model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)`."""
@@ -357,21 +684,13 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
 
         return OnebitHookState(self)
 
-    def _variance_frozen(self) -> bool:
-        """Whether v is frozen for the coming step (a param that starts
-        training now has v = 0 and is not moved: see agreement.py)."""
-        raise NotImplementedError
-
-    def needs_full_precision_gradients(self) -> bool:
-        """Whether the coming step averages gradients in full precision (the
-        DDP hook asks this during backward)."""
-        raise NotImplementedError
-
-    def _seen(self, index: int, group, exp_avg_sqs: List[torch.Tensor], version):
+    # ------------------------------------------------- maths the stages share --
+    def _seen(self, index, group, exp_avg_sqs: List[torch.Tensor], version: Optional[int]):
         """The zero-variance guard's (seen, masks) for group `index` (see
-        guards.py); `version` names v as in `_denominators`. Where v changes
-        every step and there is no weight decay, nothing can move an unseen
-        element (its m is 0 too), so nothing is checked."""
+        guards.py); `version` names v (a stage's `variance_version`: None
+        while it changes every step). Where v changes every step and there
+        is no weight decay, nothing can move an unseen element (its m is 0
+        too), so nothing is checked."""
         if version is None and not group["weight_decay"]:
             return [True] * len(exp_avg_sqs), [None] * len(exp_avg_sqs)
         return self._zero_variance.check(index, exp_avg_sqs, version)
@@ -395,19 +714,19 @@ class OnebitOptimizer(RankAgreement, Checkpoints, LateJoiners, Telemetry, Overla
             mask = group["exp_avg_mask"] = mask.to(device)
         return mask
 
-    def _denominators(self, index: int, group, exp_avg_sqs: List[torch.Tensor], bc2: float,
-                      version) -> List[torch.Tensor]:
+    def _denominators(self, index, group, exp_avg_sqs: List[torch.Tensor], bc2: float,
+                      version: Optional[int]) -> List[torch.Tensor]:
         """sqrt(v / bc2) + eps, cached while v is frozen.
 
-        `version` names the current v (None: v changes every step, no cache).
-        Once v stops changing the square root need not be recomputed each step:
-        this buffer (one fp32 copy of the group) is what makes the compression
-        stage cheaper than an Adam step.
+        `version` names the current v (a stage's `variance_version`; None: v
+        changes every step, no cache). Once v stops changing the square root
+        need not be recomputed each step: this buffer (one fp32 copy of the
+        group) is what makes the compression stage cheaper than an Adam step.
         """
         if version is None:
             self._denoms.pop(index, None)
             return F.denominators(exp_avg_sqs, group["eps"], group["eps_inside_sqrt"], bc2,
-                                  out=self._scratch("denominators", index, exp_avg_sqs))
+                                  out=self._static.scratch("denominators", index, exp_avg_sqs))
         key = (version, group["eps"], group["eps_inside_sqrt"], bc2)
         cached = self._denoms.get(index)
         if cached is None or cached[0] != key:
@@ -427,14 +746,18 @@ class FreezeStepOptimizer(OnebitOptimizer):
     """1-bit Adam and 1-bit LAMB: full precision up to `freeze_step`, 1-bit after."""
 
     freeze_step: int
+    rank_agreed_settings = ("freeze_step",)
 
     def compression_started(self, step: Optional[int] = None) -> bool:
         """Whether step `step` (default: the next one) is in the compression stage."""
         t = self.counters["step"] + 1 if step is None else step
         return t > self.freeze_step
 
-    def needs_full_precision_gradients(self) -> bool:
-        return not self.compression_started()
+    def stage_at(self, step: int) -> Stage:
+        compress = self.compression_started(step)
+        return Stage(step, "compression" if compress else "warmup", full_precision=not compress,
+                     compressed=compress, variance_frozen=compress,
+                     variance_updates=min(step, self.freeze_step), variance_moves=not compress)
 
     def _exchange_during_backward(self) -> bool:
         return self.world_size > 1 and self.compression_started()
@@ -445,11 +768,5 @@ class FreezeStepOptimizer(OnebitOptimizer):
         m = [self._state_tensor(p, "exp_avg") for p in params]
         F.momentum_into(out, m, grads, self.param_groups[index]["betas"][0])
 
-    def _variance_frozen(self) -> bool:
-        return self.compression_started()
-
     def _warmup_length(self) -> int:
         return self.freeze_step
-
-    def stage(self) -> str:
-        return "compression" if self.compression_started() else "warmup"

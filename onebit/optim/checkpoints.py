@@ -21,14 +21,10 @@ refused checkpoint changes nothing):
 """
 from __future__ import annotations
 
-import copy
 from typing import Callable, Dict
 
 import torch
-import torch.distributed as dist
 
-from ..backends.base import WIRE_FORMAT_VERSION
-from .late import LATE_KEY
 
 COUNTERS_KEY = "onebit"  # param_group[COUNTERS_KEY]: the counters that decide the stage
 STATE_KEY = "onebit"  # where checkpoints before DCP support kept them: state["onebit"]
@@ -123,106 +119,35 @@ def _counters_in_groups(state_dict: dict) -> dict:
     return {**state_dict, "state": state, "param_groups": groups}
 
 
-class Checkpoints:
-    """The checkpoint half of OnebitOptimizer (see the module doc)."""
+def add_placeholders(state_dict: dict, params, staged: Dict[str, tuple]) -> None:
+    """Write a placeholder into `state_dict["state"]` for every per-param
+    state a later stage creates (`staged`: name -> (placeholder maker,
+    whether a checkpoint at a step holds it for real)) where it is missing,
+    so a fresh optimizer's state_dict has every key a trained one has: DCP
+    loads only into keys the target already has. `params`: the optimizer's
+    params in state_dict order."""
+    for key, st in state_dict["state"].items():
+        for name, (make, _) in staged.items():
+            if name not in st:
+                st[name] = make(params[key])
 
-    # Per-param state a subclass creates only at some stage:
-    # name -> (placeholder maker, whether a checkpoint at `step` holds it for real).
-    # state_dict() writes a placeholder where it is missing, so a fresh
-    # optimizer's state_dict has every key a trained one has: DCP loads only
-    # into keys the target already has. load_state_dict drops the fake ones.
-    def _staged_state(self) -> Dict[str, tuple]:
-        return {}
 
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        for g in sd["param_groups"]:  # a copy per group: the saved dict must not follow training
-            g[COUNTERS_KEY] = copy.deepcopy(g[COUNTERS_KEY])
-        warm = self._warmup_length()
-        # A late joiner's own warmup count (late.py); "done" for everyone else.
-        staged = {LATE_KEY: (lambda p: warm, lambda step: True), **self._staged_state()}
-        if staged:
-            params = [p for g in self.param_groups for p in g["params"]]
-            for key, st in sd["state"].items():
-                for name, (make, _) in staged.items():
-                    if name not in st:
-                        st[name] = make(params[key])
-        return sd
+def drop_placeholders(state, staged: Dict[str, tuple], step: int) -> None:
+    """Remove from a loaded `state` the placeholders `add_placeholders` wrote:
+    the staged entries a checkpoint at `step` cannot hold for real."""
+    for name, (_, real) in staged.items():
+        if not real(step):
+            for st in state.values():
+                st.pop(name, None)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a checkpoint, from any world size: this optimizer's own, or a
-        torch.optim.Adam/AdamW one where that makes sense (see the module doc).
 
-        Kept from the *current* param groups, not the checkpoint: each group's
-        `exp_avg_mask` (it may change between training phases, as DeepSpeed
-        does). Reset: the error-feedback buffers; restore this rank's with
-        `load_error_feedback_state_dict` afterwards (same world size), or
-        they restart from zero (DeepSpeed's documented choice).
-        """
-        state_dict = dict(adapt(self, state_dict, self._counters_at))
-        groups = [dict(g) for g in state_dict["param_groups"]]
-        for mine, theirs in zip(self.param_groups, groups):
-            theirs.pop("exp_avg_mask", None)
-            if "exp_avg_mask" in mine:
-                theirs["exp_avg_mask"] = mine["exp_avg_mask"]
-        state_dict["param_groups"] = groups
-        super().load_state_dict(state_dict)
-        counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
-        self._share_counters(counters)
-        for name, (_, real) in self._staged_state().items():
-            if not real(counters["step"]):
-                for st in self.state.values():
-                    st.pop(name, None)
-        self._forget_layouts()
-
-    # ------------------------------------------- per-rank error feedback --
-    def error_feedback_state_dict(self) -> dict:
-        """This rank's error-feedback buffers: what `state_dict()` leaves out,
-        because they differ on every rank. Save one per rank next to the
-        optimizer's checkpoint (with DCP: under a key naming the rank, see
-        the README); with both, a resume at the same world size is bitwise
-        identical to not stopping. Groups that have not exchanged yet get
-        zeros of the right size, so a fresh optimizer's dict is a target DCP
-        can load into."""
-        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
-        groups = self._ef_exchange.errors_state(self._error_layouts(), self._device())
-        return {"rank": rank, "world_size": self.world_size, "wire_format": WIRE_FORMAT_VERSION,
-                "block_size": self.block_size, "step": self.counters["step"], "groups": groups}
-
-    def error_feedback_key(self) -> str:
-        """The key for this rank's error buffers in a DCP checkpoint. It names
-        the world size too: at another one the buffers have other sizes, and
-        DCP refuses to load a tensor into one of another size, so there the
-        key is simply absent (load with allow_partial_load=True)."""
-        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
-        return f"onebit_errors.world{self.world_size}.rank{rank}"
-
-    def load_error_feedback_state_dict(self, state: dict) -> bool:
-        """Restore what `error_feedback_state_dict` saved on this rank. At
-        another world size, rank, block size, wire format or backend layout
-        (flat against hierarchical), or from another
-        step than the loaded optimizer state's, the buffers mean nothing
-        here: they restart from zero (DeepSpeed's choice) and this returns
-        False. Call it after `load_state_dict`, which resets them."""
-        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
-        same = (state.get("world_size"), state.get("rank"), state.get("wire_format"),
-                state.get("block_size"), state.get("step")) == (
-                    self.world_size, rank, WIRE_FORMAT_VERSION, self.block_size,
-                    self.counters["step"])
-        if same and self.world_size > 1:
-            # Buffers saved under another layout (say the hierarchical backend's
-            # shards against the flat one's, or another bucket plan) have
-            # other sizes and meanings.
-            same = self._ef_exchange.layouts_match(state["groups"], self._error_layouts())
-        self._ef_exchange.load_errors(state["groups"] if same else None)
-        return same
-
-    def _error_layouts(self) -> dict:
-        """Error-buffer key -> layout of every fused buffer this optimizer
-        exchanges: each group's, and with overlap_backward each bucket's too
-        (where every compressed exchange then goes)."""
-        if self.world_size == 1:
-            return {}
-        trained = self._trained_lists()
-        buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
-        return self._ef_exchange.layouts(trained, buckets)
+def keep_masks(state_dict: dict, param_groups) -> dict:
+    """`state_dict` with each group's `exp_avg_mask` taken from the live
+    `param_groups`, not the checkpoint (it may change between training
+    phases, as DeepSpeed does)."""
+    groups = [dict(g) for g in state_dict["param_groups"]]
+    for mine, theirs in zip(param_groups, groups):
+        theirs.pop("exp_avg_mask", None)
+        if "exp_avg_mask" in mine:
+            theirs["exp_avg_mask"] = mine["exp_avg_mask"]
+    return {**state_dict, "param_groups": groups}

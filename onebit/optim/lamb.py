@@ -10,6 +10,7 @@ from .guards import only_seen
 from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from .checks import adam_defaults, check_number, check_positive_int
+from .late import LateJoiners
 
 
 TRUST_RATIOS = ("fresh", "frozen")  # the default first (bench lm reads it so)
@@ -61,6 +62,9 @@ class OnebitLamb(FreezeStepOptimizer):
     freeze_step: as OnebitAdam (15-25% of steps). Other arguments as
     OnebitAdam, with DeepSpeed's names and defaults.
     """
+
+    rank_agreed_settings = ("freeze_step", "trust_ratio", "trust_ratio_beta", "coeff_beta",
+                            "factor_max", "factor_min", "factor_threshold")
 
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -126,19 +130,19 @@ class OnebitLamb(FreezeStepOptimizer):
             staged["exp_avg_smoothed"] = (zeros, lambda step: step >= max(self.freeze_step, 1))
         return staged
 
-    def _update(self, t, groups, grads) -> None:
-        compress = self.compression_started(t)
+    def _update(self, stage, groups, grads) -> None:
         self.lamb_coeffs = []
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if params:
-                (self._compressed_step if compress else self._warmup_step)(i, group, params, gs, t)
+                (self._compressed_step if stage.compressed else self._warmup_step)(
+                    i, group, params, gs, stage.step)
 
-    def _late_update(self, index, group, params, grads) -> None:
+    def _late_update(self, key, group, params, grads) -> None:
         """A late joiner's own warmup (late.py): LAMB's warmup maths, one
         param at a time, counted from its first step; its last step keeps its
         variance as the fresh one, as freeze_step does for the rest."""
         for p, g in zip(params, grads):
-            self._warmup_step(index, group, [p], [g], self.state[p]["late_steps"] + 1)
+            self._warmup_step(key, group, [p], [g], LateJoiners.steps_done(self.state, p) + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
         beta1, beta2 = group["betas"]
@@ -169,7 +173,7 @@ class OnebitLamb(FreezeStepOptimizer):
         u = (m / bc1) / denom + weight_decay * p. Returns the coefficients."""
         pf = [p.float() for p in params]
         upd = F.adam_updates(m, denom, pf, group["weight_decay"], bc1,
-                             out=self._scratch("update", i, m))
+                             out=self._static.scratch("update", i, m))
         coeffs = F.lamb_trust_ratios(pf, upd, group["min_coeff"], group["max_coeff"])
         self.lamb_coeffs.extend(coeffs)
         F.apply_updates_(params, upd, group["lr"], coeffs)
@@ -179,11 +183,11 @@ class OnebitLamb(FreezeStepOptimizer):
         m, v = self._moments(group, params, gs)
         frozen = self.trust_ratio == "frozen"
         if frozen:
-            m_last = self._scratch("momentum before this step", i, m)
+            m_last = self._static.scratch("momentum before this step", i, m)
             torch._foreach_copy_(m_last, m)
         # m <- the 1-bit average of the new momentum: one fused exchange for
         # the whole group (see the class doc for why it is not rescaled).
-        seen, masks = self._seen(i, group, v, "frozen")
+        seen, masks = self._seen(i, group, v, self.freeze_step)
         self._exchange_(i, params, gs, m, seen, masks)
         self._mask_(group, m)
         bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
@@ -203,12 +207,12 @@ class OnebitLamb(FreezeStepOptimizer):
         if not params:
             return
         torch._foreach_lerp_(smoothed, m, 1.0 - self.trust_ratio_beta)
-        denom = self._denominators(i, group, v, bc2, "frozen")
+        denom = self._denominators(i, group, v, bc2, self.freeze_step)
         # bc1 times the ratio's update (bc1 = 1 and weight decay x bc1 below):
         # the norm takes the 1 / bc1 instead of a pass over the buffers.
         pf, wd = [p.float() for p in params], group["weight_decay"]
         ref = F.adam_updates(smoothed, denom, pf, wd * bc1, 1.0,
-                             out=self._scratch("update", i, m))
+                             out=self._static.scratch("update", i, m))
         coeffs = F.lamb_trust_ratios(pf, ref, group["min_coeff"], group["max_coeff"],
                                      updates_scale=1.0 / bc1)
         self.lamb_coeffs.extend(coeffs)
@@ -231,13 +235,13 @@ class OnebitLamb(FreezeStepOptimizer):
         torch._foreach_mul_(g_rec, -beta1 / (1.0 - beta1))
         torch._foreach_add_(g_rec, m, alpha=1.0 / (1.0 - beta1))
         F.update_variance_(fresh, g_rec, beta2)
-        denom = self._denominators(i, group, v, bc2, "frozen")
+        denom = self._denominators(i, group, v, bc2, self.freeze_step)
         denom_fresh = F.denominators(fresh, group["eps"], group["eps_inside_sqrt"], bc2,
-                                     out=self._scratch("fresh denominators", i, fresh))
+                                     out=self._static.scratch("fresh denominators", i, fresh))
         ratio_maxes = F.max_ratios_(denom, denom_fresh)
         pf = [p.float() for p in params]
         # The update before weight decay, then after, in the same buffer.
-        upd = F.adam_updates(m, denom, pf, 0.0, bc1, out=self._scratch("update", i, m))
+        upd = F.adam_updates(m, denom, pf, 0.0, bc1, out=self._static.scratch("update", i, m))
         prelim_norms = upd_norms = F.norms(upd)
         if group["weight_decay"]:
             torch._foreach_add_(upd, pf, alpha=group["weight_decay"])

@@ -16,50 +16,43 @@ from typing import List
 
 import torch
 
-from . import functional as F
 
 LATE_KEY = "late_steps"  # state[p][LATE_KEY]: its own warmup steps so far
 
 
 class LateJoiners:
-    """The late-joiner half of OnebitOptimizer."""
+    """Which params are in their own warmup, decided from the optimizer's
+    `state` (passed to each call: torch's load_state_dict replaces the
+    dict). `warmup_length`: the optimizer's own warmup, in steps."""
 
-    def _warmup_length(self) -> int:
-        raise NotImplementedError
+    def __init__(self, warmup_length: int) -> None:
+        self.warmup_length = warmup_length
 
-    def _is_late(self, p: torch.Tensor) -> bool:
-        st = self.state.get(p)
-        return st is not None and st.get(LATE_KEY, self._warmup_length()) < self._warmup_length()
+    def is_late(self, state, p: torch.Tensor) -> bool:
+        st = state.get(p)
+        return st is not None and st.get(LATE_KEY, self.warmup_length) < self.warmup_length
 
-    def _mark_late(self) -> None:
+    def mark(self, state, param_groups, variance_frozen: bool) -> None:
         """Params that train now, once v froze, without ever having had state."""
-        if not self._variance_frozen() or self._warmup_length() == 0:
+        if not variance_frozen or self.warmup_length == 0:
             return
-        for group in self.param_groups:
+        for group in param_groups:
             for p in group["params"]:
-                if p.requires_grad and "exp_avg_sq" not in self.state.get(p, {}):
-                    self.state[p][LATE_KEY] = 0
+                if p.requires_grad and "exp_avg_sq" not in state.get(p, {}):
+                    state[p][LATE_KEY] = 0
 
-    def _late(self, group) -> List[torch.Tensor]:
-        return [p for p in group["params"] if p.requires_grad and self._is_late(p)]
+    def params(self, state, group) -> List[torch.Tensor]:
+        """Group `group`'s late joiners."""
+        return [p for p in group["params"] if p.requires_grad and self.is_late(state, p)]
 
-    def _late_step(self, groups, grads) -> None:
-        """One warmup step for each late param (grads: averaged already)."""
-        for i, ((group, params), gs) in enumerate(zip(groups, grads)):
-            if params:
-                self._late_update(-1 - i, group, params, gs)
-                for p in params:
-                    self.state[p][LATE_KEY] += 1
+    @staticmethod
+    def steps_done(state, p: torch.Tensor) -> int:
+        """How many of its own warmup steps `p` has taken."""
+        return state[p][LATE_KEY]
 
-    def _late_update(self, index: int, group, params, grads) -> None:
-        """Adam, with bias corrections counted per param from its first step."""
-        beta1, beta2 = group["betas"]
-        self._clip_(grads, group["max_grad_norm"])
-        for p, g in zip(params, grads):
-            k = self.state[p][LATE_KEY] + 1
-            m, v = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
-            F.update_momentum_([m], [g], beta1)
-            F.update_variance_([v], [g], beta2)
-            bc1, bc2 = self._bias_corrections(group, k, k)
-            denom = F.denominators([v], group["eps"], group["eps_inside_sqrt"], bc2)
-            F.adam_step_([p], [m], denom, group["lr"], group["weight_decay"], bc1)
+    @staticmethod
+    def advance(state, params: List[torch.Tensor]) -> None:
+        """One more warmup step taken by each of `params`."""
+        for p in params:
+            state[p][LATE_KEY] += 1
+

@@ -8,7 +8,7 @@ written into the bucket's own fused buffer, and its compressed allreduce
 is queued on one communication thread, so it runs while backward goes on.
 step() takes the buckets in launch order as their exchanges finish, and
 1-bit Adam (0/1 Adam at a sync) applies each bucket's update while the
-later buckets are still on the wire (`Overlapping._exchanged_parts`). An
+later buckets are still on the wire (`OnebitOptimizer._exchanged_parts`). An
 exchange that could not start in backward goes over the same buckets from
 step() (`exchange_now`), so a group's errors keep one history.
 
@@ -50,8 +50,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .exchange import BucketKey, ErrorFeedbackExchange, GroupKey
-from .guards import copy_masked_, mask_unseen_
+from .exchange import BucketKey, ErrorFeedbackExchange
+from .guards import copy_masked_
 
 FIRST_BUCKET_MB = 1.0  # the last layers' gradients come first: start on the wire early (as DDP)
 
@@ -395,127 +395,3 @@ def exchange_group(process_group):
     ranks = dist.get_process_group_ranks(process_group if process_group is not None
                                          else dist.group.WORLD)
     return dist.new_group(ranks, use_local_synchronization=True)
-
-
-class Overlapping:
-    """The optimizer's side of the overlap (a mixin of OnebitOptimizer)."""
-
-    _overlap: Optional[BackwardOverlap] = None
-    _step_in_progress: Optional[int] = None  # set by step() once it has agreed to go on
-
-    def _coming_step(self) -> int:
-        """The step an exchange input is written for: the coming one during
-        backward, the current one inside step()."""
-        return self._step_in_progress or self.counters["step"] + 1
-
-    def _setup_overlap(self, overlap_backward: bool, bucket_cap_mb: float) -> None:
-        if not overlap_backward or self.world_size == 1:
-            return
-        if self.graph_capture:
-            raise ValueError("overlap_backward=True and graph_capture=True cannot be combined: "
-                             "a graph replays the whole exchange at step()")
-        # Late-bound: a subclass (or a test) may replace these methods.
-        callbacks = OverlapCallbacks(
-            active=lambda: self._exchange_during_backward(),
-            trained=lambda: self._trained_lists(),
-            gradients=lambda params: self._gradients(params),
-            write_input=lambda *args: self._exchange_input_(*args),
-            input_key=lambda index: self._exchange_input_key(index))
-        self._overlap = BackwardOverlap(self._ef_exchange, callbacks, bucket_cap_mb)
-        for group in self.param_groups:
-            self._check_overlap_group(group)
-            self._overlap.watch(group["params"])
-
-    def _check_overlap_group(self, group: dict) -> None:
-        if self._overlap is not None and group["max_grad_norm"] > 0:
-            raise ValueError("overlap_backward=True needs max_grad_norm=0: clipping needs the norm "
-                             "of every gradient, which exists only after backward. Clip before "
-                             "step() yourself, or turn the overlap off")
-
-    def _watch_group(self, group: dict) -> None:
-        """A param group added after construction gets its hooks too."""
-        if self._overlap is not None:
-            self._check_overlap_group(group)
-            self._overlap.watch(group["params"])
-
-    def no_overlap(self):
-        """Context manager: the backward passes inside it start no exchange
-        (gradient accumulation: every micro-batch but the last, as DDP's
-        no_sync). Without overlap_backward it does nothing."""
-        return self._overlap.no_overlap() if self._overlap is not None else contextlib.nullcontext()
-
-    def _trained_lists(self) -> List[List[torch.Tensor]]:
-        return [self._trainable(g) for g in self.param_groups]
-
-    def _exchange_during_backward(self) -> bool:
-        """Whether the coming step's compressed exchange can start during
-        backward (subclasses: in which stages)."""
-        return False
-
-    def _exchange_input_(self, index: int, params, grads, out, positions) -> None:
-        """Write what the coming step exchanges for these params of group
-        `index` (at `positions` in its trained list) into `out` (subclasses)."""
-        raise NotImplementedError
-
-    def _exchange_input_key(self, index: int):
-        """What, besides the gradients, group `index`'s exchange input was
-        written from that could change between backward and step()
-        (subclasses whose input depends on the hyper-parameters)."""
-        return None
-
-    def _exchange_(self, index: int, params, grads, out: List[torch.Tensor], seen: List[bool],
-                   masks: list) -> None:
-        """out <- the 1-bit average of what this step exchanges for the
-        params of group `index` (see `_exchanged_parts`), all of it."""
-        for _ in self._exchanged_parts(index, params, grads, out, seen, masks):
-            pass
-
-    def _exchanged_parts(self, index: int, params, grads, out: List[torch.Tensor],
-                         seen: List[bool], masks: list) -> Iterator[List[int]]:
-        """out <- the 1-bit average of what this step exchanges for the
-        params of group `index` (`_exchange_input_`), zeroed where v == 0
-        (the zero-variance guard's `seen` and `masks`, guards.py) as it
-        lands, in parts: yields the positions in `out` that are ready, so
-        that the caller can update those params while the rest is still on
-        the wire. From the buckets exchanged during backward, one part each;
-        else the input is written straight into the group's fused buffer, as
-        the buckets do (no pass to update the state first and another to
-        copy it in), and exchanged now, as one part. At world size 1 nothing
-        is exchanged: out <- the input."""
-        if self._overlap is not None and self._overlap.settled:
-            yield from self._overlap.collect(index, out, seen, masks)
-            return
-        if self._overlap is not None:  # a step that could not start in backward: its buckets now
-            yield from self._overlap.exchange_now(
-                index, lambda b, views: self._exchange_input_(index, b.params, b.pick(grads),
-                                                              views, b.positions),
-                out, seen, masks)
-            return
-        if self.world_size == 1:
-            self._exchange_input_(index, params, grads, out, range(len(params)))
-            mask_unseen_(out, masks, seen)
-        else:
-            views = self._ef_exchange.exchange(
-                GroupKey(index), out,
-                lambda views: self._exchange_input_(index, params, grads, views,
-                                                    range(len(params))))
-            copy_masked_(out, views, masks, seen)
-        yield list(range(len(out)))
-
-    def overlap_stats(self) -> Optional[dict]:
-        """With overlap_backward: how many bucket exchanges started during
-        backward and how many in step() (gradients that never arrived, or a
-        GradScaler's step), how many were done again, and the seconds step()
-        spent waiting for them; else None."""
-        return dict(self._overlap.stats) if self._overlap is not None else None
-
-    def _overlap_stale(self) -> bool:
-        return self._overlap is not None and self._overlap.stale
-
-    def _agree_overlap_stale(self, any_rank: bool) -> None:
-        if self._overlap is not None:
-            self._overlap.stale = any_rank
-
-    def _end_overlap(self) -> None:
-        if self._overlap is not None:
-            self._overlap.end_step()

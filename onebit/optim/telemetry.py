@@ -1,13 +1,19 @@
-"""Per-step telemetry of the onebit optimizers: `comm_stats()`. The
-full-precision averaging counts its traffic in `optimizer.traffic`; the
-compressed backend in `backend.stats` (see onebit.backends.stats for how
-bytes are counted). A step's window runs from the end of the previous
-step, so a DDP hook's traffic during backward counts toward the step after it."""
+"""Per-step telemetry of the onebit optimizers: what `comm_stats()` reports.
+
+Two counters feed it: the optimizer's full-precision averaging counts its
+traffic in one TrafficStats, the compressed backend in its own `stats`
+(see onebit.backends.stats for how bytes are counted). A step's window runs
+from the end of the previous step, so a DDP hook's traffic during backward
+counts toward the step after it."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
+
+from ..backends.stats import TrafficStats
+
+_PER_STEP = ("bytes_sent", "bytes_received", "fp32_bytes", "comm_s", "compress_s")
 
 
 def _norm(tensors: List[torch.Tensor]) -> float:
@@ -17,57 +23,48 @@ def _norm(tensors: List[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
 
 
-class Telemetry:
-    """The telemetry half of OnebitOptimizer."""
+class StepTelemetry:
+    """Windows of traffic, one per step, over `counters` (the optimizer's
+    own TrafficStats, then the backend's, when it has one)."""
 
-    def _traffic_snapshot(self) -> tuple:
-        backend = self.backend.stats.snapshot() if self.backend is not None else {}
-        return self.traffic.snapshot(), backend
+    def __init__(self, counters: Iterable[TrafficStats]) -> None:
+        self.counters = list(counters)
+        self.skipped_steps = 0
+        self._last: Dict[str, object] = {}
+        self._window = self._snapshot()  # traffic since the last step ended
 
-    def _end_window(self, step: int, stage: str, skipped: bool) -> None:
-        mine, theirs = self._window
-        self._window = self._traffic_snapshot()
-        parts = [self.traffic.since(mine)]
-        if self.backend is not None:
-            parts.append(self.backend.stats.since(theirs))
-        self._last_step = {"step": step, "stage": stage, "skipped": skipped,
-                           **{k: sum(p[k] for p in parts) for k in parts[0]}}
+    def _snapshot(self) -> list:
+        return [c.snapshot() for c in self.counters]
 
-    def comm_stats(self) -> Dict[str, object]:
-        """What the last step sent and what it cost, and the totals so far, as
-        a plain dict (cheap: call it every step and log it).
+    def end_step(self, step: int, stage: str, skipped: bool) -> None:
+        """Close the window of `step` (`stage`: its stage in words)."""
+        started, self._window = self._window, self._snapshot()
+        parts = [c.since(s) for c, s in zip(self.counters, started)]
+        self.skipped_steps += skipped
+        self._last = {"step": step, "stage": stage, "skipped": skipped,
+                      **{k: sum(p[k] for p in parts) for k in parts[0]}}
 
-        step and stage of the last step (`stage()`: the coming one's), world_size; for it:
-        bytes_sent, bytes_received, fp32_bytes (what an fp32 ring all-reduce
-        of the same gradients would have sent), compression_ratio
-        (fp32_bytes / bytes_sent), comm_s (in the transport) and compress_s
-        (compression kernels around it); the same summed over the run as
-        total_*; worker_error_norm and server_error_norm (the error-feedback
-        residual: a norm that keeps growing is the early sign of a bad freeze
-        point); skipped_steps (non-finite gradients under a GradScaler).
-        Traffic of a DDP hook during backward counts toward the step after it.
-        Bytes are each rank's share (see onebit.backends.stats)."""
-        last = dict(self._last_step) or {k: 0 for k in ("bytes_sent", "bytes_received",
-                                                        "fp32_bytes", "comm_s", "compress_s")}
-        totals = self.traffic.snapshot()
-        if self.backend is not None:
-            for k, v in self.backend.stats.snapshot().items():
-                totals[k] += v
-        errors = list(self._ef_exchange.error_buffers().values())
+    def report(self, step: int, world_size: int,
+               errors: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Dict[str, object]:
+        """comm_stats()'s dict (see OnebitOptimizer.comm_stats) after `step`
+        steps; `errors`: the (worker, server) error buffers."""
+        last = dict(self._last) or {k: 0 for k in _PER_STEP}
+        totals = {k: 0 for k in _PER_STEP}
+        for snapshot in self._snapshot():
+            for k in _PER_STEP:
+                totals[k] += snapshot[k]
+        errors = list(errors)
         return {
-            "step": self.counters["step"], "stage": last.get("stage"), "world_size": self.world_size,
-            **{k: last[k] for k in ("bytes_sent", "bytes_received", "fp32_bytes", "comm_s",
-                                    "compress_s")},
-            "compression_ratio": last["fp32_bytes"] / last["bytes_sent"] if last["bytes_sent"] else None,
-            **{f"total_{k}": totals[k] for k in ("bytes_sent", "bytes_received", "fp32_bytes",
-                                                  "comm_s", "compress_s")},
-            "total_compression_ratio": (totals["fp32_bytes"] / totals["bytes_sent"]
-                                        if totals["bytes_sent"] else None),
+            "step": step, "stage": last.get("stage"), "world_size": world_size,
+            **{k: last[k] for k in _PER_STEP},
+            "compression_ratio": _ratio(last["fp32_bytes"], last["bytes_sent"]),
+            **{f"total_{k}": totals[k] for k in _PER_STEP},
+            "total_compression_ratio": _ratio(totals["fp32_bytes"], totals["bytes_sent"]),
             "worker_error_norm": _norm([w for w, _ in errors]),
             "server_error_norm": _norm([s for _, s in errors]),
-            "skipped_steps": self._skipped_steps,
+            "skipped_steps": self.skipped_steps,
         }
 
-    def stage(self) -> str:
-        """The stage of the coming step, in words."""
-        raise NotImplementedError
+
+def _ratio(fp32_bytes, sent) -> Optional[float]:
+    return fp32_bytes / sent if sent else None

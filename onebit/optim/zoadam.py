@@ -13,6 +13,7 @@ from ..backends.base import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
 from .checks import adam_defaults, check_positive_int
 from .exchange import GroupKey
+from .stage import Stage
 
 
 class ZeroOneAdam(OnebitOptimizer):
@@ -46,6 +47,8 @@ class ZeroOneAdam(OnebitOptimizer):
     """
 
     _adam_compatible = True  # loads torch.optim.Adam checkpoints (checkpoints.py)
+    rank_agreed_settings = ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+                            "local_step_clipper")
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
@@ -102,27 +105,25 @@ class ZeroOneAdam(OnebitOptimizer):
         t = self.counters["step"] + 1 if step is None else step
         return t > self.var_freeze_step
 
-    def _variance_frozen(self) -> bool:
-        return self.frozen()
-
     def _warmup_length(self) -> int:
         return self.var_freeze_step
 
-    def stage(self) -> str:
-        t = self.counters["step"] + 1
-        if not self.frozen(t):
-            return "variance update" if self._variance_step(t) else "1-bit gradients"
-        return "sync" if t % self.counters["local_step_interval"] == 0 else "local step"
-
-    def _replicas_should_match(self, step: int) -> bool:
-        return not self.frozen(step) or self.counters["last_sync"] == step
+    def stage_at(self, step: int) -> Stage:
+        c = self.counters
+        if not self.frozen(step):
+            full = self._variance_step(step)
+            return Stage(step, "variance update" if full else "1-bit gradients",
+                         full_precision=full, compressed=not full, variance_frozen=False,
+                         variance_updates=c["var_updates"] + full, variance_moves=False)
+        # Between syncs the ranks' parameters differ by design.
+        sync = step % c["local_step_interval"] == 0
+        return Stage(step, "sync" if sync else "local step", full_precision=False,
+                     compressed=sync, variance_frozen=True, variance_updates=c["var_updates"],
+                     variance_moves=False, replicas_match=sync)
 
     def _variance_step(self, t: int) -> bool:
         """Whether step t updates v (with full-precision averaged gradients)."""
         return not self.frozen(t) and t % self.counters["var_interval"] == 0
-
-    def needs_full_precision_gradients(self) -> bool:
-        return self._variance_step(self.counters["step"] + 1)
 
     def _exchange_during_backward(self) -> bool:
         # The 1-bit gradient steps, and the syncs that follow a sync: a sync
@@ -169,9 +170,9 @@ class ZeroOneAdam(OnebitOptimizer):
         self._displacement_into(group, params, out, [denom[j] for j in positions], bc1,
                                 [seen[j] for j in positions], [masks[j] for j in positions], out)
 
-    def _update(self, t, groups, grads) -> None:
+    def _update(self, stage, groups, grads) -> None:
         c = self.counters
-        frozen, full = self.frozen(t), self._variance_step(t)
+        t, frozen, full = stage.step, stage.variance_frozen, stage.full_precision
         if frozen and not self.frozen(t - 1):
             # The error buffers switch from gradients to accumulated steps.
             self.reset_compression_errors()
@@ -218,7 +219,7 @@ class ZeroOneAdam(OnebitOptimizer):
                 c["lrs"][i] += group["lr"]
             else:
                 upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
-                                     out=self._scratch("update", i, ms))
+                                     out=self._static.scratch("update", i, ms))
                 if upd:  # (empty when no tensor of the group has seen a gradient)
                     torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
                 F.add_updates_(ps, upd)
@@ -263,10 +264,10 @@ class ZeroOneAdam(OnebitOptimizer):
             self._anchors(params, c["lrs"][i] == 0.0)
             seen, masks = self._seen(i, group, v, c["var_updates"])
             plan.append(SimpleNamespace(seen=seen, masks=masks,
-                group=group, params=params, m=m, grads=self._static_copy(i, gs),
+                group=group, params=params, m=m, grads=self._static.copy(i, gs),
                 u=[self._state_tensor(p, "momentum_accumulator") for p in params],
                 denom=self._denominators(i, group, v, bc2, c["var_updates"]),
-                scalars=self._step_scalars(i, params[0].device, (1.0 / bc1, -group["lr"]))))
+                scalars=self._static.scalars(i, params[0].device, (1.0 / bc1, -group["lr"]))))
             c["lrs"][i] += group["lr"]
 
         def local_step():
@@ -279,7 +280,7 @@ class ZeroOneAdam(OnebitOptimizer):
 
         # The key names what the graph baked in: addresses, and Python floats.
         floats = tuple((s.group["betas"][0], s.group["weight_decay"], tuple(s.seen)) for s in plan)
-        self._graphed("local step", (floats, tensor_key(*(x for s in plan for x in (
+        self._static.graphed("local step", (floats, tensor_key(*(x for s in plan for x in (
             s.params, s.m, s.grads, s.u, s.denom, [k for k in s.masks if k is not None],
             [s.scalars])))), local_step)
 

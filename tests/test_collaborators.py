@@ -1,0 +1,194 @@
+"""The optimizer's collaborators, each built on its own, without an
+optimizer: rank agreement, telemetry, late joiners, static buffers, the
+stage value, and the subclass contract. (The error-feedback exchange has
+its own file, test_exchange.py.)"""
+import math
+
+import pytest
+import torch
+
+from onebit.backends.stats import TrafficStats
+from onebit.optim.agreement import ReplicaDivergenceError, RankAgreement, nonfinite_flag
+from onebit.optim.base import OnebitOptimizer
+from onebit.optim.capture import StaticBuffers
+from onebit.optim.late import LATE_KEY, LateJoiners
+from onebit.optim.stage import Stage
+from onebit.optim.telemetry import StepTelemetry
+
+from .distributed import run_workers
+
+CPU = torch.device("cpu")
+
+
+# ----------------------------------------------------------------- stage --
+def test_stage_names_v_only_while_it_stands_still():
+    moving = Stage(3, "warmup", full_precision=True, compressed=False, variance_frozen=False,
+                   variance_updates=3, variance_moves=True)
+    still = Stage(9, "compression", full_precision=False, compressed=True, variance_frozen=True,
+                  variance_updates=5, variance_moves=False)
+    assert moving.variance_version is None and still.variance_version == 5
+    assert still.replicas_match  # unless a stage says otherwise
+    with pytest.raises(AttributeError):
+        still.step = 10  # a value: decided once per step
+
+
+# ------------------------------------------------------- static buffers --
+def test_static_buffers_keep_their_addresses_until_the_shapes_change():
+    buffers = StaticBuffers()
+    like = [torch.ones(3, 2), torch.ones(5)]
+    first = buffers.scratch("update", 0, like)
+    assert [b.data_ptr() for b in buffers.scratch("update", 0, like)] == \
+        [b.data_ptr() for b in first]
+    assert buffers.scratch("update", 1, like)[0].data_ptr() != first[0].data_ptr()
+    resized = buffers.scratch("update", 0, [torch.ones(4)])
+    assert resized[0].shape == (4,) and len(resized) == 1
+
+    grads = [torch.randn(3, 2, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    copies = buffers.copy(0, grads)
+    assert all(c.dtype == torch.float32 for c in copies)
+    assert all(torch.equal(c, g.float()) for c, g in zip(copies, grads))
+
+    s = buffers.scalars(0, CPU, (0.5, -2.0))
+    again = buffers.scalars(0, CPU, (0.25, 3.0))
+    assert again.data_ptr() == s.data_ptr() and again.tolist() == [0.25, 3.0]
+
+    resized_again = buffers.scratch("update", 0, like)
+    buffers.clear()  # `first` is still alive, so fresh buffers cannot reuse its memory
+    assert buffers.scratch("update", 0, like)[0].data_ptr() != resized_again[0].data_ptr()
+
+
+def test_graphed_region_runs_eagerly_on_the_cpu_and_counts():
+    buffers, runs = StaticBuffers(), []
+    for _ in range(3):
+        buffers.graphed("momentum", ("key",), lambda: runs.append(1))
+    assert len(runs) == 3  # no graphs on the CPU: every call runs the body
+    assert buffers.stats()["momentum"]["eager_runs"] == 3
+    assert buffers.stats()["momentum"]["replays"] == 0
+    buffers.clear()
+    assert buffers.stats() == {}
+
+
+# ------------------------------------------------------------ telemetry --
+def test_telemetry_windows_sum_both_counters_and_totals_keep_growing():
+    mine, backend = TrafficStats(), TrafficStats()
+    telemetry = StepTelemetry([mine, backend])
+    mine.add(100, 100, 100, comm_s=0.5)
+    backend.add(10, 10, 400, comm_s=0.25, compress_s=0.125)
+    telemetry.end_step(1, "warmup", skipped=False)
+    backend.add(20, 20, 400)
+    telemetry.end_step(2, "compression", skipped=True)
+    errors = [(torch.tensor([3.0, 0.0]), torch.tensor([1.0])),
+              (torch.tensor([4.0]), torch.tensor([2.0, 2.0]))]
+    report = telemetry.report(2, 4, errors)
+    assert report["stage"] == "compression" and report["world_size"] == 4
+    assert report["bytes_sent"] == 20 and report["compression_ratio"] == 20.0
+    assert report["total_bytes_sent"] == 130 and report["total_fp32_bytes"] == 900
+    assert report["total_compression_ratio"] == pytest.approx(900 / 130)
+    assert report["total_comm_s"] == pytest.approx(0.75)
+    assert report["skipped_steps"] == 1
+    assert report["worker_error_norm"] == pytest.approx(5.0)  # sqrt(9 + 16)
+    assert report["server_error_norm"] == pytest.approx(3.0)  # sqrt(1 + 4 + 4)
+
+
+def test_telemetry_before_any_step_reports_zeros_and_no_ratio():
+    report = StepTelemetry([TrafficStats()]).report(0, 1, [])
+    assert report["bytes_sent"] == 0 and report["compression_ratio"] is None
+    assert report["worker_error_norm"] == 0.0 and report["stage"] is None
+
+
+# --------------------------------------------------------- late joiners --
+def test_late_joiners_take_their_own_warmup_then_join():
+    late = LateJoiners(warmup_length=2)
+    old, new, frozen = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    frozen.requires_grad_(False)
+    state = {old: {"exp_avg_sq": torch.ones(2)}}
+    groups = [{"params": [old, new, frozen]}]
+    late.mark(_defaultdict(state), groups, variance_frozen=False)  # v has not frozen: nobody
+    assert not late.params(state, groups[0])
+    state = _defaultdict(state)
+    late.mark(state, groups, variance_frozen=True)
+    assert late.params(state, groups[0]) == [new]  # not the one with v, not the frozen one
+    assert state[new][LATE_KEY] == 0 and LateJoiners.steps_done(state, new) == 0
+    LateJoiners.advance(state, [new])
+    assert late.is_late(state, new)
+    LateJoiners.advance(state, [new])
+    assert not late.is_late(state, new) and not late.params(state, groups[0])
+
+
+def test_no_late_joiners_without_a_warmup():
+    late, p = LateJoiners(warmup_length=0), torch.nn.Parameter(torch.zeros(1))
+    state = _defaultdict({})
+    late.mark(state, [{"params": [p]}], variance_frozen=True)
+    assert not late.is_late(state, p) and LATE_KEY not in state[p]
+
+
+def _defaultdict(d):
+    from collections import defaultdict
+
+    out = defaultdict(dict)
+    out.update(d)
+    return out
+
+
+# --------------------------------------------------- the non-finite flag --
+@pytest.mark.parametrize("bad, found_inf, expected", [
+    (None, None, 0), (math.nan, None, 1), (math.inf, None, 1), (-math.inf, None, 1),
+    (1e30, None, 1),  # its square overflows the norm: counted as overflow
+    (None, torch.tensor([0.0]), 0), (None, torch.tensor([1.0]), 1)])
+def test_nonfinite_flag(bad, found_inf, expected):
+    grads = [[torch.ones(3), torch.zeros(0)], [torch.ones(2, 2)]]
+    if bad is not None:
+        grads[1][0][1, 0] = bad
+    flag = nonfinite_flag(grads, CPU, found_inf)
+    assert flag.dim() == 0 and flag.dtype == torch.int64 and int(flag) == expected
+    assert int(nonfinite_flag([], CPU)) == 0
+
+
+# ------------------------------------------------------ rank agreement --
+def _agreement(rank, world):
+    import torch.distributed as dist
+
+    agree = RankAgreement("Tested", None, timeout_s=30)
+    p = torch.nn.Parameter(torch.ones(4))
+    groups = [{"params": [p], "lr": 0.1}]
+    out = {}
+    agree.check_construction({"freeze_step": 5}, groups, "compressed")  # all alike: passes
+    try:
+        agree.check_construction({"freeze_step": 5 + rank}, groups, "compressed")
+    except ValueError as exc:
+        out["settings"] = str(exc)
+    flag = torch.tensor(int(rank == world - 1))
+    out["verdict"] = tuple(agree.before_step(7, flag, 42, redo_buckets=rank == 0,
+                                             param_groups=groups))
+    try:
+        agree.before_step(7, torch.tensor(0), 42 + rank, False, groups)
+    except ValueError as exc:
+        out["trainable"] = str(exc)
+    agree.check_replicas(7, groups, {})  # same values: passes
+    with torch.no_grad():
+        p[1] += rank == 1
+    try:
+        agree.check_replicas(8, groups, {})
+    except ReplicaDivergenceError as exc:
+        out["replicas"] = str(exc)
+    dist.barrier()
+    return out
+
+
+def test_rank_agreement_on_real_ranks():
+    for out in run_workers(_agreement, 3, timeout=90):
+        assert "Tested: ranks disagree on hyper-parameters" in out["settings"]
+        assert out["verdict"] == (True, True)  # rank 2's non-finite flag, rank 0's redo
+        assert "disagree on which parameters require grad at step 7" in out["trainable"]
+        assert "group 0: 1 of 1 params" in out["trainable"]
+        assert "diverged by step 8" in out["replicas"] and "rank(s) [1]" in out["replicas"]
+
+
+# ------------------------------------------------- the subclass contract --
+def test_a_subclass_must_say_its_stages_and_its_maths():
+    class Incomplete(OnebitOptimizer):
+        def _warmup_length(self):
+            return 0
+
+    with pytest.raises(TypeError, match="stage_at"):
+        Incomplete([torch.nn.Parameter(torch.zeros(1))], {"lr": 0.1}, None, False)
