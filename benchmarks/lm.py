@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from onebit.bench.table import int_arg
 from onebit import launch
-from onebit.backends.base import DEFAULT_BLOCK_SIZE
+from onebit.wire import DEFAULT_BLOCK_SIZE
 from onebit.optim.lamb import TRUST_RATIOS
 
 TRUST_RATIO = TRUST_RATIOS[0]  # OnebitLamb's default

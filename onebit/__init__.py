@@ -10,4 +10,4 @@ from .optim import OnebitAdam, OnebitLamb, ZeroOneAdam  # noqa: E402,F401
 from .ddp import OnebitHookState, ddp_comm_hook  # noqa: E402,F401
 from .config import build_optimizer  # noqa: E402,F401
 from .collectives import CommunicationError  # noqa: E402,F401
-from .optim.base import ReplicaDivergenceError  # noqa: E402,F401
+from .optim.agreement import ReplicaDivergenceError  # noqa: E402,F401

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .accelerator import get_accelerator
+from .wire import SCALE_DTYPES
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _kernels = {}
@@ -134,9 +135,6 @@ def pack_error(err: torch.Tensor, scales: torch.Tensor, block: int, out: torch.T
     sign(err) on block k (sign(0) = +1). scales: float32, one per block."""
     _check_block(block)
     kernels_for(err.device).pack_error(err, scales, block, out)
-
-
-SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def compress(buf: torch.Tensor, err: torch.Tensor, counts: torch.Tensor, block: int,

@@ -294,11 +294,16 @@ def test_world_size_one_issues_no_collective():
     assert run_workers(_alone, 1, timeout=60) == [True]
 
 
-def test_get_backend_registry():
+def test_get_backend_registry(monkeypatch):
+    import types
+
+    import onebit.backends
     from onebit.backends import get_backend, register_backend
+    from onebit.backends.contract import MEMBERS
 
     with pytest.raises(ValueError, match=r"known: \['compressed', 'hierarchical', 'mpi', 'mpi_hierarchical'\]"):
         get_backend("nccl-magic")
-    made = []
-    register_backend("vendor", lambda group=None, **kw: made.append(kw) or "vendor-backend")
-    assert get_backend("Vendor", flavour=1) == "vendor-backend" and made == [{"flavour": 1}]
+    monkeypatch.setattr(onebit.backends, "_FACTORIES", dict(onebit.backends._FACTORIES))
+    made, vendor = [], types.SimpleNamespace(**dict.fromkeys(MEMBERS))  # meets the contract
+    register_backend("vendor", lambda group=None, **kw: made.append(kw) or vendor)
+    assert get_backend("Vendor", flavour=1) is vendor and made == [{"flavour": 1}]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-from .base import WIRE_FORMAT_VERSION, CompressedAllreduceBase, padded_size
+from ..wire import WIRE_FORMAT_VERSION
+from .base import CompressedAllreduceBase, padded_size
 from .compressed import CompressedBackend
+from .contract import CompressedAllreduce, missing_members
 
-_FACTORIES: Dict[str, Callable[..., CompressedAllreduceBase]] = {}
+_FACTORIES: Dict[str, Callable[..., CompressedAllreduce]] = {}
 
 # DeepSpeed's backend names, as they appear in every 1-bit config. Its NCCL,
 # HCCL and CCL backends are torch.distributed collectives on that device's
@@ -40,8 +42,9 @@ def backend_name(name: Optional[str]) -> str:
     return key
 
 
-def register_backend(name: str, factory: Callable[..., CompressedAllreduceBase]) -> None:
-    """Make `get_backend(name, group=..., **kw)` call `factory(group=..., **kw)`."""
+def register_backend(name: str, factory: Callable[..., CompressedAllreduce]) -> None:
+    """Make `get_backend(name, group=..., **kw)` call `factory(group=..., **kw)`,
+    which must return a CompressedAllreduce (contract.py)."""
     _FACTORIES[name.lower()] = factory
 
 
@@ -74,9 +77,16 @@ register_backend("hierarchical", _hierarchical_factory)
 register_backend("mpi_hierarchical", _mpi_hierarchical_factory)
 
 
-def get_backend(name: Optional[str] = None, group=None, **kwargs) -> CompressedAllreduceBase:
-    """A compressed backend by name (None: the accelerator's `onebit_backend()`)."""
-    return _FACTORIES[backend_name(name)](group=group, **kwargs)
+def get_backend(name: Optional[str] = None, group=None, **kwargs) -> CompressedAllreduce:
+    """A compressed backend by name (None: the accelerator's `onebit_backend()`).
+    A TypeError names what a registered factory's backend lacks."""
+    key = backend_name(name)
+    backend = _FACTORIES[key](group=group, **kwargs)
+    missing = missing_members(backend)
+    if missing:
+        raise TypeError(f"the {key!r} backend ({type(backend).__name__}) lacks {', '.join(missing)} "
+                        "of onebit.backends.contract.CompressedAllreduce")
+    return backend
 
 
 def __getattr__(name):  # MpiBackend without importing mpi4py at package import
@@ -87,5 +97,5 @@ def __getattr__(name):  # MpiBackend without importing mpi4py at package import
     raise AttributeError(name)
 
 
-__all__ = ["backend_name", "CompressedAllreduceBase", "CompressedBackend", "MpiBackend", "get_backend",
+__all__ = ["backend_name", "CompressedAllreduce", "CompressedAllreduceBase", "CompressedBackend", "MpiBackend", "get_backend",
            "register_backend", "padded_size", "WIRE_FORMAT_VERSION"]

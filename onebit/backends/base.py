@@ -41,15 +41,10 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .. import ops
-from .layout import BlockLayout, check_block_size
+from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_block_size
+from .layout import BlockLayout
 from .pipeline import PieceTuner, piece_ranges
 from .stats import TrafficStats, fp32_allreduce_bytes
-
-WIRE_FORMAT_VERSION = 2
-DEFAULT_BLOCK_SIZE = 256
-DEFAULT_SCALE_DTYPE = torch.float32
-SCALE_DTYPES = ops.SCALE_DTYPES
-
 
 def padded_size(numel: int, world_size: int, block: int = DEFAULT_BLOCK_SIZE) -> int:
     """N: the smallest multiple of block * world_size that holds `numel` elements.

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase, Finished
+from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE
+from .base import CompressedAllreduceBase, Finished
 
 
 class CompressedBackend(CompressedAllreduceBase):

@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..accelerator.placement import RANKS_PER_NODE_ENV, local_world_size
-from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase, stable_digest
+from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE
+from .base import CompressedAllreduceBase, stable_digest
 from .layout import BlockLayout
 from .node import MpiNode, TorchNode
 from .shm import ShmNode

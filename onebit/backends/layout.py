@@ -21,11 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-
-def check_block_size(block: int) -> None:
-    if not isinstance(block, int) or isinstance(block, bool) or block < 8 or block % 8:
-        raise ValueError(f"block_size must be a positive multiple of 8 (whole bytes of signs), "
-                         f"got {block!r}")
+from ..wire import check_block_size
 
 
 class BlockLayout:

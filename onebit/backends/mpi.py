@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from .base import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, CompressedAllreduceBase
+from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE
+from .base import CompressedAllreduceBase
 
 INSTALL_HINT = "install it with: pip install 'onebit[mpi]'  (mpi4py + MPICH from PyPI)"
 

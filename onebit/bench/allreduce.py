@@ -31,8 +31,7 @@ import torch.distributed as dist
 
 from .. import collectives, launch
 from ..accelerator import get_accelerator
-from ..backends.base import DEFAULT_BLOCK_SIZE
-from ..backends.layout import check_block_size
+from ..wire import DEFAULT_BLOCK_SIZE, check_block_size
 from ..backends.pipeline import TUNING_CALLS
 from .reference import count_wrong, simulate, simulate_hierarchical
 from .table import Table, int_arg, piece_arg, progress, size_arg

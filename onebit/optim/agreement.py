@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..backends.base import WIRE_FORMAT_VERSION, stable_digest
+from ..backends.base import stable_digest
+from ..wire import WIRE_FORMAT_VERSION
 
 
 class ReplicaDivergenceError(RuntimeError):

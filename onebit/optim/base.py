@@ -32,22 +32,21 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..backends.base import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, stable_digest
+from ..backends.base import stable_digest
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from . import checkpoints
 from . import functional as F
-from .agreement import (RankAgreement, ReplicaDivergenceError, check_params_served,  # noqa: F401
-                        nonfinite_flag)
+from .agreement import RankAgreement, check_params_served, nonfinite_flag
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
-from .checks import (check_block_size, check_flag, check_number, check_positive_int,
-                     check_whole_parameters, scale_dtype_from)
+from .checks import check_flag, check_number, check_positive_int, check_whole_parameters
 from .exchange import ErrorFeedbackExchange, GroupKey, LateKey
 from .guards import ZeroVarianceGuard, copy_masked_, mask_unseen_
 from .late import LATE_KEY, LateJoiners
 from .overlap import BackwardOverlap, OverlapCallbacks, exchange_group
 from .stage import Stage
 from .telemetry import StepTelemetry
+from ..wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):

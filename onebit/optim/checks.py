@@ -7,8 +7,6 @@ import numbers
 
 import torch
 
-from ..backends.base import SCALE_DTYPES
-from ..backends.layout import check_block_size  # noqa: F401 - re-exported for the optimizers
 
 
 def _check(name: str, value, ok: bool, expected: str) -> None:
@@ -61,16 +59,6 @@ def adam_defaults(cls_name, lr, betas, eps, weight_decay, max_grad_norm, amsgrad
     return dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay,
                 bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
                 max_grad_norm=max_grad_norm, **extra)
-
-
-def scale_dtype_from(value) -> torch.dtype:
-    """torch.float32 / torch.bfloat16, or their names ("float32", "bf16", ...)."""
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16}
-    dtype = names.get(value.lower()) if isinstance(value, str) else value
-    if dtype not in SCALE_DTYPES:
-        raise ValueError(f"scale_dtype must be float32 or bfloat16, got {value!r}")
-    return dtype
 
 
 def check_flag(name: str, value) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from . import functional as F
 from .guards import only_seen
-from ..backends.base import DEFAULT_BLOCK_SIZE
+from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from .checks import adam_defaults, check_number, check_positive_int
 from .late import LateJoiners

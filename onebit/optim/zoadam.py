@@ -9,7 +9,7 @@ import torch
 from ..graphs import tensor_key
 from . import functional as F
 from .guards import mask_unseen_, only_seen
-from ..backends.base import DEFAULT_BLOCK_SIZE
+from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
 from .checks import adam_defaults, check_positive_int
 from .exchange import GroupKey
