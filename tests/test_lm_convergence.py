@@ -23,3 +23,20 @@ def test_language_model_gaps_and_no_nan():
     for r in rows:
         assert r["loss"] < first[r["optimizer"]], report  # they all learned
         assert r["gap_pct"] <= 5.0, report  # the short run's bar; the benchmark's is 1-2%
+
+
+@pytest.mark.timeout(600)
+def test_diloco_1bit_learns_like_fp32_diloco_for_a_fraction_of_the_bytes():
+    rows, runs = compare(dict(SHORT, only=["DiLoCo-1bit"], sync_every=8, outer_lr=0.7,
+                              outer_momentum=0.9, nesterov=True))
+    (row,) = rows
+    report = (f"DiLoCo-1bit {row['loss']:.4f} vs fp32 {row['baseline_loss']:.4f} "
+              f"({row['gap_pct']:+.2f}%), bytes/step {row['bytes_per_step']:.0f} vs "
+              f"{row['baseline_bytes_per_step']:.0f}")
+    print(report)
+    assert all(r["finite"] for r in runs), report
+    first = {r["optimizer"]: r["curve"][0][1] for r in runs}
+    assert row["loss"] < first["DiLoCo-1bit"], report
+    assert row["gap_pct"] <= 5.0, report
+    # 1/8 byte of sign + 4/256 of scale per element, each way, against 8 bytes of fp32
+    assert row["bytes_per_step"] * 20 < row["baseline_bytes_per_step"], report

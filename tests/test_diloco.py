@@ -1,0 +1,242 @@
+"""onebit.DiLoCo on real gloo ranks, checked against an independent float64
+simulation of the outer loop: inner SGD steps, the pseudo-gradients'
+compressed average with errors carried across rounds (tests/reference.py,
+which imports nothing from onebit), and Nesterov outer SGD."""
+import io
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from . import reference
+from .distributed import run_workers
+
+SIZES = [(37, 5), (300,), (3,)]  # 488 elements: no multiple of 8 * 3 * 64
+BLOCK, H, ROUNDS, INNER_LR = 64, 3, 4, 0.05
+OUTER_LR, MOMENTUM = 0.7, 0.9
+
+
+def _init():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen) for s in SIZES]
+
+
+def _grad(rank, step, i):
+    """Each rank's gradient at inner step `step` for param i: its own data."""
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + i)
+    return torch.randn(SIZES[i], generator=gen) * (1.0 + i)  # scales differ per tensor
+
+
+def _train(rank, world, compression, rounds=ROUNDS, start=None, save_after=None):
+    import onebit
+
+    torch.manual_seed(rank)  # rank 0's init must win: the others start elsewhere
+    params = [torch.nn.Parameter(x if rank == 0 else torch.randn_like(x)) for x in _init()]
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    diloco = onebit.DiLoCo(params, inner, sync_every=H, outer_lr=OUTER_LR,
+                           outer_momentum=MOMENTUM, compression=compression,
+                           block_size=BLOCK, timeout_s=30)
+    if start is not None:  # a resume: this rank's checkpoint
+        start = torch.load(io.BytesIO(start), weights_only=False)
+        for p, v in zip(params, start["params"]):
+            p.data.copy_(v)
+        inner.load_state_dict(start["inner"])
+        diloco.load_state_dict(start["diloco"])
+        assert diloco.load_error_feedback_state_dict(start["errors"])
+    after, saved = [], None
+    for step in range(diloco.inner_steps, rounds * H):
+        for i, p in enumerate(params):
+            p.grad = _grad(rank, step, i)
+        inner.step()
+        if (step + 1) % H == 0:
+            after.append(_numpy(params))
+        if save_after is not None and step + 1 == save_after * H:
+            saved = io.BytesIO()  # bytes: tensors would not outlive this process
+            torch.save({"params": [p.detach().clone() for p in params],
+                        "inner": inner.state_dict(), "diloco": diloco.state_dict(),
+                        "errors": diloco.error_feedback_state_dict()}, saved)
+            saved = saved.getvalue()
+    return after, saved, diloco.comm_stats()
+
+
+def _numpy(params):
+    return [p.detach().numpy().copy() for p in params]
+
+
+def _same(xs, ys):
+    return all(np.array_equal(x, y) for x, y in zip(xs, ys))
+
+
+def _simulate(world, compression):
+    """float64: every rank's params after each round."""
+    anchor = [x.double().numpy().reshape(-1) for x in _init()]
+    buf = None
+    n = reference.placement([a.size for a in anchor], BLOCK, world)[1]
+    worker = [np.zeros(n) for _ in range(world)]
+    server = [np.zeros(n // world) for _ in range(world)]
+    out = []
+    for r in range(ROUNDS):
+        deltas = []
+        for rank in range(world):
+            p = [a.copy() for a in anchor]
+            for step in range(r * H, (r + 1) * H):
+                for i in range(len(p)):
+                    p[i] -= INNER_LR * _grad(rank, step, i).double().numpy().reshape(-1)
+            deltas.append([a - x for a, x in zip(anchor, p)])
+        if compression == "1bit":
+            avg, worker, server, _ = reference.reference_round(deltas, worker, server, BLOCK)
+        else:
+            avg = [sum(d[i] for d in deltas) / world for i in range(len(anchor))]
+        # torch.optim.SGD's Nesterov: buf = mu * buf + g (g itself at first), step g + mu * buf
+        buf = [a.copy() for a in avg] if buf is None else [MOMENTUM * b + a for b, a in zip(buf, avg)]
+        anchor = [x - OUTER_LR * (a + MOMENTUM * b) for x, a, b in zip(anchor, avg, buf)]
+        out.append(anchor)
+    return out
+
+
+@pytest.mark.parametrize("compression, tol", [("1bit", 2e-4), ("none", 1e-5), ("bf16", 2e-2)])
+def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression, tol):
+    world = 3
+    results = run_workers(_train, world, compression, timeout=120)
+    expected = _simulate(world, compression)
+    for r in range(ROUNDS):
+        rank0 = results[0][0][r]
+        for rank in range(1, world):
+            assert _same(rank0, results[rank][0][r]), f"round {r + 1}: rank {rank} differs"
+        got = np.concatenate([p.astype(np.float64).reshape(-1) for p in rank0])
+        want = np.concatenate(expected[r])
+        err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+        assert err < tol, f"round {r + 1}: {compression} is {err:.2e} from the simulation"
+    stats = results[0][2]
+    assert stats["step"] == ROUNDS and stats["inner_steps"] == ROUNDS * H
+    assert stats["skipped_rounds"] == 0
+    ratio = {"none": 1.0, "bf16": 2.0}.get(compression)
+    if ratio is not None:
+        assert stats["total_compression_ratio"] == pytest.approx(ratio, rel=1e-3)
+    else:  # 1/8 byte of sign plus 4/64 of scale per element, each way
+        assert stats["total_compression_ratio"] > 8
+        assert stats["worker_error_norm"] > 0 and stats["server_error_norm"] > 0
+
+
+def _resume(rank, world, saved):
+    return _train(rank, world, "1bit", rounds=ROUNDS, start=saved[rank])
+
+
+def test_resume_from_a_checkpoint_is_bitwise_identical():
+    world = 3
+    straight = run_workers(_train, world, "1bit", ROUNDS, None, 2, timeout=120)
+    saved = [r[1] for r in straight]
+    resumed = run_workers(_resume, world, saved, timeout=120)
+    for rank in range(world):
+        for r in (2, 3):  # rounds 3 and 4, after the checkpoint at round 2
+            assert _same(straight[rank][0][r], resumed[rank][0][r - 2]), \
+                f"rank {rank} round {r + 1} differs after the resume"
+
+
+def _nan_on_one_rank(rank, world):
+    import onebit
+
+    params = [torch.nn.Parameter(x) for x in _init()]
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    diloco = onebit.DiLoCo(params, inner, sync_every=H, block_size=BLOCK, timeout_s=30)
+    out = []
+    for step in range(3 * H):
+        for i, p in enumerate(params):
+            p.grad = _grad(rank, step, i)
+            if rank == 1 and step == H + 1 and i == 1:
+                p.grad[7] = float("nan")
+        inner.step()
+        if (step + 1) % H == 0:
+            out.append(_numpy(params))
+    return out, diloco.comm_stats()
+
+
+def test_a_nonfinite_pseudo_gradient_skips_the_round_on_every_rank():
+    results = run_workers(_nan_on_one_rank, 3, timeout=120)
+    for rank, (rounds, stats) in enumerate(results):
+        assert stats["skipped_rounds"] == 1 and stats["step"] == 2
+        # the skipped round (2) went back to round 1's point, on every rank
+        assert _same(rounds[0], rounds[1])
+        assert all(np.isfinite(p).all() for p in rounds[2])
+        assert _same(rounds[2], results[0][0][2])
+
+
+def _disagree(rank, world, what):
+    import onebit
+
+    shapes = SIZES if not (what == "params" and rank == 2) else SIZES[:-1]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    sync_every = H + (rank == 1 and what == "sync_every")
+    with pytest.raises(ValueError) as err:
+        onebit.DiLoCo(params, torch.optim.SGD(params, lr=0.1), sync_every=sync_every,
+                      timeout_s=30)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("what, named", [("sync_every", "sync_every"),
+                                         ("params", "the synced parameters")])
+def test_ranks_that_disagree_get_a_clear_error_on_every_rank(what, named):
+    for message in run_workers(_disagree, 3, what, timeout=60):
+        assert f"DiLoCo: ranks disagree on {named}" in message
+
+
+def _dies_at_round_two(rank, world):
+    import onebit
+
+    params = [torch.nn.Parameter(x) for x in _init()]
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    onebit.DiLoCo(params, inner, sync_every=H, block_size=BLOCK, timeout_s=4.0)
+    for step in range(2 * H):
+        for i, p in enumerate(params):
+            p.grad = _grad(rank, step, i)
+        if rank == 1 and step == 2 * H - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step < 2 * H - 1:
+            inner.step()
+            continue
+        start = time.monotonic()
+        with pytest.raises(onebit.CommunicationError) as err:
+            inner.step()
+        return str(err.value), time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_a_dead_rank_is_a_timely_communication_error():
+    results = run_workers(_dies_at_round_two, 3, timeout=90, may_die=(1,))
+    for rank in (0, 2):
+        message, waited = results[rank]
+        assert "DiLoCo" in message and waited < 4.0 + 6.0, (message, waited)
+
+
+def test_bad_arguments_are_refused_by_name():
+    import onebit
+
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    for kwargs, match in (({"sync_every": 0}, "sync_every"), ({"compression": "int8"}, "compression"),
+                          ({"outer_momentum": 1.0}, "outer_momentum"),
+                          ({"outer_momentum": 0.0}, "nesterov=True needs")):
+        with pytest.raises(ValueError, match=match):
+            onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), **{"sync_every": 2, **kwargs})
+
+
+def test_one_process_is_local_sgd_with_an_outer_step():
+    """World size 1: the average is the rank's own pseudo-gradient."""
+    import onebit
+
+    params = [torch.nn.Parameter(x.clone()) for x in _init()]
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    with onebit.DiLoCo(params, inner, sync_every=H, outer_lr=1.0, outer_momentum=0.0,
+                       nesterov=False) as diloco:
+        for step in range(H):
+            for i, p in enumerate(params):
+                p.grad = _grad(0, step, i)
+            inner.step()
+    # outer lr 1, no momentum: exactly the inner steps' end point (up to fp32)
+    want = [x - INNER_LR * sum(_grad(0, s, i) for s in range(H)) for i, x in enumerate(_init())]
+    assert all(torch.allclose(p, w, atol=1e-6) for p, w in zip(params, want))
+    assert diloco.rounds == 1
+    inner.step()  # closed: no more rounds
+    assert diloco.inner_steps == H
