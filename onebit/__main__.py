@@ -1,10 +1,11 @@
 """python -m onebit CONFIG.json: validate a DeepSpeed-style optimizer config
 and print what it would build (on a dummy parameter, at world size 1)."""
+import json
 import sys
 
 import torch
 
-from .config import build_optimizer
+from .config import build_optimizer, read_config
 
 
 def main(argv=None) -> int:
@@ -13,7 +14,10 @@ def main(argv=None) -> int:
         print(__doc__.strip())
         return 0 if argv else 2
     try:
-        opt = build_optimizer([torch.nn.Parameter(torch.zeros(1))], argv[0])
+        with open(argv[0]) as f:
+            config = json.load(f)  # once: the path may be a pipe
+        reading = read_config(config)
+        opt = build_optimizer([torch.nn.Parameter(torch.zeros(1))], config)
     except (ValueError, OSError) as exc:
         print(f"invalid config: {exc}", file=sys.stderr)
         return 1
@@ -22,6 +26,9 @@ def main(argv=None) -> int:
     for name in ("freeze_step", "var_freeze_step", "comm_backend_name"):
         if hasattr(opt, name):
             print(f"  {name} = {getattr(opt, name)!r}")
+    print("what each key of the config does here:")
+    for key, verdict, note in reading.notes:
+        print(f"  {key:<32} {verdict:<8} {note}")
     return 0
 
 

@@ -6,13 +6,21 @@
 `build_optimizer(params, config)` takes that dict, its inner
 `{"type": ..., "params": ...}` part, or a path to a JSON file. Types are
 case-insensitive; parameter names are DeepSpeed's.
+
+The rest of a DeepSpeed config is read too (`read_config`), so nothing is
+dropped silently: `gradient_clipping` becomes the optimizer's
+`max_grad_norm`; `zero_optimization` with a stage above 0 is an error (the
+1-bit optimizers keep whole states on every rank, as DeepSpeed's did);
+`fp16`/`bf16` and the `scheduler` are reported with how to get them in
+plain torch; the batch sizes and the rest are the training script's own
+business. `python -m onebit CONFIG.json` prints all of it.
 """
 from __future__ import annotations
 
 import inspect
 import json
 import os
-from typing import Any, Callable, Dict, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Union
 
 import torch
 
@@ -36,12 +44,88 @@ def _registry() -> Dict[str, Callable[..., torch.optim.Optimizer]]:
 TYPE_NAMES = ["OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Adam", "AdamW", "Lamb"]
 
 
-def _load(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
+class ConfigReading(NamedTuple):
+    """What a DeepSpeed config means here: the optimizer section, the keyword
+    arguments other sections add to it, and one (key, verdict, note) per
+    top-level key. Verdicts: "used", "mapped", "advice", "ignored"."""
+
+    section: Dict[str, Any]
+    extra_kwargs: Dict[str, Any]
+    notes: List[Tuple[str, str, str]]
+
+
+_ONEBIT_TYPES = ("onebitadam", "onebitlamb", "zerooneadam", "lamb")  # take max_grad_norm
+_SCRIPT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps", "steps_per_print", "wall_clock_breakdown")
+
+
+def _enabled(value) -> bool:
+    return isinstance(value, dict) and bool(value.get("enabled", False))
+
+
+def read_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> ConfigReading:
+    """Read a whole DeepSpeed-style config (see the module doc); ValueError
+    for what cannot work (a ZeRO stage above 0, a bad optimizer section)."""
+    config = _open(config)
+    section = _load(config)
+    if "optimizer" not in config:  # the inner {"type", "params"} part alone
+        return ConfigReading(section, {}, [("optimizer", "used", str(section["type"]))])
+    kind = str(section["type"]).lower().replace("_", "").replace("-", "")
+    extra, notes = {}, []
+    for key, value in config.items():
+        if key == "optimizer":
+            notes.append((key, "used", str(section["type"])))
+        elif key == "gradient_clipping":
+            params = section.get("params") or {}
+            if value and params.get("overlap_backward"):
+                raise ValueError(f"gradient_clipping={value} with overlap_backward=True: clipping "
+                                 "needs every gradient's norm before the exchange starts, which "
+                                 "the overlap cannot wait for. Drop one of them (or clip in your "
+                                 "script before step())")
+            if kind in _ONEBIT_TYPES and "max_grad_norm" not in params:
+                extra["max_grad_norm"] = float(value)
+                notes.append((key, "mapped", f"max_grad_norm={float(value):g}"))
+            elif kind in _ONEBIT_TYPES:
+                notes.append((key, "ignored", "the optimizer's own max_grad_norm wins"))
+            else:
+                notes.append((key, "advice", "call torch.nn.utils.clip_grad_norm_(params, "
+                                            f"{value}) before step(): {section['type']} does not clip"))
+        elif key == "zero_optimization":
+            stage = value.get("stage", 0) if isinstance(value, dict) else value
+            if stage:
+                raise ValueError(
+                    f"zero_optimization.stage={stage}: onebit's optimizers keep whole parameters "
+                    "and optimizer states on every rank (data parallelism, as ZeRO stage 0; "
+                    "DeepSpeed's 1-bit optimizers refused ZeRO too). Set the stage to 0, or "
+                    "shard with FSDP2 and a torch optimizer instead of a 1-bit one")
+            notes.append((key, "ignored", "stage 0: plain data parallelism, what onebit does"))
+        elif key in ("fp16", "bf16") and _enabled(value):
+            dtype = "float16" if key == "fp16" else "bfloat16"
+            scaler = (" and torch.amp.GradScaler('cuda') around step() (onebit skips a step "
+                      "whose gradients overflowed on any rank)") if key == "fp16" else ""
+            notes.append((key, "advice", f"train under torch.autocast(device_type, "
+                                         f"dtype=torch.{dtype}){scaler}"))
+        elif key == "scheduler":
+            name = value.get("type") if isinstance(value, dict) else value
+            notes.append((key, "advice", f"{name}: build the torch.optim.lr_scheduler "
+                                         "equivalent yourself (onebit does not read schedulers)"))
+        elif key in _SCRIPT_KEYS:
+            notes.append((key, "ignored", "the training script's batch and logging settings"))
+        else:
+            notes.append((key, "ignored", "not an optimizer setting"))
+    return ConfigReading(section, extra, notes)
+
+
+def _open(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
     if not isinstance(config, dict):
         raise ValueError(f"config must be a dict or a JSON file path, got {type(config).__name__}")
+    return config
+
+
+def _load(config: Dict[str, Any]) -> Dict[str, Any]:
     # Beside "optimizer" a DeepSpeed config has other sections (batch sizes,
     # fp16, ...) that are not ours to check; inside it, every key is ours.
     section = config.get("optimizer", config)
@@ -67,13 +151,14 @@ def _close(a: str, b: str) -> bool:
 
 def build_optimizer(params, config) -> torch.optim.Optimizer:
     """The optimizer a DeepSpeed-style config describes (see module doc)."""
-    section = _load(config)
+    reading = read_config(config)
+    section = reading.section
     registry = _registry()
     kind = str(section["type"])
     factory = registry.get(kind.lower().replace("_", "").replace("-", ""))
     if factory is None:
         raise ValueError(f"unknown optimizer type {kind!r}; valid types: {TYPE_NAMES}")
-    kwargs = dict(section.get("params", {}))
+    kwargs = {**reading.extra_kwargs, **section.get("params", {})}
     from .optim import OnebitLamb
 
     signature = inspect.signature(OnebitLamb if factory is _lamb else factory)

@@ -53,6 +53,14 @@ def test_command_line_validates_a_config(tmp_path):
     bad.write_text(json.dumps({"optimizer": {"type": "ZeroOneAdam", "params": {"freeze_step": 7}}}))
     ok = subprocess.run([sys.executable, "-m", "onebit", str(good)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "ZeroOneAdam(" in ok.stdout and "var_freeze_step = 7" in ok.stdout
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(DEEPSPEED_CONFIG))
+    told = subprocess.run([sys.executable, "-m", "onebit", str(whole)], capture_output=True,
+                          text=True, timeout=60)
+    assert told.returncode == 0, told.stderr
+    assert "max_grad_norm=1.0" in told.stdout and "mapped" in told.stdout
+    for key in DEEPSPEED_CONFIG:
+        assert key in told.stdout
     no = subprocess.run([sys.executable, "-m", "onebit", str(bad)], capture_output=True, text=True, timeout=60)
     assert no.returncode == 1 and "unknown parameter" in no.stderr
 
@@ -93,3 +101,48 @@ def test_deepspeed_backend_names_run_at_two_ranks():
 
     a, b = run_workers(_deepspeed_backend_names, 2, timeout=120)
     assert a == b
+
+
+# A config as DeepSpeed users write it for 1-bit Adam (issue 32).
+DEEPSPEED_CONFIG = {
+    "train_batch_size": 64, "fp16": {"enabled": True}, "zero_optimization": {"stage": 0},
+    "gradient_clipping": 1.0,
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 100}},
+    "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 400,
+                                                   "comm_backend_name": "nccl"}}}
+
+
+def test_a_whole_deepspeed_config_is_read_and_nothing_is_dropped_silently():
+    opt = onebit.build_optimizer(params(), DEEPSPEED_CONFIG)
+    assert type(opt) is onebit.OnebitAdam and opt.param_groups[0]["max_grad_norm"] == 1.0
+    notes = {key: (verdict, note) for key, verdict, note in
+             onebit.config.read_config(DEEPSPEED_CONFIG).notes}
+    assert set(notes) == set(DEEPSPEED_CONFIG)  # every key has a verdict
+    assert notes["gradient_clipping"] == ("mapped", "max_grad_norm=1")
+    assert notes["fp16"][0] == "advice" and "torch.float16" in notes["fp16"][1]
+    assert "GradScaler" in notes["fp16"][1]
+    assert notes["scheduler"][0] == "advice" and "WarmupLR" in notes["scheduler"][1]
+    assert notes["zero_optimization"][0] == "ignored" and notes["train_batch_size"][0] == "ignored"
+    assert notes["optimizer"] == ("used", "OneBitAdam")
+
+
+def test_the_optimizers_own_max_grad_norm_wins_over_gradient_clipping():
+    cfg = dict(DEEPSPEED_CONFIG, optimizer={"type": "OneBitLamb", "params": {"max_grad_norm": 0.5}})
+    assert onebit.build_optimizer(params(), cfg).param_groups[0]["max_grad_norm"] == 0.5
+
+
+def test_gradient_clipping_for_torch_adam_is_advice_not_a_silent_drop():
+    cfg = dict(DEEPSPEED_CONFIG, optimizer={"type": "AdamW", "params": {"lr": 0.1}})
+    assert type(onebit.build_optimizer(params(), cfg)) is torch.optim.AdamW
+    notes = {k: (v, n) for k, v, n in onebit.config.read_config(cfg).notes}
+    assert notes["gradient_clipping"][0] == "advice" and "clip_grad_norm_" in notes["gradient_clipping"][1]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"zero_optimization": {"stage": 2}}, r"zero_optimization.stage=2: .*whole parameters"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"overlap_backward": True}}},
+     r"gradient_clipping=1.0 with overlap_backward=True"),
+])
+def test_what_cannot_work_is_refused_naming_what_to_do(change, match):
+    with pytest.raises(ValueError, match=match):
+        onebit.build_optimizer(params(), {**DEEPSPEED_CONFIG, **change})
