@@ -156,6 +156,23 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return on_device.copy_(host.pin_memory(), non_blocking=True)
 
 
+def broadcast_from_first_rank(phase: str, tensors: List[torch.Tensor], group=None,
+                              timeout_s: Optional[float] = None) -> None:
+    """Copy the group's first rank's values into `tensors` on every rank
+    (one bounded broadcast of them all, fused in fp32 on the group's
+    communication device)."""
+    if not tensors:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]).to(
+            communication_device(group))
+        run(phase, lambda: dist.broadcast(flat, src=src, group=group, async_op=True),
+            timeout_s, group)
+        for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(v.view_as(t))
+
+
 def gather_numbers(phase: str, values: list, dtype: torch.dtype, group=None,
                    timeout_s: Optional[float] = None) -> List[list]:
     """Every rank's `values` (a few numbers, as many on each rank), one list

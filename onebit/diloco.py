@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .backends.base import stable_digest
 from .backends.stats import TrafficStats, fp32_allreduce_bytes
-from .optim.agreement import nonfinite_flag
+from .optim.agreement import RankAgreement, nonfinite_flag
 from .optim.checks import check_flag, check_number, check_positive_int
 from .optim.exchange import ErrorFeedbackExchange, GroupKey
 from .optim.telemetry import StepTelemetry
@@ -95,8 +94,16 @@ class DiLoCo:
         self.comm_device = torch.device("cpu")
         if self.world_size > 1:
             self.comm_device = collectives.communication_device(process_group)
-            self._check_ranks_agree(outer_lr, outer_momentum, nesterov, comm_backend_name)
-            self._broadcast_from_rank0()
+            RankAgreement("DiLoCo", process_group, self.timeout_s).check_fields({
+                "sync_every": sync_every,
+                "the synced parameters (shapes, dtypes)": [(tuple(p.shape), str(p.dtype))
+                                                           for p in self.params],
+                "compression and wire format": (compression, block_size, str(self.scale_dtype),
+                                                WIRE_FORMAT_VERSION, comm_backend_name),
+                "outer optimizer": (outer_lr, outer_momentum, nesterov)})
+            collectives.broadcast_from_first_rank("DiLoCo: broadcast of rank 0's initial "
+                                                  "parameters", self.params, process_group,
+                                                  self.timeout_s)
             if compression == "1bit":
                 from .backends import get_backend
 
@@ -186,37 +193,6 @@ class DiLoCo:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -------------------------------------------------------------- checks --
-    def _check_ranks_agree(self, outer_lr, outer_momentum, nesterov, backend_name) -> None:
-        fields = {
-            "sync_every": self.sync_every,
-            "the synced parameters (shapes, dtypes)": [(tuple(p.shape), str(p.dtype))
-                                                       for p in self.params],
-            "compression and wire format": (self.compression, self.block_size,
-                                            str(self.scale_dtype), WIRE_FORMAT_VERSION,
-                                            backend_name),
-            "outer optimizer": (outer_lr, outer_momentum, nesterov),
-        }
-        table = collectives.gather_numbers(
-            "DiLoCo: construction fingerprint", [stable_digest(v) for v in fields.values()],
-            torch.int64, self.process_group, self.timeout_s)
-        bad = [name for j, name in enumerate(fields) if len({row[j] for row in table}) > 1]
-        if bad:
-            rank = dist.get_rank(self.process_group)
-            raise ValueError(f"DiLoCo: ranks disagree on {', '.join(bad)}; this rank ({rank}) "
-                             "has " + "; ".join(f"{b} = {fields[b]!r}"[:300] for b in bad))
-
-    def _broadcast_from_rank0(self) -> None:
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params]).to(
-                self.comm_device)
-            collectives.run("DiLoCo: broadcast of rank 0's initial parameters", lambda: dist.broadcast(
-                flat, src=src, group=self.process_group, async_op=True), self.timeout_s,
-                self.process_group)
-            for p, v in zip(self.params, flat.split([p.numel() for p in self.params])):
-                p.copy_(v.view_as(p))
 
     # ----------------------------------------------------------- telemetry --
     def comm_stats(self) -> Dict[str, object]:

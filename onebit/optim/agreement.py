@@ -99,6 +99,12 @@ class RankAgreement:
             "compressed backend": backend_name,
             "wire format version": WIRE_FORMAT_VERSION,
         }
+        self.check_fields(fields)
+
+    def check_fields(self, fields: dict) -> None:
+        """Every rank must hold the same value under each name of `fields`
+        (compared by digest, in one all-gather): else a ValueError on every
+        rank naming the fields that differ and this rank's values."""
         digest = [stable_digest(v) for v in fields.values()]
         table = self.gather("construction fingerprint", digest)
         bad = [name for j, name in enumerate(fields) if len({row[j] for row in table}) > 1]

@@ -529,18 +529,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _broadcast_parameters(self, groups=None) -> None:
         """Start every rank from rank 0's parameters (one collective per group)."""
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         for group in self.param_groups if groups is None else groups:
-            params = [p for p in group["params"]]
-            if not params:
-                continue
-            with torch.no_grad():
-                flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-                self._collective("broadcast of rank 0's initial parameters",
-                                 lambda: dist.broadcast(flat, src=src, group=self.process_group,
-                                                        async_op=True))
-                for p, v in zip(params, flat.split([p.numel() for p in params])):
-                    p.copy_(v.view_as(p))
+            collectives.broadcast_from_first_rank(
+                f"{type(self).__name__}: broadcast of rank 0's initial parameters",
+                list(group["params"]), self.process_group, self.timeout_s)
 
     # ------------------------------------------------- overlap with backward --
     def _coming_step(self) -> int:
