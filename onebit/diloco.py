@@ -39,6 +39,7 @@ import torch.distributed as dist
 from . import collectives
 from .backends.stats import TrafficStats, fp32_allreduce_bytes
 from .optim.agreement import RankAgreement, nonfinite_flag
+from .optim.checkpoints import error_feedback_state, restore_error_feedback
 from .optim.checks import check_flag, check_number, check_positive_int
 from .optim.exchange import ErrorFeedbackExchange, GroupKey
 from .optim.telemetry import StepTelemetry
@@ -249,19 +250,16 @@ class DiLoCo:
     def error_feedback_state_dict(self) -> dict:
         """This rank's worker and server errors (they differ on every rank):
         with them, a resume at the same world size is bitwise identical."""
+        return error_feedback_state(self._exchange, self._error_layouts(), self.params[0].device,
+                                    self._error_identity())
+
+    def _error_identity(self) -> dict:
         return {"rank": self._rank(), "world_size": self.world_size, "rounds": self.rounds,
-                "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
-                "groups": self._exchange.errors_state(self._error_layouts(),
-                                                      self.params[0].device)}
+                "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size}
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore this rank's errors; at another world size, rank, round,
         block size or wire format they restart from zero and this returns
         False. Call it after `load_state_dict`."""
-        same = (state.get("world_size"), state.get("rank"), state.get("rounds"),
-                state.get("wire_format"), state.get("block_size")) == (
-                    self.world_size, self._rank(), self.rounds, WIRE_FORMAT_VERSION,
-                    self.block_size)
-        same = same and self._exchange.layouts_match(state["groups"], self._error_layouts())
-        self._exchange.load_errors(state["groups"] if same else None)
-        return same
+        return restore_error_feedback(self._exchange, state, self._error_layouts(),
+                                      self._error_identity())

@@ -627,10 +627,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         identical to not stopping. Groups that have not exchanged yet get
         zeros of the right size, so a fresh optimizer's dict is a target DCP
         can load into."""
-        groups = self._ef_exchange.errors_state(self._error_layouts(), self._device())
+        return checkpoints.error_feedback_state(self._ef_exchange, self._error_layouts(),
+                                                self._device(), self._error_identity())
+
+    def _error_identity(self) -> dict:
         return {"rank": self._rank(), "world_size": self.world_size,
                 "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
-                "step": self.counters["step"], "groups": groups}
+                "step": self.counters["step"]}
 
     def error_feedback_key(self) -> str:
         """The key for this rank's error buffers in a DCP checkpoint. It names
@@ -646,17 +649,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         step than the loaded optimizer state's, the buffers mean nothing
         here: they restart from zero (DeepSpeed's choice) and this returns
         False. Call it after `load_state_dict`, which resets them."""
-        same = (state.get("world_size"), state.get("rank"), state.get("wire_format"),
-                state.get("block_size"), state.get("step")) == (
-                    self.world_size, self._rank(), WIRE_FORMAT_VERSION, self.block_size,
-                    self.counters["step"])
-        if same and self.world_size > 1:
-            # Buffers saved under another layout (say the hierarchical backend's
-            # shards against the flat one's, or another bucket plan) have
-            # other sizes and meanings.
-            same = self._ef_exchange.layouts_match(state["groups"], self._error_layouts())
-        self._ef_exchange.load_errors(state["groups"] if same else None)
-        return same
+        return checkpoints.restore_error_feedback(self._ef_exchange, state, self._error_layouts(),
+                                                  self._error_identity())
 
     def _error_layouts(self) -> dict:
         """Error-buffer key -> layout of every fused buffer this optimizer

@@ -119,6 +119,24 @@ def _counters_in_groups(state_dict: dict) -> dict:
     return {**state_dict, "state": state, "param_groups": groups}
 
 
+def error_feedback_state(exchange, layouts: dict, device: torch.device, identity: dict) -> dict:
+    """This rank's error buffers of `exchange` (an ErrorFeedbackExchange) for
+    the fused buffers of `layouts`, with `identity`: what they are valid for
+    (rank, world size, wire format, block size, step or round)."""
+    return {**identity, "groups": exchange.errors_state(layouts, device)}
+
+
+def restore_error_feedback(exchange, state: dict, layouts: dict, identity: dict) -> bool:
+    """Load what `error_feedback_state` saved into `exchange` when it was
+    saved under the same `identity` and the same buffer layouts (another
+    backend layout or bucket plan gives buffers of other sizes and
+    meanings); else the errors restart from zero. Returns whether it loaded."""
+    same = all(state.get(k) == v for k, v in identity.items())
+    same = same and exchange.layouts_match(state["groups"], layouts)
+    exchange.load_errors(state["groups"] if same else None)
+    return same
+
+
 def add_placeholders(state_dict: dict, params, staged: Dict[str, tuple]) -> None:
     """Write a placeholder into `state_dict["state"]` for every per-param
     state a later stage creates (`staged`: name -> (placeholder maker,
