@@ -14,6 +14,11 @@
 #   benchmarks/shaped_net.sh up P RATE              build the network and leave it
 #   benchmarks/shaped_net.sh down P                 remove it
 #
+# One network at a time: a second run while one holds it fails at once (it would
+# share the bridge and addresses). Every build first removes what a run killed
+# with SIGKILL left behind, whatever its P, since a leftover bridge or namespace
+# would shape the next run.
+#
 # RATE: a tc rate (1gbit, 100mbit, ...) or `none` for an unshaped link.
 # PER_HOST=K starts K ranks on each host (RANK = host*K + local rank).
 # Needs root (network namespaces), iproute2 and tc. Example:
@@ -24,7 +29,7 @@ set -u
 PREFIX=obn   # namespaces obn<i>, veths obnv<i>/obnh<i>, bridge obnbr
 
 usage() {
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -39,11 +44,25 @@ need_root_and_tools() {
   done
 }
 
+# Every host namespace of ours, not only 0..P-1: a run killed with SIGKILL
+# cannot clean up, and its P may have been larger.
 down() {
-  local i
-  for i in $(seq 0 $((P - 1))); do ip netns del "$PREFIX$i" 2>/dev/null; done
+  local ns
+  for ns in $(ip netns list | awk '{print $1}' | grep -E "^${PREFIX}[0-9]+$"); do
+    ip netns del "$ns" 2>/dev/null
+  done
   ip link del "${PREFIX}br" 2>/dev/null
   return 0
+}
+
+# Held until this script exits; the kernel drops it even after SIGKILL.
+hold_the_network() {
+  command -v flock >/dev/null || return 0
+  exec 9>"/run/onebit-shaped-net.lock" || return 0
+  flock -n 9 || {
+    echo "shaped_net.sh: another shaped_net.sh holds the network; wait for it to end" >&2
+    exit 1
+  }
 }
 
 up() {
@@ -74,15 +93,18 @@ case $act in
   up)
     [ $# -eq 3 ] || usage
     need_root_and_tools
+    hold_the_network
     up "$3" || { down; echo "shaped_net.sh: could not build the network" >&2; exit 1; } ;;
   down)
     need_root_and_tools
+    hold_the_network
     down ;;
   run)
     [ $# -ge 5 ] && [ "$4" = -- ] || usage
     rate=$3
     shift 4
     need_root_and_tools
+    hold_the_network
     K=${PER_HOST:-1}
     case $K in '' | *[!0-9]* | 0) echo "shaped_net.sh: PER_HOST must be a positive number" >&2; exit 2 ;; esac
     pids=()
@@ -104,7 +126,7 @@ case $act in
       for l in $(seq 0 $((K - 1))); do
         ip netns exec "$PREFIX$i" env RANK=$((i * K + l)) WORLD_SIZE=$((P * K)) \
           LOCAL_RANK=$l LOCAL_WORLD_SIZE=$K MASTER_ADDR=10.201.0.1 MASTER_PORT=$port \
-          GLOO_SOCKET_IFNAME="${PREFIX}v$i" "$@" &
+          GLOO_SOCKET_IFNAME="${PREFIX}v$i" "$@" 9>&- &
         pids+=($!)
       done
     done

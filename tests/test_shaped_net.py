@@ -2,7 +2,8 @@
 
 It needs root; without root it says so and changes nothing. With root (and
 network namespaces allowed) every rank gets the torchrun variables, and the
-namespaces are gone after the run, after a failing rank and after Ctrl-C."""
+namespaces are gone after the run, after a failing rank and after Ctrl-C; a
+run removes what a SIGKILLed run left, and a second concurrent run refuses."""
 import os
 import signal
 import subprocess
@@ -78,14 +79,52 @@ def test_a_failing_rank_is_the_exit_status():
 def test_an_interrupt_stops_the_ranks_and_removes_the_network(sig):
     proc = subprocess.Popen(["bash", TOOL, "run", "2", "none", "--", "sleep", "60"])
     try:
-        deadline = time.monotonic() + 30
-        while len(namespaces()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert namespaces() == ["obn0", "obn1"]
+        wait_for_namespaces(["obn0", "obn1"])
         time.sleep(0.3)  # the ranks are started right after the network
         proc.send_signal(sig)
         assert proc.wait(timeout=20) == 128 + sig
     finally:
-        proc.kill()
+        stop(proc)
     assert namespaces() == []
     assert subprocess.run(["pgrep", "-f", "sleep 60"], capture_output=True).returncode == 1
+
+
+@needs_namespaces
+def test_a_run_removes_what_a_killed_larger_run_left_behind():
+    subprocess.run(["ip", "netns", "add", "obn7"], check=True)  # as a SIGKILLed P=8 run leaves it
+    proc = subprocess.run(["bash", TOOL, "run", "2", "none", "--", "true"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert namespaces() == []
+
+
+@needs_namespaces
+def test_a_second_run_fails_at_once_and_leaves_the_first_ones_network():
+    first = subprocess.Popen(["bash", TOOL, "run", "2", "none", "--", "sleep", "30"])
+    try:
+        wait_for_namespaces(["obn0", "obn1"])
+        second = subprocess.run(["bash", TOOL, "run", "3", "none", "--", "true"],
+                                capture_output=True, text=True, timeout=30)
+        assert second.returncode == 1 and "holds the network" in second.stderr, second.stderr
+        assert namespaces() == ["obn0", "obn1"]
+    finally:
+        stop(first)
+    assert namespaces() == []
+
+
+def wait_for_namespaces(expected):
+    deadline = time.monotonic() + 30
+    while namespaces() != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert namespaces() == expected
+
+
+def stop(proc):
+    """End the tool the way a user would (SIGTERM), so it removes its network;
+    SIGKILL only if it does not end."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
