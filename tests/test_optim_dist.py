@@ -116,13 +116,16 @@ def simulate_onebit_adam(p0, world, steps, freeze, lr, betas, eps, exchange=refe
     return params
 
 
-def _synthetic_run(rank, world, cls_name, steps, kw):
-    """`steps` steps of cls_name on synthetic_grad; this rank's final params, flat."""
+def _synthetic_run(rank, world, cls_name, steps, kw, lrs=None):
+    """`steps` steps of cls_name on synthetic_grad (step t at lr lrs[t - 1]
+    when given); this rank's final params, flat."""
     params = make_params(seed=0)
     opt = make(cls_name, params, **kw)
     for t in range(1, steps + 1):
         for p in params:
             p.grad = synthetic_grad(rank, t, p.shape)
+        if lrs is not None:
+            opt.param_groups[0]["lr"] = lrs[t - 1]
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in params]).double().numpy()
 
@@ -247,18 +250,25 @@ def test_onebit_lamb_compression_stage_matches_independent_simulation(world, tru
 
 
 def simulate_zero_one_adam(p0, world, steps, freeze, lr, betas, eps, wd, local_step_scaler,
-                           local_step_clipper):
+                           local_step_clipper, units="direction"):
     """0/1 Adam on `world` simulated ranks in float64, from the paper (Lu et
     al. 2022, Alg. 1) with ZeroOneAdam's documented policies, for a warmup
     where every step updates v (var_update_scaler >= freeze): Adam on the
     mean gradient up to `freeze`. After it, v is frozen and each rank takes
     local steps d = -lr * (m / bc1 / denom + wd * p) from its own gradient,
     summing them in u; at every step t that the sync interval divides, the
-    ranks' u * denom go through reference.py's compressed allreduce (errors
-    from zero at the freeze), m = -avg * bc1 / (sum of lr since the last
-    sync), and every rank lands on the last common point + avg / denom. The
-    interval starts at 1 and doubles every `local_step_scaler` frozen steps,
-    up to `local_step_clipper`."""
+    ranks' mean direction u * denom / L (L: the sum of lr since the last
+    sync) goes through reference.py's compressed allreduce (errors from zero
+    at the freeze), m = -avg * bc1, and every rank lands on the last common
+    point + L * avg / denom. With L = 0 the mean direction is its limit,
+    this step's -(m / bc1 + wd * p * denom). The interval starts at 1 and
+    doubles every `local_step_scaler` frozen steps, up to
+    `local_step_clipper`. `lr` is a number or a list (step t at lr[t - 1]).
+
+    units="displacement" is the paper's literal exchange, u * denom with m =
+    -avg * bc1 / L: the same in exact arithmetic at a constant lr, but its
+    error buffers carry lr-scaled residuals into later syncs."""
+    lr_at = (lambda t: lr[t - 1]) if isinstance(lr, (list, tuple)) else (lambda t: lr)
     b1, b2 = betas
     shapes = [p.shape for p in p0]
     sizes = [int(np.prod(sh)) for sh in shapes]
@@ -277,26 +287,36 @@ def simulate_zero_one_adam(p0, world, steps, freeze, lr, betas, eps, wd, local_s
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         denom = np.sqrt(v / (1 - b2 ** t)) + eps
-        anchor = anchor - lr * ((m / (1 - b1 ** t)) / denom + wd * anchor)
+        anchor = anchor - lr_at(t) * ((m / (1 - b1 ** t)) / denom + wd * anchor)
     ms = [m.copy() for _ in range(world)]
     ps = [anchor.copy() for _ in range(world)]
     us = [np.zeros(anchor.size) for _ in range(world)]
     lrs = 0.0
     for t in range(freeze + 1, steps + 1):
         bc1 = 1 - b1 ** t
+        directions = []
         for r in range(world):
             ms[r] = b1 * ms[r] + (1 - b1) * flat_grad(r, t)
-            d = -lr * ((ms[r] / bc1) / denom + wd * ps[r])
+            directions.append(-((ms[r] / bc1) + wd * ps[r] * denom))
+            d = lr_at(t) * directions[r] / denom
             us[r] = us[r] + d
             ps[r] = ps[r] + d
-        lrs += lr
+        lrs += lr_at(t)
         if t % interval == 0:
             syncs += 1
-            local = [np.split(u * denom, cuts) for u in us]
-            outs, werrs, serrs, _ = reference_round(local, werrs, serrs, BLOCK)
+            if units == "displacement":
+                sent = [u * denom for u in us]
+            else:
+                sent = [u * denom / lrs for u in us] if lrs > 0 else directions
+            outs, werrs, serrs, _ = reference_round([np.split(x, cuts) for x in sent], werrs,
+                                                    serrs, BLOCK)
             avg = np.concatenate(outs)
-            ms = [-avg * bc1 / lrs for _ in range(world)]
-            anchor = anchor + avg / denom
+            if units == "displacement":
+                ms = [-avg * bc1 / lrs for _ in range(world)]
+                anchor = anchor + avg / denom
+            else:
+                ms = [-avg * bc1 for _ in range(world)]
+                anchor = anchor + lrs * avg / denom
             ps = [anchor.copy() for _ in range(world)]
             us = [np.zeros(anchor.size) for _ in range(world)]
             lrs = 0.0
@@ -323,6 +343,33 @@ def test_zero_one_adam_local_steps_and_syncs_match_independent_simulation(world)
     for rank in got[1:]:
         assert np.array_equal(rank, got[0])  # step 12 is a sync: one point everywhere
     np.testing.assert_allclose(got[0], expected, rtol=0, atol=2e-5)
+
+
+def test_zero_one_adam_through_an_lr_that_falls_to_0_and_rises_again_matches_simulation():
+    # Frozen from step 6; syncs at 6, 7, 8, 12, 16, 20. The lr is 0 for the
+    # interval 9-12 (a sync with no lr since the last one) and 1e-6 for
+    # 13-16, then rises again: the error buffers, left at lr 1e-2, meet an lr
+    # sum of 0 and then of 4e-6.
+    steps, freeze, world = 20, 5, 3
+    lrs = [1e-2] * 8 + [0.0] * 4 + [1e-6] * 4 + [1e-2] * 4
+    kw = dict(var_freeze_step=freeze, var_update_scaler=100, local_step_scaler=2,
+              local_step_clipper=4, lr=1e-2, weight_decay=0.01)
+    got = run_workers(_synthetic_run, world, "ZeroOneAdam", steps, kw, lrs, timeout=120)
+    sim = dict(betas=(0.9, 0.999), eps=1e-8, wd=0.01, local_step_scaler=2, local_step_clipper=4)
+    expected, syncs = simulate_zero_one_adam(make_params(seed=0), world, steps, freeze, lrs, **sim)
+    assert syncs == 6
+    for rank in got[1:]:
+        assert np.array_equal(rank, got[0])
+    np.testing.assert_allclose(got[0], expected, rtol=0, atol=2e-5)
+    # Exchanging displacements instead (the paper's literal u * denom; it
+    # cannot take an lr sum of 0), the errors left at lr 1e-2 come back
+    # divided by an lr sum of 4e-6 as a huge m, which the last steps at 1e-2
+    # turn into a jump of p.
+    tiny = [1e-2] * 8 + [1e-6] * 8 + [1e-2] * 4
+    ours, _ = simulate_zero_one_adam(make_params(seed=0), world, steps, freeze, tiny, **sim)
+    literal, _ = simulate_zero_one_adam(make_params(seed=0), world, steps, freeze, tiny,
+                                        units="displacement", **sim)
+    assert np.abs(ours).max() < 5 and np.abs(literal - ours).max() > 10
 
 
 # ------------------------------------------------------------- the mask --

@@ -3,6 +3,7 @@ groups added mid-run, layers frozen and unfrozen, ranks that disagree on
 requires_grad. Each either works (replicas bitwise identical, everything
 finite) or fails with a ValueError on every rank before anything changed."""
 import copy
+import math
 
 import pytest
 import torch
@@ -189,3 +190,48 @@ def test_a_late_joiner_warms_up_as_adam_on_the_mean_gradient_then_joins(name):
     for r in out:
         assert len(r["diffs"]) == 3 and max(r["diffs"]) < 1e-6, r["diffs"]
         assert r["params"] == out[0]["params"] and r["finite"] and r["synced"]
+
+
+def _zero_one_adam_under(rank, world, schedule):
+    """A teacher regression under an lr schedule that reaches 0 (or about)
+    and rises again; the loss of every step, and this rank's params."""
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    teacher = torch.nn.Linear(16, 4)
+    opt = onebit.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=10,
+                             local_step_scaler=4, local_step_clipper=4)
+    lr_sched = torch.optim.lr_scheduler
+    sched = {"cosine": lambda: lr_sched.CosineAnnealingLR(opt, T_max=20),
+             "warm restarts": lambda: lr_sched.CosineAnnealingWarmRestarts(opt, T_0=20,
+                                                                            eta_min=1e-5),
+             "cyclic": lambda: lr_sched.CyclicLR(opt, base_lr=0.0, max_lr=1e-2, step_size_up=10,
+                                                 cycle_momentum=False)}[schedule]()
+    losses = []
+    for t in range(80):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * t + rank))
+        with torch.no_grad():
+            y = teacher(x)
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": flat(model),
+            "synced": opt.counters["last_sync"] == opt.counters["step"]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["cosine", "warm restarts", "cyclic"])
+def test_zero_one_adam_trains_through_an_lr_that_returns_from_0(schedule):
+    # Its syncs once divided an error residual left at lr 1e-2 by the lr
+    # summed since the last sync: near 0 that gave a huge momentum, and the
+    # loss went to 1e8 (cosine) or 1e12 (eta_min 1e-7) once the lr rose.
+    out = run_workers(_zero_one_adam_under, 2, schedule, timeout=120)
+    losses = out[0]["losses"]
+    assert all(math.isfinite(x) for x in losses)
+    assert max(losses[40:]) < 0.2 * losses[0]  # it kept training after the lr came back
+    assert sum(losses[-10:]) / 10 < 0.05 * losses[0]
+    assert out[0]["synced"] and out[1]["params"] == out[0]["params"]

@@ -127,20 +127,20 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _exchange_during_backward(self) -> bool:
         # The 1-bit gradient steps, and the syncs that follow a sync: a sync
-        # after local steps needs their accumulators, which step() computes,
-        # and one at lr 0 averages m instead. Not the first frozen step: it
-        # restarts the error buffers first (_update).
+        # after local steps needs their accumulators, which step() computes.
+        # Not the first frozen step: it restarts the error buffers first
+        # (_update).
         t = self.counters["step"] + 1
         if self.world_size == 1 or self._variance_step(t):
             return False
         return not self.frozen(t) or (self.frozen(t - 1) and self._single_sync(t))
 
     def _single_sync(self, t: int) -> bool:
-        """Whether step t (frozen) is, for every group, a sync that follows a
-        sync at lr > 0: its input is then this step's displacement alone."""
+        """Whether step t (frozen) is, for every group, a sync with no lr
+        since the last sync: its input then needs this step's gradient alone
+        (_sync_single_)."""
         c = self.counters
-        return (t % c["local_step_interval"] == 0 and all(x == 0.0 for x in c["lrs"])
-                and all(float(g["lr"]) != 0.0 for g in self.param_groups))
+        return t % c["local_step_interval"] == 0 and all(x == 0.0 for x in c["lrs"])
 
     def _exchange_input_key(self, index: int):
         t = self._coming_step()
@@ -152,7 +152,7 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _exchange_input_(self, index, params, grads, out, positions) -> None:
         """Before the freeze: the gradients. At a sync that follows a sync:
-        this step's displacement (see _sync_single_)."""
+        this step's direction (see _sync_single_)."""
         t = self._coming_step()
         if not self.frozen(t):
             if out is not grads:  # at world size 1 the gradients are their own average
@@ -167,8 +167,8 @@ class ZeroOneAdam(OnebitOptimizer):
         seen, masks = self._seen(index, group, v, version)
         m = [self._state_tensor(p, "exp_avg") for p in params]
         F.momentum_into(out, m, grads, group["betas"][0])  # the new m, not committed
-        self._displacement_into(group, params, out, [denom[j] for j in positions], bc1,
-                                [seen[j] for j in positions], [masks[j] for j in positions], out)
+        self._direction_into(group, params, out, [denom[j] for j in positions], bc1,
+                             [seen[j] for j in positions], [masks[j] for j in positions], out)
 
     def _update(self, stage, groups, grads) -> None:
         c = self.counters
@@ -186,15 +186,13 @@ class ZeroOneAdam(OnebitOptimizer):
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
-            # A sync right after a sync (or the freeze): the accumulator would
-            # hold this step's displacement alone (see _sync_local_steps).
-            single = sync and c["lrs"][i] == 0.0 and self.world_size > 1
+            # A sync right after a sync (or the freeze, or steps at lr 0):
+            # the accumulator would hold this step's displacement alone.
+            single = sync and c["lrs"][i] == 0.0
             beta1, beta2 = group["betas"]
             m, v = self._moments(group, params, gs)
-            if single and group["lr"] != 0:
-                c["lrs"][i] += group["lr"]
+            if single:  # (lrs stays 0: the next interval starts here)
                 self._sync_single_(i, t, group, params, gs, m, v)
-                c["lrs"][i] = 0.0
                 continue
             if full:
                 F.update_variance_(v, gs, beta2)
@@ -212,10 +210,8 @@ class ZeroOneAdam(OnebitOptimizer):
             ps, ms, ds = only_seen(seen, params, m, denom)
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
-                # A sync that follows a sync here is at lr 0: it averages m, p stays.
-                anchors = None if single else self._anchors(params, c["lrs"][i] == 0.0)
-                if not single:
-                    self._accumulate_(group, ps, ms, ds, *only_seen(seen, u, anchors), bc1, sync)
+                anchors = self._anchors(params, c["lrs"][i] == 0.0)
+                self._accumulate_(group, ps, ms, ds, *only_seen(seen, u, anchors), bc1, sync)
                 c["lrs"][i] += group["lr"]
             else:
                 upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
@@ -305,62 +301,66 @@ class ZeroOneAdam(OnebitOptimizer):
         """Replace the local steps since the last sync with their 1-bit average.
 
         u holds this rank's displacement since the anchor (the last synced
-        point). In momentum units (u * denom) the ranks' u are averaged, the
-        momentum is re-derived from it (m = -avg / sum(lr) * bc1) and every
-        rank lands on anchor + avg / denom: the same bits everywhere.
+        point), and lrs > 0 the sum of lr over those steps. The ranks average
+        u * denom / lrs, the interval's lr-weighted mean direction (-m / bc1
+        less weight decay), the momentum is re-derived from it (m = -avg *
+        bc1) and every rank lands on anchor + lrs * avg / denom: the same
+        bits everywhere.
 
-        With sum(lr) = 0 since the last sync (a schedule that reached 0, a
-        group at lr 0) no rank moved and u is 0 everywhere, so there is
-        nothing to re-derive m from: the ranks average m itself instead (the
-        limit of the re-derivation as lr -> 0: the lr-weighted mean of m over
-        the interval) and stay at the anchor.
+        The exchange carries the mean direction, not the displacement u *
+        denom, so that its error buffers hold momentum units whatever the lr
+        does. In displacement units an error left by a sync at a large lr
+        came back, divided by a small lrs, as a huge m: an lr that decays to
+        about 0 and rises again (cosine with a short period, warm restarts)
+        blew the loss up.
 
-        A sync that follows a sync at lr > 0 takes _sync_single_ instead.
+        A sync with no lr since the last sync takes _sync_single_ instead.
         """
-        if lrs == 0:
-            self._compressed_average_(i, m)
-            self._mask_(group, m)
-            mask_unseen_(m, masks, seen)
-            return
-        if self.world_size == 1:
-            avg = torch._foreach_mul(u, denom)  # the mean over one rank
+        # u * denom / lrs goes straight into the fused buffer, and the average
+        # is read from there: no pass to scale u, none to copy it back.
+        def mean_direction_into(views):
+            for ui, di, out in zip(u, denom, views):
+                torch.mul(ui, di, out=out)
+                out.div_(lrs)
+
+        if self.world_size == 1:  # the mean over one rank
+            avg = [torch.empty_like(ui) for ui in u]
+            mean_direction_into(avg)
         elif self._overlap is not None:  # over the buckets, as the syncs that follow a sync
-            avg = torch._foreach_mul(u, denom)
+            avg = [torch.empty_like(ui) for ui in u]
+            mean_direction_into(avg)
             self._compressed_average_(i, avg)
         else:
-            # u * denom goes straight into the fused buffer, and the average
-            # is read from there: no pass to scale u, none to copy it back.
-            def scaled_u(views):
-                for ui, di, out in zip(u, denom, views):
-                    torch.mul(ui, di, out=out)
-
-            avg = self._ef_exchange.exchange(GroupKey(i), u, scaled_u)
+            avg = self._ef_exchange.exchange(GroupKey(i), u, mean_direction_into)
         self._mask_(group, avg)
         mask_unseen_(avg, masks, seen)
         for mi, ai in zip(m, avg):
-            torch.mul(ai, -bc1 / lrs, out=mi)
-        self._land_(params, anchors, avg, denom, seen)
+            torch.mul(ai, -bc1, out=mi)
+        self._land_(params, anchors, avg, denom, seen, lrs)
         torch._foreach_zero_(u)
 
     @staticmethod
-    def _land_(params, starts, avg, denom, seen) -> None:
-        """Every rank lands on the same point: start + avg / denom (tensors
-        v never saw stay where they are)."""
+    def _land_(params, starts, avg, denom, seen, lrs: float) -> None:
+        """Every rank lands on the same point: start + lrs * avg / denom
+        (tensors v never saw stay where they are)."""
         for p, a, ai, di in zip(*only_seen(seen, params, starts, avg, denom)):
             if p.dtype == torch.float32:
-                torch.addcdiv(a, ai, di, out=p)
+                torch.addcdiv(a, ai, di, value=lrs, out=p)
             else:  # divide in fp32, round once
-                p.copy_(a + (ai / di).to(p.dtype))
+                p.copy_(torch.addcdiv(a, ai, di, value=lrs).to(p.dtype))
 
     def _sync_single_(self, i, t, group, params, grads, m, v) -> None:
-        """A sync that follows a sync (interval 1, the default for the first
-        local_step_scaler steps after the freeze), at lr > 0: u would hold
-        this step's displacement alone, so u * denom = -lr * (m' / bc1 +
-        wd * p * denom), with m' this step's new momentum, is the exchange
-        input itself (_exchange_input_: it needs only this step's gradient,
-        so overlap_backward starts it during backward). m is re-derived from
-        the average (m = -avg / lr * bc1) and p, still the last synced point,
-        moves in place: 11 passes over the parameters, as 1-bit Adam's step."""
+        """A sync with no lr since the last sync (a sync that follows a sync:
+        interval 1, the default for the first local_step_scaler steps after
+        the freeze; or local steps at lr 0): u would hold this step's
+        displacement alone, so the mean direction u * denom / lr = -(m' /
+        bc1 + wd * p * denom), with m' this step's new momentum, is the
+        exchange input itself (_exchange_input_: it needs only this step's
+        gradient, so overlap_backward starts it during backward). At lr 0 it
+        is the same expression, the limit of the mean direction as lr -> 0:
+        the error buffers never see another unit. m is re-derived from the
+        average (m = -avg * bc1) and p, still the last synced point, moves in
+        place: 11 passes over the parameters, as 1-bit Adam's step."""
         c = self.counters
         for p in params:  # the accumulators stay 0, but exist for the local steps
             self._state_tensor(p, "momentum_accumulator")
@@ -371,27 +371,27 @@ class ZeroOneAdam(OnebitOptimizer):
         for part in self._exchanged_parts(i, params, grads, m, seen, masks):
             ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, m, denom, seen))
             self._mask_(group, ms)
-            self._land_(ps, ps, ms, ds, ss)
-            torch._foreach_mul_(ms, -bc1 / c["lrs"][i])
+            self._land_(ps, ps, ms, ds, ss, group["lr"])
+            torch._foreach_mul_(ms, -bc1)
 
     @staticmethod
-    def _displacement_into(group, params, m, denom, bc1: float, seen, masks, out) -> None:
-        """out <- this step's displacement in momentum units,
-        -lr * (m / bc1 + wd * p * denom), with m zeroed where v == 0 (in
-        the same pass where the mask is dense); 0 for the tensors v never
-        saw (they do not move)."""
-        lr, wd = group["lr"], group["weight_decay"]
+    def _direction_into(group, params, m, denom, bc1: float, seen, masks, out) -> None:
+        """out <- this step's direction in momentum units, -(m / bc1 + wd *
+        p * denom) (its displacement is lr * out / denom), with m zeroed
+        where v == 0 (in the same pass where the mask is dense); 0 for the
+        tensors v never saw (they do not move)."""
+        wd = group["weight_decay"]
         for mi, o, ok, k in zip(m, out, seen, masks):
             if ok and k is not None and k.is_floating_point():
-                torch.addcmul(torch.zeros((), device=o.device), mi, k, value=-lr / bc1, out=o)
+                torch.addcmul(torch.zeros((), device=o.device), mi, k, value=-1.0 / bc1, out=o)
             elif ok:
-                torch.mul(mi, -lr / bc1, out=o)
+                torch.mul(mi, -1.0 / bc1, out=o)
                 mask_unseen_([o], [k], [ok])
             else:
                 o.zero_()
         ps, ds, os_ = only_seen(seen, params, denom, out)
         if wd and ps:
-            torch._foreach_addcmul_(os_, [p.float() for p in ps], ds, value=-lr * wd)
+            torch._foreach_addcmul_(os_, [p.float() for p in ps], ds, value=-wd)
 
     def _advance_intervals(self, t: int, frozen: bool, c: Optional[dict] = None) -> None:
         c = self.counters if c is None else c
