@@ -178,7 +178,8 @@ def _agreement(rank, world):
 def test_rank_agreement_on_real_ranks():
     for out in run_workers(_agreement, 3, timeout=90):
         assert "Tested: ranks disagree on hyper-parameters" in out["settings"]
-        assert out["verdict"] == (True, True)  # rank 2's non-finite flag, rank 0's redo
+        # rank 2's non-finite flag, rank 0's redo; not every rank is non-finite
+        assert out["verdict"] == (True, True, False)
         assert "disagree on which parameters require grad at step 7" in out["trainable"]
         assert "group 0: 1 of 1 params" in out["trainable"]
         assert "diverged by step 8" in out["replicas"] and "rank(s) [1]" in out["replicas"]

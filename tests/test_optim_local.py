@@ -191,6 +191,22 @@ def test_edge_cases_empty_params_no_grad_and_groups(cls):
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_parameter_listed_twice_is_refused_by_name(cls):
+    # torch.optim warns and updates such a parameter twice per step; here it
+    # would be exchanged twice too (it diverged, silently).
+    w, b = torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))
+    with pytest.raises(ValueError, match=r"param 2 \(3, 2\) is the same tensor as param 0"):
+        cls([w, b, w])
+    opt = cls([w])
+    with pytest.raises(ValueError, match="same tensor as param 0"):
+        opt.add_param_group({"params": [b, b]})
+    assert len(opt.param_groups) == 1  # nothing was added
+    tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    assert len(cls(tied.parameters()).param_groups[0]["params"]) == 1  # a tied weight is fine
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_params_keep_fp32_state(cls, dtype):
     model, x, y = model_and_data(dtype=dtype)

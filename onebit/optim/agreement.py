@@ -57,6 +57,7 @@ class StepVerdict(NamedTuple):
 
     nonfinite: bool  # some rank has a non-finite gradient (or its GradScaler saw one)
     redo_buckets: bool  # some rank must exchange its backward buckets again (overlap.py)
+    nonfinite_everywhere: bool = False  # ... and every rank does
 
 
 def trainable_summary(param_groups) -> str:
@@ -129,7 +130,8 @@ class RankAgreement:
                 f"nothing was updated. This rank ({self.rank}) trains "
                 f"{trainable_summary(param_groups)}. Freeze and unfreeze the same parameters on "
                 "every rank, at the same step")
-        return StepVerdict(any(row[0] for row in table), any(row[2] for row in table))
+        return StepVerdict(any(row[0] for row in table), any(row[2] for row in table),
+                           all(row[0] for row in table))
 
     def check_replicas(self, step: int, param_groups, state) -> None:
         """Divergence guard: compare a checksum of every parameter and state

@@ -26,12 +26,14 @@ import abc
 import contextlib
 import copy
 import time
+import warnings
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends.base import stable_digest
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from . import checkpoints
@@ -39,7 +41,8 @@ from . import functional as F
 from .agreement import RankAgreement, check_params_served, nonfinite_flag
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
-from .checks import check_flag, check_number, check_positive_int, check_whole_parameters
+from .checks import (check_each_parameter_once, check_flag, check_number, check_positive_int,
+                     check_whole_parameters)
 from .exchange import ErrorFeedbackExchange, GroupKey, LateKey
 from .guards import ZeroVarianceGuard, copy_masked_, mask_unseen_
 from .late import LATE_KEY, LateJoiners
@@ -131,6 +134,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._ef_exchange = ErrorFeedbackExchange(self.backend)
         self._late = LateJoiners(self._warmup_length())
         self._static = StaticBuffers()
+        self._warned_scales_drift = False
         self._zero_variance = ZeroVarianceGuard()
         self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
         self._grads_averaged_externally = False  # set by the DDP hook for one step
@@ -305,6 +309,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if self._overlap is not None:  # every rank redoes its buckets, or none
                 self._overlap.stale = verdict.redo_buckets
             bad = verdict.nonfinite
+            if bad and found_inf is not None and not verdict.nonfinite_everywhere:
+                self._warn_scales_drift(t)
         else:
             bad = bool(flag)
         if bad and found_inf is None:
@@ -312,6 +318,19 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              "least one rank; nothing was updated (use torch.amp.GradScaler to "
                              "skip such steps)")
         return bad
+
+    def _warn_scales_drift(self, t: int) -> None:
+        """Some ranks' GradScaler found an inf and others not: every rank
+        skips this step, but torch's GradScaler backs off only where it
+        found one, so the ranks' scales now differ (onebit.amp's does not)."""
+        if getattr(self, AGREEING_SCALER_ATTRIBUTE, False) or self._warned_scales_drift:
+            return
+        self._warned_scales_drift = True
+        warnings.warn(f"{type(self).__name__}: at step {t} only some ranks found an inf or NaN; "
+                      "every rank skipped the step, but torch.amp.GradScaler backs off only on "
+                      "those ranks, so the ranks' loss scales now differ (under DDP the replicas "
+                      "then drift apart). Use onebit.amp.GradScaler, which agrees across ranks",
+                      RuntimeWarning, stacklevel=3)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's add_param_group, made safe for data parallelism: every
@@ -321,8 +340,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         params = param_group["params"]
         if not isinstance(params, (torch.Tensor, set)):  # a generator is read once
             params = param_group["params"] = list(params)
-        check_whole_parameters(type(self).__name__, [params] if isinstance(params, torch.Tensor)
-                               else params)
+        listed = [params] if isinstance(params, torch.Tensor) else params
+        check_whole_parameters(type(self).__name__, listed)
+        check_each_parameter_once(type(self).__name__, listed)
         super().add_param_group(param_group)
         if not getattr(self, "_constructed", False):  # torch's __init__ adding the first groups
             return

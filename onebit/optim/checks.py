@@ -86,3 +86,18 @@ def check_whole_parameters(name: str, params) -> None:
                 "parameters with DDP and the comm hook instead: model = DDP(model); "
                 "model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook) "
                 "(docs/usage.md, 'With DistributedDataParallel')")
+
+
+def check_each_parameter_once(name: str, params) -> None:
+    """A ValueError for a parameter listed twice in one group. torch.optim
+    only warns and then updates it twice per step; here the two entries
+    would also be exchanged twice, with their error feedback and momentum
+    counted twice, and the training diverges without a word."""
+    first = {}
+    for i, p in enumerate(params):
+        if id(p) in first:
+            raise ValueError(
+                f"{name}: param {i} {tuple(p.shape)} is the same tensor as param {first[id(p)]}; "
+                "list each parameter once (model.parameters() already lists a tied weight "
+                "once; for a list of your own, list(dict.fromkeys(params)))")
+        first[id(p)] = i

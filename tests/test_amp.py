@@ -1,0 +1,116 @@
+"""onebit.amp.GradScaler: after any pattern of one-rank infs, every rank's
+loss scale is the same, on 3 real gloo ranks, through the freeze; torch's
+own GradScaler drifts apart there (and the optimizer warns once), which is
+what the scaler is for. Under DDP with onebit's comm hook, 0/1 Adam's
+replicas stay bitwise identical with it and drift apart without it."""
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed import run_workers
+
+NAMES = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
+INIT_SCALE = 2.0 ** 10
+INFS = {2: 1, 6: 2, 9: 0, 10: 2}  # step -> the one rank whose gradient gets an inf
+
+
+def _make(name, params):
+    import onebit
+
+    if name == "ZeroOneAdam":
+        return onebit.ZeroOneAdam(params, lr=1e-2, var_freeze_step=4, var_update_scaler=1)
+    return getattr(onebit, name)(params, lr=1e-2, freeze_step=4)
+
+
+def _scaler(kind):
+    import onebit
+
+    cls = onebit.amp.GradScaler if kind == "onebit" else torch.amp.GradScaler
+    return cls("cpu", init_scale=INIT_SCALE, growth_interval=10_000)  # no growth in 12 steps
+
+
+def _scaled_run(rank, world, name, kind):
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt, scaler = _make(name, model.parameters()), _scaler(kind)
+    scales, params = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, 13):
+            g = torch.Generator().manual_seed(100 * t + rank)
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(8, 6, generator=g)).pow(2).mean()).backward()
+            if INFS.get(t) == rank:
+                model[0].weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+    drift = [str(w.message) for w in caught if "loss scales now differ" in str(w.message)]
+    return {"scales": scales, "params": params, "drift_warnings": len(drift),
+            "skipped": opt.comm_stats()["skipped_steps"]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_every_ranks_scale_backs_off_together_after_one_rank_infs(name):
+    out = run_workers(_scaled_run, 3, name, "onebit", timeout=120)
+    # An independent count: 4 steps had an inf somewhere, each halves the scale once.
+    expected, scale = [], INIT_SCALE
+    for t in range(1, 13):
+        scale *= 0.5 if t in INFS else 1.0
+        expected.append(scale)
+    for r in out:
+        assert r["scales"] == expected
+        assert r["params"] == out[0]["params"]  # bitwise, after every step
+        assert r["drift_warnings"] == 0 and r["skipped"] == len(INFS)
+
+
+@pytest.mark.timeout(300)
+def test_torchs_scaler_drifts_apart_there_and_the_optimizer_says_so():
+    out = run_workers(_scaled_run, 3, "OnebitAdam", "torch", timeout=120)
+    assert out[0]["scales"] != out[1]["scales"]  # rank 1 backed off at step 2, rank 0 did not
+    assert out[1]["scales"][1] == INIT_SCALE / 2 and out[0]["scales"][1] == INIT_SCALE
+    assert all(r["drift_warnings"] == 1 for r in out)  # once, not at every such step
+    for r in out:  # the optimizer still skipped on every rank
+        assert r["params"] == out[0]["params"] and r["skipped"] == len(INFS)
+
+
+def _ddp_zero_one_adam(rank, world, kind):
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)))
+    # v updates at steps 1, 2, 4, 8, 16 (full-precision averages through the
+    # hook), 1-bit gradients between them, frozen from 17.
+    opt = onebit.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=16,
+                             var_update_scaler=1)
+    model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
+    scaler = _scaler(kind)
+    first_difference = None
+    for t in range(1, 25):
+        g = torch.Generator().manual_seed(100 * t + rank)
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(8, 6, generator=g)).pow(2).mean()).backward()
+        if t == 3 and rank == 1:  # a 1-bit step: the inf stays on rank 1
+            model.module[0].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(world)]
+        torch.distributed.all_gather(every, flat)
+        if first_difference is None and any(not torch.equal(e, every[0]) for e in every):
+            first_difference = t
+    return first_difference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_hook_zero_one_adam_replicas_stay_identical_with_one_rank_infs():
+    assert run_workers(_ddp_zero_one_adam, 2, "onebit", timeout=120) == [None, None]
+    # torch's scaler: rank 1 scales by half from step 4 on, and the next
+    # full-precision average (step 4) mixes the two scales.
+    drifted = run_workers(_ddp_zero_one_adam, 2, "torch", timeout=120)
+    assert drifted[0] is not None and drifted[0] == drifted[1]
