@@ -11,9 +11,11 @@ The rest of a DeepSpeed config is read too (`read_config`), so nothing is
 dropped silently: `gradient_clipping` becomes the optimizer's
 `max_grad_norm`; `zero_optimization` with a stage above 0 is an error (the
 1-bit optimizers keep whole states on every rank, as DeepSpeed's did);
-`fp16`/`bf16` and the `scheduler` are reported with how to get them in
-plain torch; the batch sizes and the rest are the training script's own
-business. `python -m onebit CONFIG.json` prints all of it.
+`scheduler` becomes a torch lr scheduler with DeepSpeed's formulas
+(`build_scheduler`, onebit/schedules.py); `fp16`/`bf16` are reported with
+how to get them in plain torch; the batch sizes and the rest are the
+training script's own business. `python -m onebit CONFIG.json` prints all
+of it.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Union
 
 import torch
 
+from .schedules import SCHEDULES, DeepSpeedLR, schedule_from
 
 def _lamb(params, **kw):
     # Plain LAMB: the same code as OnebitLamb, kept in its warmup forever.
@@ -101,14 +104,19 @@ def read_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> ConfigReadin
             notes.append((key, "ignored", "stage 0: plain data parallelism, what onebit does"))
         elif key in ("fp16", "bf16") and _enabled(value):
             dtype = "float16" if key == "fp16" else "bfloat16"
-            scaler = (" and torch.amp.GradScaler('cuda') around step() (onebit skips a step "
-                      "whose gradients overflowed on any rank)") if key == "fp16" else ""
+            scaler = (" and onebit.amp.GradScaler('cuda') around step() (onebit skips a step "
+                      "whose gradients overflowed on any rank, and its scaler keeps every "
+                      "rank's scale the same)") if key == "fp16" else ""
             notes.append((key, "advice", f"train under torch.autocast(device_type, "
                                          f"dtype=torch.{dtype}){scaler}"))
         elif key == "scheduler":
             name = value.get("type") if isinstance(value, dict) else value
-            notes.append((key, "advice", f"{name}: build the torch.optim.lr_scheduler "
-                                         "equivalent yourself (onebit does not read schedulers)"))
+            if name in SCHEDULES:
+                notes.append((key, "mapped", f"{name}: onebit.build_scheduler(optimizer, config) "
+                                             "(DeepSpeed's formulas, a torch scheduler)"))
+            else:
+                notes.append((key, "advice", f"{name}: not one of DeepSpeed's {sorted(SCHEDULES)}; "
+                                             "build the torch.optim.lr_scheduler equivalent"))
         elif key in _SCRIPT_KEYS:
             notes.append((key, "ignored", "the training script's batch and logging settings"))
         else:
@@ -176,3 +184,20 @@ def build_optimizer(params, config) -> torch.optim.Optimizer:
         return factory(params, **kwargs)
     except TypeError as exc:  # torch's own optimizers check types with TypeError
         raise ValueError(f"{kind}: {exc}") from exc
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config) -> DeepSpeedLR:
+    """The torch lr scheduler a DeepSpeed config's "scheduler" section
+    describes ({"type": "WarmupLR", "params": {...}}; the whole config, that
+    section alone, or a JSON file path), with DeepSpeed's formulas and
+    parameter names (onebit/schedules.py). Call its step() after each
+    optimizer.step(), as with any torch scheduler."""
+    config = _open(config)
+    section = config.get("scheduler", config)
+    if not isinstance(section, dict) or "type" not in section:
+        raise ValueError('config needs {"scheduler": {"type": ..., "params": {...}}} '
+                         'or {"type": ..., "params": {...}}')
+    params = section.get("params") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f'"params" must be a JSON object of keyword arguments, got {params!r}')
+    return DeepSpeedLR(optimizer, schedule_from(str(section["type"]), params))
