@@ -9,6 +9,7 @@ $ONEBIT_TIMEOUT_S, else 300 s; backends and optimizers take `timeout_s`.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import math
 import numbers
@@ -87,14 +88,35 @@ def _failed(phase: str, t: float, group, exc: Exception) -> CommunicationError:
     return CommunicationError(f"onebit: {phase} failed on {where}: {exc}")
 
 
+# The last collectives' works. A gloo worker thread drops its reference to a
+# collective's work after the waiter has woken; when that is the last one,
+# the work's destructor runs there and frees the Python tensors it holds
+# (torch.distributed's Python layer makes some, such as the chunks of an
+# all-gather's output), which takes the GIL. If the script has ended by
+# then, the interpreter is finalizing: the thread is torn down inside a
+# noexcept C++ destructor and the process aborts ("terminate called without
+# an active exception", SIGABRT after a finished job). Holding the works
+# until later collectives replace them means the transport never holds the
+# last reference; the main thread frees them.
+_RECENT_COLLECTIVES: collections.deque = collections.deque(maxlen=8)
+
+
 def start(phase: str, begin: Callable[[], "dist.Work"], timeout_s: Optional[float] = None,
           group=None) -> Pending:
     """Start an async collective with `begin()`; wait on the result, bounded."""
     t = default_timeout_s() if timeout_s is None else timeout_s
     try:
-        return Pending(phase, begin(), t, group)
+        pending = Pending(phase, begin(), t, group)
     except RuntimeError as exc:
         raise _failed(phase, t, group, exc) from exc
+    hold_until_later(pending.work)
+    return pending
+
+
+def hold_until_later(work: "dist.Work") -> None:
+    """Keep `work` referenced from Python until later collectives replace it
+    (see _RECENT_COLLECTIVES): for collectives started outside `start`."""
+    _RECENT_COLLECTIVES.append(work)
 
 
 def run(phase: str, begin: Callable[[], "dist.Work"], timeout_s: Optional[float] = None,

@@ -18,6 +18,7 @@ parameters outside it would never be averaged in warmup.
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .backends.stats import fp32_allreduce_bytes
 
 
@@ -52,6 +53,7 @@ def ddp_comm_hook(state: OnebitHookState,
         opt.traffic.add(nominal, nominal, nominal)  # time: it overlaps backward, not counted
         buf.div_(opt.world_size)
         work = dist.all_reduce(buf, group=opt.process_group, async_op=True)
+        collectives.hold_until_later(work)  # no abort at exit (collectives.py)
         return work.get_future().then(lambda fut: fut.value()[0])
     fut = torch.futures.Future()
     fut.set_result(buf)  # compression stage: the optimizer exchanges 1-bit momentum
