@@ -323,15 +323,13 @@ class ZeroOneAdam(OnebitOptimizer):
                 torch.mul(ui, di, out=out)
                 out.div_(lrs)
 
-        if self.world_size == 1:  # the mean over one rank
-            avg = [torch.empty_like(ui) for ui in u]
-            mean_direction_into(avg)
-        elif self._overlap is not None:  # over the buckets, as the syncs that follow a sync
+        if self.world_size > 1 and self._overlap is None:
+            avg = self._ef_exchange.exchange(GroupKey(i), u, mean_direction_into)
+        else:  # the mean over one rank; with the overlap, over its buckets (as the syncs
+            # that follow a sync)
             avg = [torch.empty_like(ui) for ui in u]
             mean_direction_into(avg)
             self._compressed_average_(i, avg)
-        else:
-            avg = self._ef_exchange.exchange(GroupKey(i), u, mean_direction_into)
         self._mask_(group, avg)
         mask_unseen_(avg, masks, seen)
         for mi, ai in zip(m, avg):
