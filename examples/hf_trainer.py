@@ -38,6 +38,7 @@ def main(argv=None):
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
     import onebit
+    from onebit.callbacks.hf import ErrorFeedbackCallback
 
     x, y = load_digits(return_X_y=True)
     x, y = torch.tensor(x, dtype=torch.long), torch.tensor(y)
@@ -59,8 +60,10 @@ def main(argv=None):
         targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=32,
                                   logging_steps=max(1, args.steps // 5), save_strategy="no",
                                   report_to=[], use_cpu=True, disable_tqdm=True)
+        # The callback puts every rank's error feedback in the Trainer's
+        # checkpoints, so resume_from_checkpoint continues bit for bit.
         trainer = Trainer(model=model, args=targs, train_dataset=train_set,
-                          optimizers=(opt, None))
+                          optimizers=(opt, None), callbacks=[ErrorFeedbackCallback()])
         trainer.train()
         preds = trainer.predict(test_set)
     acc = (preds.predictions.argmax(-1) == preds.label_ids).mean() * 100

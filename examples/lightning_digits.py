@@ -21,6 +21,7 @@ import sys
 import torch
 
 import onebit
+from onebit.callbacks.lightning import ErrorFeedbackCallback
 from onebit import launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,6 +75,9 @@ def main(argv=None):
     strategy = DDPStrategy(process_group_backend="gloo", **hook)  # onebit: the hook
     trainer = L.Trainer(accelerator="cpu", devices=args.nproc, strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False,
+                        # onebit: every rank's error feedback in the checkpoints it
+                        # writes (none here), so ckpt_path= resumes bit for bit
+                        callbacks=[ErrorFeedbackCallback()],
                         enable_progress_bar=False, enable_model_summary=False)
     module = Digits()
     trainer.fit(module, loader)

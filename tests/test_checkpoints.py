@@ -4,6 +4,7 @@ each rank's error-feedback buffers, switching from torch.optim.Adam, and
 checkpoints that must be refused."""
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -127,13 +128,17 @@ def _save_each_rank(rank, world, cls_name, steps, prefix):
 
 def _resume_each_rank(rank, world, cls_name, steps, prefix, errors_shift):
     ckpt = torch.load(f"{prefix}.{rank}", weights_only=False)
-    errs = torch.load(f"{prefix}.{(rank + errors_shift) % world}", weights_only=False)["errors"]
+    errs = None if errors_shift is None else \
+        torch.load(f"{prefix}.{(rank + errors_shift) % world}", weights_only=False)["errors"]
     params = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
     opt = make(cls_name, params, **CONFIGS[cls_name])
     opt.load_state_dict(ckpt["opt"])
-    restored = opt.load_error_feedback_state_dict(errs)
-    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
-    return restored, losses, [p.detach().reshape(-1).tolist() for p in params]
+    restored = opt.load_error_feedback_state_dict(errs) if errors_shift is not None else False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(steps)]
+    restarts = sum("error-feedback buffers restarted from zero" in str(w.message) for w in caught)
+    return restored, losses, [p.detach().reshape(-1).tolist() for p in params], restarts
 
 
 def _resume_scaled_lamb(rank, world, prefix):
@@ -166,14 +171,27 @@ def test_resume_with_each_ranks_error_buffers_is_bitwise_identical_to_not_stoppi
     straight = straight_run(cls_name)
     run_workers(_save_each_rank, 3, cls_name, 40, prefix, timeout=120)
     resumed = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 0, timeout=120)
-    for (losses, params), (restored, after, params_after) in zip(straight, resumed):
-        assert restored
+    for (losses, params), (restored, after, params_after, restarts) in zip(straight, resumed):
+        assert restored and restarts == 0
         assert after == losses[40:] and params_after == params
     # Another rank's buffers are refused (they restart from zero), and the
     # resume is then no longer exact: the buffers carried real information.
+    # Each rank says so once, in its first step, as it does when nothing
+    # restores them (a trainer's checkpoint).
     swapped = run_workers(_resume_each_rank, 3, cls_name, 10, prefix, 1, timeout=120)
     assert not any(r[0] for r in swapped)
     assert any(r[2] != s[1] for r, s in zip(swapped, straight))
+    assert [r[3] for r in swapped] == [1, 1, 1]
+    not_restored = run_workers(_resume_each_rank, 3, cls_name, 2, prefix, None, timeout=120)
+    assert [r[3] for r in not_restored] == [1, 1, 1]
+
+
+def test_a_checkpoint_from_warmup_resumes_without_a_restart_warning(tmp_path):
+    """Before the first compressed exchange there is no error feedback to lose."""
+    prefix = str(tmp_path / "ckpt")
+    run_workers(_save_each_rank, 2, "OnebitAdam", 5, prefix, timeout=120)
+    resumed = run_workers(_resume_each_rank, 2, "OnebitAdam", 30, prefix, None, timeout=120)
+    assert [r[3] for r in resumed] == [0, 0]
 
 
 def _dcp_save_or_resume(rank, world, cls_name, steps, path, resume):

@@ -135,6 +135,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._late = LateJoiners(self._warmup_length())
         self._static = StaticBuffers()
         self._warned_scales_drift = False
+        self._restart_notice = checkpoints.ErrorFeedbackRestartNotice(type(self).__name__)
         self._zero_variance = ZeroVarianceGuard()
         self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
         self._grads_averaged_externally = False  # set by the DDP hook for one step
@@ -168,6 +169,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def _warmup_length(self) -> int:
         """Steps before v freezes (a late joiner's own warmup is as long)."""
+
+    @abc.abstractmethod
+    def _had_error_feedback(self, step: int) -> bool:
+        """Whether a run that has taken `step` steps (with the counters as
+        they are now) holds error-feedback buffers: a compressed exchange
+        has happened."""
 
     def _exchange_during_backward(self) -> bool:
         """Whether the coming step's compressed exchange can start during
@@ -247,6 +254,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._restart_notice.before_step()
         stage = self.stage_at(self.counters["step"] + 1)
         t = stage.step
         self._late.mark(self.state, self.param_groups, stage.variance_frozen)
@@ -635,6 +643,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._share_counters(counters)
         checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"])
         self._forget_layouts()
+        self._restart_notice.loaded(self.world_size > 1 and self._had_error_feedback(counters["step"]))
 
     def _rank(self) -> int:
         return dist.get_rank(self.process_group) if self.world_size > 1 else 0
@@ -669,8 +678,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         step than the loaded optimizer state's, the buffers mean nothing
         here: they restart from zero (DeepSpeed's choice) and this returns
         False. Call it after `load_state_dict`, which resets them."""
-        return checkpoints.restore_error_feedback(self._ef_exchange, state, self._error_layouts(),
-                                                  self._error_identity())
+        loaded = checkpoints.restore_error_feedback(self._ef_exchange, state, self._error_layouts(),
+                                                    self._error_identity())
+        if loaded:
+            self._restart_notice.restored()
+        return loaded
 
     def _error_layouts(self) -> dict:
         """Error-buffer key -> layout of every fused buffer this optimizer
@@ -775,3 +787,6 @@ class FreezeStepOptimizer(OnebitOptimizer):
 
     def _warmup_length(self) -> int:
         return self.freeze_step
+
+    def _had_error_feedback(self, step: int) -> bool:
+        return step > self.freeze_step

@@ -21,6 +21,7 @@ refused checkpoint changes nothing):
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict
 
 import torch
@@ -169,3 +170,37 @@ def keep_masks(state_dict: dict, param_groups) -> dict:
         if "exp_avg_mask" in mine:
             theirs["exp_avg_mask"] = mine["exp_avg_mask"]
     return {**state_dict, "param_groups": groups}
+
+
+class ErrorFeedbackRestartNotice:
+    """Warns once, at the first step after a `load_state_dict` that left
+    error feedback at zero where the saved run had some: trainers and most
+    scripts save `state_dict()` from rank 0 and load it on every rank, and
+    the per-rank buffers then restart without a word. The warning waits for
+    the step because the per-rank buffers are restored after
+    `load_state_dict` (`load_error_feedback_state_dict`, or a trainer
+    callback), and a restored run has nothing to warn about."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.pending = self.warned = False
+
+    def loaded(self, errors_lost: bool) -> None:
+        self.pending = errors_lost
+
+    def restored(self) -> None:
+        self.pending = False
+
+    def before_step(self) -> None:
+        if not self.pending or self.warned:
+            return
+        self.pending, self.warned = False, True
+        warnings.warn(
+            f"{self.owner}: the error-feedback buffers restarted from zero after load_state_dict(). "
+            "They differ on every rank, so state_dict() does not hold them: this resume is close "
+            "to the uninterrupted run, not bitwise equal. To keep them, save "
+            "error_feedback_state_dict() on every rank and load it with "
+            "load_error_feedback_state_dict() after load_state_dict(), or add "
+            "onebit.callbacks.hf.ErrorFeedbackCallback (Hugging Face Trainer) or "
+            "onebit.callbacks.lightning.ErrorFeedbackCallback (Lightning) to the trainer; "
+            "see docs/checkpoints.md", stacklevel=3)

@@ -108,6 +108,10 @@ class ZeroOneAdam(OnebitOptimizer):
     def _warmup_length(self) -> int:
         return self.var_freeze_step
 
+    def _had_error_feedback(self, step: int) -> bool:
+        # Every step but the variance updates exchanges 1-bit (or skips it locally).
+        return step > self.counters["var_updates"]
+
     def stage_at(self, step: int) -> Stage:
         c = self.counters
         if not self.frozen(step):
