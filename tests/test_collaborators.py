@@ -158,8 +158,11 @@ def _agreement(rank, world):
     except ValueError as exc:
         out["settings"] = str(exc)
     flag = torch.tensor(int(rank == world - 1))
+    # No gradient for flags 0 and 2 anywhere, for flag 1 on rank 0 only, and
+    # 70 flags (two words) with the last set everywhere.
+    no_grad = [True, rank == 0, True] + [False] * 66 + [True]
     out["verdict"] = tuple(agree.before_step(7, flag, 42, redo_buckets=rank == 0,
-                                             param_groups=groups))
+                                             param_groups=groups, no_grad=no_grad))
     try:
         agree.before_step(7, torch.tensor(0), 42 + rank, False, groups)
     except ValueError as exc:
@@ -178,8 +181,9 @@ def _agreement(rank, world):
 def test_rank_agreement_on_real_ranks():
     for out in run_workers(_agreement, 3, timeout=90):
         assert "Tested: ranks disagree on hyper-parameters" in out["settings"]
-        # rank 2's non-finite flag, rank 0's redo; not every rank is non-finite
-        assert out["verdict"] == (True, True, False)
+        # rank 2's non-finite flag, rank 0's redo; not every rank is non-finite;
+        # the params no rank has a gradient for
+        assert out["verdict"] == (True, True, False, (True, False, True) + (False,) * 66 + (True,))
         assert "disagree on which parameters require grad at step 7" in out["trainable"]
         assert "group 0: 1 of 1 params" in out["trainable"]
         assert "diverged by step 8" in out["replicas"] and "rank(s) [1]" in out["replicas"]

@@ -170,6 +170,11 @@ class CompressedAllreduceBase:
         zeroed buffer of `layout.numel`, size the errors by `layout.padded`."""
         return BlockLayout(sizes, self.block_size, self.size)
 
+    def error_ranges(self, layout: BlockLayout, index: int):
+        """Where tensor `index` of `layout` sits in this rank's (worker,
+        server) errors: (start, end) pairs, None where it has no element."""
+        return layout.error_ranges(index, self.rank)
+
     def _validate(self, buffer_m, worker_error, server_error, layout) -> None:
         if not isinstance(buffer_m, torch.Tensor) or not buffer_m.is_floating_point():
             raise ValueError(f"buffer_m must be a floating-point tensor, got "

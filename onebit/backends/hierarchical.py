@@ -65,8 +65,11 @@ class HierarchicalLayout:
         hi = lo + self.shard_numel
         # Every tensor starts on a block boundary and so does the shard, so
         # the pieces inside it sit exactly where BlockLayout would put them.
-        pieces = [min(o + s, hi) - max(o, lo) for o, s in zip(self.full.offsets, self.full.sizes)
+        inside = [j for j, (o, s) in enumerate(zip(self.full.offsets, self.full.sizes))
                   if max(o, lo) < min(o + s, hi)]
+        pieces = [min(self.full.offsets[j] + self.full.sizes[j], hi) - max(self.full.offsets[j], lo)
+                  for j in inside]
+        self._piece_of = {j: k for k, j in enumerate(inside)}  # tensor -> its piece in the shard
         self.shard = BlockLayout(pieces, block, nodes, padded=self.shard_numel)
         self.sizes, self.offsets, self.numel = self.full.sizes, self.full.offsets, self.full.numel
         self.block, self.padded = block, self.full.padded
@@ -79,6 +82,13 @@ class HierarchicalLayout:
     @property
     def key(self) -> tuple:
         return ("hierarchical", self.ranks_per_node, self.nodes) + self.full.key
+
+    def error_ranges(self, index: int, node: int):
+        """Where tensor `index` sits in the errors of the rank of node `node`
+        holding this shard (BlockLayout.error_ranges of its piece), or
+        (None, None) where the shard holds none of it."""
+        piece = self._piece_of.get(index)
+        return (None, None) if piece is None else self.shard.error_ranges(piece, node)
 
     def views(self, flat: torch.Tensor, shapes) -> List[torch.Tensor]:
         return self.full.views(flat, shapes)
@@ -179,6 +189,9 @@ class HierarchicalBackend:
 
     def error_sizes(self, numel: int):
         return self.layout([numel]).error_sizes
+
+    def error_ranges(self, layout: HierarchicalLayout, index: int):
+        return layout.error_ranges(index, self.net.rank)
 
     def compressed_allreduce(self, buffer_m: torch.Tensor, worker_error: torch.Tensor,
                              server_error: torch.Tensor, local_rank=None,

@@ -88,6 +88,17 @@ class BlockLayout:
         return self._cached("pads", device, (lo, hi), lambda: self._pads[
             (self._pads >= lo) & (self._pads < hi)] - lo)
 
+    def error_ranges(self, index: int, rank: int) -> Tuple[Optional[Tuple[int, int]],
+                                                           Optional[Tuple[int, int]]]:
+        """Where tensor `index` sits in rank `rank`'s (worker, server)
+        errors, as (start, end) pairs, None where it has no element there:
+        the worker error spans the whole buffer, the server error rank's
+        chunk of it."""
+        lo, hi = self.offsets[index], self.offsets[index] + self.sizes[index]
+        base = rank * self.chunk
+        s_lo, s_hi = max(lo, base), min(hi, base + self.chunk)
+        return ((lo, hi) if lo < hi else None), ((s_lo - base, s_hi - base) if s_lo < s_hi else None)
+
     def views(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
         """Each tensor's place in `flat`, shaped like it."""
         return [flat[o:o + s].view(shape) for o, s, shape in zip(self.offsets, self.sizes, shapes)]

@@ -5,7 +5,7 @@ step, and the replica divergence guard. Each failure is a ValueError (or
 ReplicaDivergenceError) on every rank, raised before anything changed."""
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..backends.base import stable_digest
 from ..wire import WIRE_FORMAT_VERSION
+from .untouched import flags_on_every_rank, pack_flags
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -58,6 +59,7 @@ class StepVerdict(NamedTuple):
     nonfinite: bool  # some rank has a non-finite gradient (or its GradScaler saw one)
     redo_buckets: bool  # some rank must exchange its backward buckets again (overlap.py)
     nonfinite_everywhere: bool = False  # ... and every rank does
+    gradless: tuple = ()  # per param of no_grad: no rank has a gradient for it (untouched.py)
 
 
 def trainable_summary(param_groups) -> str:
@@ -115,15 +117,18 @@ class RankAgreement:
                                  f"{b} = {fields[b]!r}"[:400] for b in bad))
 
     def before_step(self, step: int, nonfinite: torch.Tensor, trainable_digest: int,
-                    redo_buckets: bool, param_groups) -> StepVerdict:
+                    redo_buckets: bool, param_groups,
+                    no_grad: Sequence[bool] = ()) -> StepVerdict:
         """One all-gather before step `step` changes anything: the ranks must
         train the same params (else the exchanges would not match: gloo
         aborts the process; a ValueError here instead), and they learn
         whether any rank saw a non-finite gradient (`nonfinite`, a 0-dim
-        device flag: it stays on the device until the table comes back) or
-        must redo its backward buckets."""
+        device flag: it stays on the device until the table comes back),
+        must redo its backward buckets, and which params (`no_grad`: this
+        rank's flag for every param of every group, so the message has the
+        same length on every rank) no rank has a gradient for."""
         table = self.gather("agreeing on the trainable params and on skipping a non-finite step",
-                            [nonfinite, trainable_digest, int(redo_buckets)])
+                            [nonfinite, trainable_digest, int(redo_buckets)] + pack_flags(no_grad))
         if len({row[1] for row in table}) > 1:
             raise ValueError(
                 f"{self.name}: ranks disagree on which parameters require grad at step {step}; "
@@ -131,7 +136,8 @@ class RankAgreement:
                 f"{trainable_summary(param_groups)}. Freeze and unfreeze the same parameters on "
                 "every rank, at the same step")
         return StepVerdict(any(row[0] for row in table), any(row[2] for row in table),
-                           all(row[0] for row in table))
+                           all(row[0] for row in table),
+                           tuple(flags_on_every_rank([row[3:] for row in table], len(no_grad))))
 
     def check_replicas(self, step: int, param_groups, state) -> None:
         """Divergence guard: compare a checksum of every parameter and state

@@ -49,6 +49,7 @@ from .late import LATE_KEY, LateJoiners
 from .overlap import BackwardOverlap, OverlapCallbacks, exchange_group
 from .stage import Stage
 from .telemetry import StepTelemetry
+from .untouched import UntouchedParams
 from ..wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
 
 
@@ -247,8 +248,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
         Shared by every onebit optimizer: gather fp32 gradients (a missing
         .grad counts as zero), average them in full precision when this step
-        needs it, agree across ranks on skipping a non-finite step, then let
-        the subclass's `_update` do the maths for step t.
+        needs it, agree across ranks on skipping a non-finite step and on
+        the params no rank has a gradient for (left as they were,
+        untouched.py), then let the subclass's `_update` do the maths for
+        step t.
         """
         loss = None
         if closure is not None:
@@ -265,7 +268,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         grads = [self._gradients(ps) for _, ps in groups]
         late_grads = [self._gradients(ps) for _, ps in late]
         try:
-            skip = self._agree_before_step(t, grads + late_grads)
+            skip, gradless = self._agree_before_step(t, grads + late_grads)
         except BaseException:
             self._end_overlap()  # undoes what backward exchanged (overlap.py)
             raise
@@ -273,6 +276,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._end_overlap()
             self._telemetry.end_step(t, stage.name, skipped=True)
             return loss
+        untouched = self._keep_untouched(gradless, [ps for _, ps in groups]) if gradless else None
         exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
         if stage.full_precision:
             for i, gs in enumerate(grads):
@@ -295,6 +299,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if params:
                 self._late_update(LateKey(i), group, params, gs)
                 LateJoiners.advance(self.state, params)
+        if untouched is not None:
+            untouched.restore()
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
@@ -302,21 +308,25 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._telemetry.end_step(t, stage.name, skipped=False)
         return loss
 
-    def _agree_before_step(self, t: int, grads_by_group: List[List[torch.Tensor]]) -> bool:
+    def _agree_before_step(self, t: int, grads_by_group: List[List[torch.Tensor]]
+                           ) -> Tuple[bool, List[torch.Tensor]]:
         """Whether step t must be skipped: a GradScaler saw inf/NaN, or a
         gradient is not finite, on any rank. Without a GradScaler, non-finite
         gradients raise on every rank before anything changes. Before any
         collective that depends on them, the same all-gather checks that the
-        ranks train the same params: one host sync in all."""
+        ranks train the same params and finds the trained params no rank has
+        a gradient for (returned second): one host sync in all."""
         found_inf = getattr(self, "found_inf", None)
         flag = nonfinite_flag(grads_by_group, self.comm_device, found_inf)
+        every = [p for g in self.param_groups for p in g["params"]]
+        no_grad = [p.grad is None for p in every]
         if self.world_size > 1:
             stale = self._overlap is not None and self._overlap.stale
             verdict = self._agreement.before_step(t, flag, self._trainable_digest, stale,
-                                                  self.param_groups)
+                                                  self.param_groups, no_grad)
             if self._overlap is not None:  # every rank redoes its buckets, or none
                 self._overlap.stale = verdict.redo_buckets
-            bad = verdict.nonfinite
+            bad, no_grad = verdict.nonfinite, verdict.gradless
             if bad and found_inf is not None and not verdict.nonfinite_everywhere:
                 self._warn_scales_drift(t)
         else:
@@ -325,7 +335,25 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
                              "least one rank; nothing was updated (use torch.amp.GradScaler to "
                              "skip such steps)")
-        return bad
+        return bad, [p for p, none in zip(every, no_grad) if none and p.requires_grad]
+
+    def _keep_untouched(self, gradless: List[torch.Tensor],
+                        trained: List[List[torch.Tensor]]) -> UntouchedParams:
+        """What this step must put back for the params no rank has a gradient
+        for (untouched.py): their values and state, and this rank's slices
+        of every error buffer they sit in, as they were before this step's
+        exchanges (those launched during backward included)."""
+        keep = UntouchedParams()
+        ids = {id(p) for p in gradless}
+        for p in gradless:
+            keep.keep_param(p, self.state[p])
+        for i, ps in enumerate(trained):
+            places = [(GroupKey(i), ps, j) for j, p in enumerate(ps) if id(p) in ids]
+            if self._overlap is not None:
+                places += self._overlap.places(trained, i, ids)
+            for key, like, index in places:
+                keep.keep(self._ef_exchange.keep_tensor_errors(key, like, index))
+        return keep
 
     def _warn_scales_drift(self, t: int) -> None:
         """Some ranks' GradScaler found an inf and others not: every rank

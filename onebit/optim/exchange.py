@@ -97,6 +97,8 @@ class ErrorFeedbackExchange:
         self._errors: Dict[ErrorKey, Tuple[torch.Tensor, torch.Tensor]] = {}  # (worker, server)
         self._saved: Dict[ErrorKey, dict] = {}  # loaded, used when the buffer's layout matches
         self._backups: Dict[ErrorKey, Tuple[torch.Tensor, torch.Tensor]] = {}  # before an exchange
+        self._round = 0  # one per optimizer step (new_round), backward included
+        self._backup_round: Dict[ErrorKey, int] = {}  # the round each backup was taken in
 
     # ------------------------------------------------------------ buffers --
     def layout_for(self, sizes: Sequence[int]):
@@ -192,6 +194,11 @@ class ErrorFeedbackExchange:
             saved = self._backups[key] = (torch.empty_like(worker), torch.empty_like(server))
         saved[0].copy_(worker)
         saved[1].copy_(server)
+        self._backup_round[key] = self._round
+
+    def new_round(self) -> None:
+        """The step's exchanges are over: backups taken from now on belong to the next."""
+        self._round += 1
 
     def restore(self, key: ErrorKey) -> None:
         """Put back the errors `backup` copied: as if the exchange never happened."""
@@ -201,6 +208,36 @@ class ErrorFeedbackExchange:
         worker, server = self.errors(key)
         worker.copy_(saved[0])
         server.copy_(saved[1])
+
+    def keep_tensor_errors(self, key: ErrorKey, like: List[torch.Tensor],
+                           index: int) -> Callable[[], None]:
+        """A function that puts tensor `index`'s slices of buffer `key`'s
+        errors (a buffer of tensors shaped like `like`) back as they were
+        before this round's exchange of `key`: from the backup taken before
+        it when there was one (an exchange launched during backward ran
+        before this call), else as they are now (zeros where they do not
+        exist yet, a checkpoint's where one waits)."""
+        if self.backend is None or not like:
+            return lambda: None
+        self.buffer(key, like)  # the step makes it anyway; its layout is made once
+        layout = self._flat[key][1]
+        ranges = self.backend.error_ranges(layout, index)
+        now = self._errors.get(key)
+        if now is None or (now[0].numel(), now[1].numel()) != layout.error_sizes:
+            now = self._restored(key, layout, like[0].device, keep=True)
+        kept = [None if r is None else t[r[0]:r[1]].clone() for t, r in zip(now, ranges)]
+        this_round = self._round
+
+        def put_back() -> None:
+            errors = self._errors.get(key)
+            if errors is None or (errors[0].numel(), errors[1].numel()) != layout.error_sizes:
+                return  # never made, or made anew for another layout: nothing of this step
+            before = (self._backups[key] if self._backup_round.get(key) == this_round
+                      else None)
+            for k, (t, r) in enumerate(zip(errors, ranges)):
+                if r is not None:
+                    t[r[0]:r[1]].copy_(kept[k] if before is None else before[k][r[0]:r[1]])
+        return put_back
 
     def reset(self) -> None:
         """The errors restart from zero; the buffers stay (graphs hold their addresses)."""

@@ -250,6 +250,13 @@ class BackwardOverlap:
         return [(b.key, [p.numel() for p in b.params])
                 for b in plan_buckets(trained, self.cap, self.first_cap)]
 
+    def places(self, trained: List[List[torch.Tensor]], index: int,
+               ids: set) -> List[Tuple[BucketKey, List[torch.Tensor], int]]:
+        """(bucket key, its params, position in them) of each param of group
+        `index` whose id is in `ids`, in the plan for `trained`."""
+        return [(b.key, b.params, k) for b in plan_buckets(trained, self.cap, self.first_cap)
+                if b.index == index for k, p in enumerate(b.params) if id(p) in ids]
+
     # ---------------------------------------------------------- exchange --
     def _launch(self, bucket: Bucket, grads: Optional[List[torch.Tensor]]) -> None:
         """Write the bucket's exchange input and queue its exchange.
@@ -377,6 +384,7 @@ class BackwardOverlap:
             if self.launched:
                 self.abandon()
         finally:
+            self.exchange.new_round()
             self.absent = {id(p) for b in self.buckets for p in b.params if p.grad is None}
             for b in self.buckets:
                 b.future, b.collected = None, False

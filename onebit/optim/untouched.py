@@ -1,0 +1,75 @@
+"""Params that no rank has a gradient for stay as they were.
+
+torch's optimizers skip a param whose .grad is None: no momentum decay, no
+weight decay, no move. The onebit optimizers exchange fused buffers in which
+every param has its place, so a missing gradient counts as zero there: the
+ranks' buffers must line up. A param that *no* rank has a gradient for (a
+branch no rank used in this step: a frozen head, an expert nobody was routed
+to) would then still move, through its momentum and weight decay.
+
+So the ranks agree on those params before the step, one bit each in the
+all-gather they already make (it is never decided per rank), and the step
+puts back what it changed for them: the value, the per-param state it had
+(state the step made for it stays: the layouts keep it), and this rank's
+slices of the error-feedback buffers (blocks never mix tensors, so
+nothing else was computed from them). A param with a gradient on some ranks
+only is averaged with zeros from the others, as before.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import torch
+
+BITS_PER_WORD = 62  # flags per int64 of the all-gather, clear of the sign bit
+
+
+def pack_flags(flags: Sequence[bool]) -> List[int]:
+    """`flags` as ints of BITS_PER_WORD bits each (at least one int)."""
+    words = [0] * max(1, -(-len(flags) // BITS_PER_WORD))
+    for k, f in enumerate(flags):
+        if f:
+            words[k // BITS_PER_WORD] |= 1 << (k % BITS_PER_WORD)
+    return words
+
+
+def flags_on_every_rank(rows: Sequence[Sequence[int]], count: int) -> List[bool]:
+    """The first `count` flags that every rank's packed words (`rows`) set."""
+    words = list(rows[0])
+    for row in rows[1:]:
+        words = [a & b for a, b in zip(words, row)]
+    return [bool(words[k // BITS_PER_WORD] >> (k % BITS_PER_WORD) & 1) for k in range(count)]
+
+
+class UntouchedParams:
+    """What a step must leave as it was, kept before the step and put back
+    after it (in place: CUDA graphs hold the state tensors' addresses)."""
+
+    def __init__(self) -> None:
+        self._put_back: List[Callable[[], None]] = []
+
+    def keep_param(self, p: torch.Tensor, state: dict) -> None:
+        value = p.detach().clone()
+        before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+        def put_back() -> None:
+            with torch.no_grad():
+                p.copy_(value)
+            # State this step made for it stays as made (zeros, with no
+            # gradient): a param with state is not a late joiner (late.py).
+            for k, v in before.items():
+                now = state.get(k)
+                if isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor) \
+                        and now.shape == v.shape:
+                    now.copy_(v)
+                else:
+                    state[k] = v
+        self._put_back.append(put_back)
+
+    def keep(self, put_back: Callable[[], None]) -> None:
+        """Anything else, as a function that puts it back."""
+        self._put_back.append(put_back)
+
+    def restore(self) -> None:
+        for put_back in self._put_back:
+            put_back()

@@ -1,0 +1,125 @@
+"""A param that no rank has a gradient for in a step is left untouched, as
+torch leaves a param whose .grad is None (issue 32): its value, its state
+and this rank's slices of the error-feedback buffers, decided by all ranks
+together. One with a gradient on some ranks only still moves, the same on
+every rank.
+
+3 gloo ranks, a 300-element param B between two others: every rank has a
+gradient for B at steps 1-4, none at steps 5-6, rank 1 only at step 7, all
+again after. Compression starts at step 4 (0/1 Adam: 1-bit gradients from
+step 2)."""
+import pytest
+import torch
+
+from tests.distributed import run_workers
+
+BLOCK = 256
+SIZES = [32, 300, 16]  # A, B, C: B spans blocks 1-2 of the fused buffer
+CONFIGS = {
+    "OnebitAdam": dict(freeze_step=3, lr=1e-2, weight_decay=0.01),
+    "OnebitLamb": dict(freeze_step=3, lr=1e-2, weight_decay=0.01),
+    "ZeroOneAdam": dict(var_freeze_step=3, lr=1e-2, weight_decay=0.01, local_step_scaler=2,
+                        local_step_clipper=2),
+}
+B_GRAD_RANKS = {5: (), 6: (), 7: (1,)}  # step -> ranks with a gradient for B (else all)
+
+
+def _b_slices(world: int, rank: int):
+    """B's place in this rank's (worker, server) errors, from the wire
+    format's rules (every tensor starts on a block boundary, the padded
+    buffer splits into equal rank chunks), not from the library."""
+    offsets, end = [], 0
+    for n in SIZES:
+        offsets.append(end)
+        end += -(-n // BLOCK) * BLOCK
+    unit = BLOCK * world
+    chunk = -(-end // unit) * unit // world
+    lo, hi = offsets[1], offsets[1] + SIZES[1]
+    s_lo, s_hi = max(lo, rank * chunk), min(hi, (rank + 1) * chunk)
+    return slice(lo, hi), (slice(s_lo - rank * chunk, s_hi - rank * chunk) if s_lo < s_hi else None)
+
+
+def _train(rank, world, cls_name, overlap, backend=None, steps=9):
+    import onebit
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    opt = getattr(onebit, cls_name)(params, overlap_backward=overlap, comm_backend_name=backend,
+                                    **CONFIGS[cls_name])
+    flat = not overlap and backend is None  # where _b_slices knows the error layout
+    worker, server = _b_slices(world, rank)
+    history, b_kept = [], []
+    for t in range(1, steps + 1):
+        with_b = rank in B_GRAD_RANKS.get(t, range(world))
+        g = torch.Generator().manual_seed(100 * t + rank)
+        loss = sum((p * torch.randn(p.shape, generator=g)).sum()
+                   for i, p in enumerate(params) if i != 1 or with_b)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        before = (params[1].detach().clone(),
+                  {k: v.clone() for k, v in opt.state[params[1]].items() if torch.is_tensor(v)},
+                  opt.error_feedback_state_dict()["groups"] if flat else None)
+        opt.step()
+        if t in (5, 6):
+            value, state, errors = before
+            after_errors = opt.error_feedback_state_dict()["groups"] if flat else None
+            same = torch.equal(value, params[1].detach()) and all(
+                torch.equal(v, opt.state[params[1]][k]) for k, v in state.items())
+            if errors:  # B's slices as they were; A's moved on
+                for name, e in errors.items():
+                    a = after_errors[name]
+                    same = same and torch.equal(e["worker"][worker], a["worker"][worker])
+                    if server is not None:
+                        same = same and torch.equal(e["server"][server], a["server"][server])
+                    same = same and not torch.equal(e["worker"][:SIZES[0]], a["worker"][:SIZES[0]])
+            b_kept.append(same)
+        history.append([p.detach().tolist() for p in params])  # plain data back from a worker
+    return history, b_kept
+
+
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_a_param_no_rank_has_a_gradient_for_is_left_untouched(cls_name):
+    runs = run_workers(_train, 3, cls_name, False, timeout=120)
+    for history, b_kept in runs:
+        assert b_kept == [True, True]
+        # B moved at step 7 (rank 1's gradient, averaged with zeros) and after.
+        assert history[5][1] != history[6][1] and history[6][1] != history[7][1]
+        # A moved at steps 5 and 6.
+        assert history[3][0] != history[4][0]
+    if cls_name != "ZeroOneAdam":  # 0/1 Adam's ranks differ between syncs by design
+        assert all(r[0] == runs[0][0] for r in runs[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_untouched_params_with_overlap_backward_match_the_fused_step(cls_name):
+    fused = run_workers(_train, 3, cls_name, False, timeout=120)
+    overlapped = run_workers(_train, 3, cls_name, True, timeout=120)
+    for (h1, kept1), (h2, kept2) in zip(fused, overlapped):
+        assert kept2 == [True, True]
+        assert h1 == h2
+
+
+@pytest.mark.slow
+def test_untouched_params_on_the_hierarchical_backend():
+    """2 nodes of 2 ranks: the errors live in node shards there."""
+    runs = run_workers(_train, 4, "OnebitAdam", False, "hierarchical", timeout=120,
+                       env={"ONEBIT_RANKS_PER_NODE": "2"})
+    for history, b_kept in runs:
+        assert b_kept == [True, True] and history == runs[0][0]
+
+
+def test_error_ranges_of_a_tensor_split_across_hierarchical_shards():
+    """Sizes 32, 300, 16 at block 256 on 2 nodes x 2 ranks: the buffer pads
+    to 1024, each local rank's shard holds 512. Local rank 1's shard holds
+    B's last 44 elements (at 0) and C (at 256); it splits into 2 node chunks
+    of 256, so B's piece is in node 0's server error only."""
+    from onebit.backends.hierarchical import HierarchicalLayout
+
+    first = HierarchicalLayout(SIZES, BLOCK, 2, 2, local_rank=0)
+    second = HierarchicalLayout(SIZES, BLOCK, 2, 2, local_rank=1)
+    assert first.error_ranges(1, 0) == ((256, 512), None)
+    assert first.error_ranges(1, 1) == ((256, 512), (0, 256))
+    assert second.error_ranges(1, 0) == ((0, 44), (0, 44))
+    assert second.error_ranges(1, 1) == ((0, 44), None)
+    assert second.error_ranges(0, 0) == (None, None)
