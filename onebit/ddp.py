@@ -11,8 +11,9 @@ sends nothing otherwise, leaving the local gradients to the optimizer's
 1-bit exchange. Without the hook, DDP would allreduce every step and the
 compression would save nothing.
 
-Pitfall: every parameter the optimizer trains must be in the DDP model;
-parameters outside it would never be averaged in warmup.
+Parameters the optimizer trains outside the DDP model (a head added with
+add_param_group) are not in any bucket: the optimizer averages those itself,
+in full precision, in the steps where the hook averages the others.
 """
 
 import torch
@@ -48,7 +49,7 @@ def ddp_comm_hook(state: OnebitHookState,
                            "state.optimizer = the onebit optimizer before the first backward")
     buf = bucket.buffer()
     if opt.world_size > 1 and opt.needs_full_precision_gradients():
-        opt.mark_gradients_averaged()
+        opt.mark_gradients_averaged(bucket.parameters())
         nominal = fp32_allreduce_bytes(buf.numel(), opt.world_size)
         opt.traffic.add(nominal, nominal, nominal)  # time: it overlaps backward, not counted
         buf.div_(opt.world_size)

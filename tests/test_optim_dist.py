@@ -442,6 +442,46 @@ def test_ddp_hook_gives_the_same_parameters_as_standalone(cls_name):
     assert run_workers(_ddp_vs_standalone, 2, cls_name, timeout=120) == [True, True]
 
 
+def _head_outside_ddp(rank, world, cls_name, hook):
+    """A head outside the DDP model, added with add_param_group at step 3
+    (in warmup). Returns every step's params (body and head), plain data."""
+    import onebit
+
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh())
+    head = torch.nn.Linear(7, 2)
+    model = torch.nn.parallel.DistributedDataParallel(body) if hook else body
+    cfg = dict(freeze_step=6, lr=1e-2) if cls_name == "OnebitAdam" else \
+        dict(var_freeze_step=100, var_update_scaler=1, lr=1e-2)  # variance steps 1, 2, 4, 8
+    opt = getattr(onebit, cls_name)(model.parameters(), **cfg)
+    if hook:
+        model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
+    g = torch.Generator().manual_seed(rank)
+    history = []
+    for t in range(1, 13):
+        if t == 3:
+            opt.add_param_group({"params": list(head.parameters())})
+        x, y = torch.randn(16, 5, generator=g), torch.randn(16, 2, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(head(model(x)), y).backward()
+        opt.step()
+        history.append([v for p in list(body.parameters()) + list(head.parameters())
+                        for v in p.detach().reshape(-1).tolist()])
+    return history
+
+
+@pytest.mark.parametrize("cls_name", ["OnebitAdam", "ZeroOneAdam"])
+def test_a_param_group_outside_the_ddp_model_is_averaged_by_the_optimizer(cls_name):
+    """The DDP hook averages the body in warmup (and 0/1 Adam's variance
+    steps); the optimizer must average the head itself there, or the
+    replicas drift apart silently (issue 32). Every rank holds the same
+    params after every step, and they match the optimizer without DDP."""
+    with_hook = run_workers(_head_outside_ddp, 3, cls_name, True, timeout=120)
+    alone = run_workers(_head_outside_ddp, 3, cls_name, False, timeout=120)
+    assert with_hook[1] == with_hook[0] and with_hook[2] == with_hook[0]
+    assert np.allclose(with_hook[0], alone[0], atol=1e-6, rtol=0)
+
+
 # ------------------------------------------------------ bad gradients --
 def _inf_on_one_rank(rank, world, use_scaler):
     import onebit

@@ -27,7 +27,7 @@ import contextlib
 import copy
 import time
 import warnings
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
 from .checks import (check_each_parameter_once, check_flag, check_number, check_positive_int,
                      check_whole_parameters)
-from .exchange import ErrorFeedbackExchange, GroupKey, LateKey
+from .exchange import ErrorFeedbackExchange, GroupKey, LateKey, UnhookedKey
 from .guards import ZeroVarianceGuard, copy_masked_, mask_unseen_
 from .late import LATE_KEY, LateJoiners
 from .overlap import BackwardOverlap, OverlapCallbacks, exchange_group
@@ -139,7 +139,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._restart_notice = checkpoints.ErrorFeedbackRestartNotice(type(self).__name__)
         self._zero_variance = ZeroVarianceGuard()
         self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
-        self._grads_averaged_externally = False  # set by the DDP hook for one step
+        self._hook_averaged: set = set()  # ids of params the DDP hook averaged, for one step
         self._trainable_signature = None  # see _notice_trainable_changes
         self._trainable_digest = 0
         self.traffic = TrafficStats()  # full-precision averaging (the backend counts its own)
@@ -279,12 +279,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         untouched = self._keep_untouched(gradless, [ps for _, ps in groups]) if gradless else None
         exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
         if stage.full_precision:
-            for i, gs in enumerate(grads):
-                self._average_(GroupKey(i), gs)
-        if not self._grads_averaged_externally:  # late joiners: full precision (late.py)
-            for i, gs in enumerate(late_grads):
-                self._average_(LateKey(i), gs)
-        self._grads_averaged_externally = False  # the DDP hook's promise covers one step
+            for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
+                self._average_unhooked_(GroupKey(i), ps, gs)
+        for i, ((_, ps), gs) in enumerate(zip(late, late_grads)):  # full precision (late.py)
+            self._average_unhooked_(LateKey(i), ps, gs)
+        self._hook_averaged = set()  # the DDP hook's promise covers one step
         self.counters["step"] = t
         self._step_in_progress = t  # what an exchange input written from here on is for
         try:
@@ -401,11 +400,26 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         lr = group["lr"]
         return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
 
-    def mark_gradients_averaged(self) -> None:
-        """The DDP comm hook's promise: this step's gradients reach step()
-        already averaged in full precision (over this optimizer's group), so
-        step() does not average them again. It covers one step."""
-        self._grads_averaged_externally = True
+    def mark_gradients_averaged(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """The DDP comm hook's promise: this step's gradients of `params`
+        (default: all) reach step() already averaged in full precision (over
+        this optimizer's group), so step() does not average them again; it
+        averages the others itself (a head outside the DDP model, added with
+        add_param_group). It covers one step."""
+        every = [p for g in self.param_groups for p in g["params"]] if params is None else params
+        self._hook_averaged.update(id(p) for p in every)
+
+    def _average_unhooked_(self, key, params: List[torch.Tensor],
+                           grads: List[torch.Tensor]) -> None:
+        """Average the gradients of `params` the DDP hook did not average:
+        all of them without the hook; with it, those outside the DDP model
+        (through a buffer of their own, UnhookedKey)."""
+        if not self._hook_averaged:
+            self._average_(key, grads)
+            return
+        rest = [g for p, g in zip(params, grads) if id(p) not in self._hook_averaged]
+        if rest:
+            self._average_(UnhookedKey(key), rest)
 
     def comm_stats(self) -> Dict[str, object]:
         """What the last step sent and what it cost, and the totals so far, as
@@ -513,7 +527,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _average_(self, key, tensors: List[torch.Tensor]) -> None:
         """Full-precision mean across ranks, as one collective on fused buffer
         `key` (a GroupKey, or a LateKey for late joiners)."""
-        if self.world_size == 1 or self._grads_averaged_externally or not tensors:
+        if self.world_size == 1 or not tensors:
             return
 
         def all_reduce(flat: torch.Tensor) -> None:

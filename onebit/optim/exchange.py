@@ -19,6 +19,9 @@ Buffers are named by a key type, not by an overloaded int:
   plan, across groups), which holds params of group 3; saved as "3.1";
 - `LateKey(3)`: the late joiners of group 3 (late.py), averaged in full
   precision only, so they have no errors and are never saved.
+- `UnhookedKey(GroupKey(3))`: the params of group 3 outside the DDP model,
+  averaged in full precision by the optimizer while the hook averages the
+  rest (ddp.py); no errors.
 
 Frozen dataclasses rather than tuples: `GroupKey(0)` and `LateKey(0)` must
 be different keys.
@@ -62,8 +65,16 @@ class LateKey:
     group: int
 
 
+@dataclass(frozen=True)
+class UnhookedKey:
+    """The params of buffer `of` (a GroupKey or LateKey) that the DDP hook
+    did not average: full precision only, no errors."""
+
+    of: Union[GroupKey, LateKey]
+
+
 ErrorKey = Union[GroupKey, BucketKey]  # buffers that carry error feedback
-BufferKey = Union[GroupKey, BucketKey, LateKey]
+BufferKey = Union[GroupKey, BucketKey, LateKey, UnhookedKey]
 
 
 def key_from_name(name: str) -> Optional[ErrorKey]:
