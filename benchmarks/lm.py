@@ -17,8 +17,9 @@ average gradients in full precision):
   OnebitLamb  vs LAMB (OnebitLamb kept in warmup: the same code, uncompressed)
   DiLoCo-1bit vs DiLoCo-fp32, DiLoCo-bf16 vs DiLoCo-fp32, DiLoCo-fp32 vs Adam:
     onebit.DiLoCo over inner AdamW (weight decay 0: Adam's maths, local
-    steps), an outer step every --sync-every steps (--outer-lr,
-    --outer-momentum, Nesterov unless --no-nesterov)
+    steps), an outer step every --sync-every steps (outer SGD: --outer-lr,
+    --outer-momentum, --nesterov; DiLoCo's defaults), after an fp32
+    gradient-averaging warmup of --diloco-warmup of the steps
 Everything else is at its default. Reports held-out loss every --every steps,
 the final gap, and the bytes each rank sent per step; --plot writes the curves.
 """
@@ -156,6 +157,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
 
         diloco = onebit.DiLoCo(model, opt, sync_every=a["sync_every"], outer_lr=a["outer_lr"],
                                outer_momentum=a["outer_momentum"], nesterov=a["nesterov"],
+                               warmup_steps=int(a.get("diloco_warmup", 0.0) * a["steps"]),
                                compression=DILOCO[name], block_size=a["block_size"],
                                scale_dtype=a["scale_dtype"], comm_backend_name=a.get("backend"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(a))
@@ -192,7 +194,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         if t % a["every"] == 0 or t == a["steps"]:
             curve.append((t, held_out_loss()))
     if diloco is not None:
-        sent = diloco.comm_stats()["total_bytes_sent"]
+        sent = diloco.comm_stats()["bytes_per_inner_step"] * a["steps"]  # the rounds'
         diloco.close()
     elif hasattr(opt, "comm_stats"):
         sent = opt.comm_stats()["total_bytes_sent"]
@@ -329,10 +331,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=[p[0] for p in PAIRS], help="run only these pairs")
     p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,
                    help="DiLoCo: inner steps per outer round (H)")
-    p.add_argument("--outer-lr", dest="outer_lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", dest="outer_momentum", type=float, default=0.9)
-    p.add_argument("--no-nesterov", dest="nesterov", action="store_false",
-                   help="DiLoCo: plain momentum in the outer SGD")
+    p.add_argument("--outer-lr", dest="outer_lr", type=float, default=1.3)
+    p.add_argument("--outer-momentum", dest="outer_momentum", type=float, default=0.0)
+    p.add_argument("--nesterov", dest="nesterov", action="store_true",
+                   help="DiLoCo: Nesterov momentum in the outer SGD (DiLoCo's published 0.7, 0.9)")
+    p.add_argument("--diloco-warmup", dest="diloco_warmup", type=float, default=0.0,
+                   help="DiLoCo: fp32 gradient averaging before the first round, fraction of steps")
     p.add_argument("--backend", default=None,
                    help="the 1-bit optimizers' comm backend (default: the accelerator's)")
     p.add_argument("--ranks-per-node", dest="ranks_per_node", type=int_arg(1), default=None,

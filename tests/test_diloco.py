@@ -16,7 +16,9 @@ from .distributed import run_workers
 
 SIZES = [(37, 5), (300,), (3,)]  # 488 elements: no multiple of 8 * 3 * 64
 BLOCK, H, ROUNDS, INNER_LR = 64, 3, 4, 0.05
-OUTER_LR, MOMENTUM = 0.7, 0.9
+# DiLoCo's published outer step, and ours (plain SGD a little past the average)
+OUTERS = {"nesterov": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
+          "default": dict(outer_lr=1.3, outer_momentum=0.0, nesterov=False)}
 
 
 def _init():
@@ -30,15 +32,15 @@ def _grad(rank, step, i):
     return torch.randn(SIZES[i], generator=gen) * (1.0 + i)  # scales differ per tensor
 
 
-def _train(rank, world, compression, rounds=ROUNDS, start=None, save_after=None):
+def _train(rank, world, compression, rounds=ROUNDS, start=None, save_after=None,
+           outer="nesterov", warmup=0):
     import onebit
 
     torch.manual_seed(rank)  # rank 0's init must win: the others start elsewhere
     params = [torch.nn.Parameter(x if rank == 0 else torch.randn_like(x)) for x in _init()]
     inner = torch.optim.SGD(params, lr=INNER_LR)
-    diloco = onebit.DiLoCo(params, inner, sync_every=H, outer_lr=OUTER_LR,
-                           outer_momentum=MOMENTUM, compression=compression,
-                           block_size=BLOCK, timeout_s=30)
+    diloco = onebit.DiLoCo(params, inner, sync_every=H, compression=compression,
+                           block_size=BLOCK, timeout_s=30, warmup_steps=warmup, **OUTERS[outer])
     if start is not None:  # a resume: this rank's checkpoint
         start = torch.load(io.BytesIO(start), weights_only=False)
         for p, v in zip(params, start["params"]):
@@ -47,11 +49,11 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_after=None)
         diloco.load_state_dict(start["diloco"])
         assert diloco.load_error_feedback_state_dict(start["errors"])
     after, saved = [], None
-    for step in range(diloco.inner_steps, rounds * H):
+    for step in range(diloco.inner_steps, warmup + rounds * H):
         for i, p in enumerate(params):
             p.grad = _grad(rank, step, i)
         inner.step()
-        if (step + 1) % H == 0:
+        if step + 1 > warmup and (step + 1 - warmup) % H == 0:
             after.append(_numpy(params))
         if save_after is not None and step + 1 == save_after * H:
             saved = io.BytesIO()  # bytes: tensors would not outlive this process
@@ -70,9 +72,15 @@ def _same(xs, ys):
     return all(np.array_equal(x, y) for x, y in zip(xs, ys))
 
 
-def _simulate(world, compression):
-    """float64: every rank's params after each round."""
+def _simulate(world, compression, outer="nesterov", warmup=0):
+    """float64: every rank's params after each round (after `warmup` inner
+    steps on the ranks' mean gradient)."""
+    lr, mu, nesterov = (OUTERS[outer][k] for k in ("outer_lr", "outer_momentum", "nesterov"))
     anchor = [x.double().numpy().reshape(-1) for x in _init()]
+    for step in range(warmup):
+        for i in range(len(anchor)):
+            anchor[i] = anchor[i] - INNER_LR * sum(
+                _grad(rank, step, i).double().numpy().reshape(-1) for rank in range(world)) / world
     buf = None
     n = reference.placement([a.size for a in anchor], BLOCK, world)[1]
     worker = [np.zeros(n) for _ in range(world)]
@@ -82,7 +90,7 @@ def _simulate(world, compression):
         deltas = []
         for rank in range(world):
             p = [a.copy() for a in anchor]
-            for step in range(r * H, (r + 1) * H):
+            for step in range(warmup + r * H, warmup + (r + 1) * H):
                 for i in range(len(p)):
                     p[i] -= INNER_LR * _grad(rank, step, i).double().numpy().reshape(-1)
             deltas.append([a - x for a, x in zip(anchor, p)])
@@ -90,18 +98,24 @@ def _simulate(world, compression):
             avg, worker, server, _ = reference.reference_round(deltas, worker, server, BLOCK)
         else:
             avg = [sum(d[i] for d in deltas) / world for i in range(len(anchor))]
-        # torch.optim.SGD's Nesterov: buf = mu * buf + g (g itself at first), step g + mu * buf
-        buf = [a.copy() for a in avg] if buf is None else [MOMENTUM * b + a for b, a in zip(buf, avg)]
-        anchor = [x - OUTER_LR * (a + MOMENTUM * b) for x, a, b in zip(anchor, avg, buf)]
+        # torch.optim.SGD: buf = mu * buf + g (g itself at first); the step is
+        # g + mu * buf with Nesterov, buf without (g when mu = 0)
+        buf = [a.copy() for a in avg] if buf is None else [mu * b + a for b, a in zip(buf, avg)]
+        step = [a + mu * b for a, b in zip(avg, buf)] if nesterov else buf
+        anchor = [x - lr * d for x, d in zip(anchor, step)]
         out.append(anchor)
     return out
 
 
-@pytest.mark.parametrize("compression, tol", [("1bit", 2e-4), ("none", 1e-5), ("bf16", 2e-2)])
-def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression, tol):
+@pytest.mark.parametrize("compression, tol, outer, warmup", [
+    ("1bit", 2e-4, "nesterov", 0), ("none", 1e-5, "nesterov", 0), ("bf16", 2e-2, "nesterov", 0),
+    ("1bit", 2e-4, "default", 0), ("1bit", 2e-4, "default", 5), ("none", 1e-5, "default", 5)])
+def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression, tol, outer,
+                                                                     warmup):
     world = 3
-    results = run_workers(_train, world, compression, timeout=120)
-    expected = _simulate(world, compression)
+    results = run_workers(_train, world, compression, ROUNDS, None, None, outer, warmup,
+                          timeout=120)
+    expected = _simulate(world, compression, outer, warmup)
     for r in range(ROUNDS):
         rank0 = results[0][0][r]
         for rank in range(1, world):
@@ -111,7 +125,8 @@ def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression
         err = np.max(np.abs(got - want)) / np.max(np.abs(want))
         assert err < tol, f"round {r + 1}: {compression} is {err:.2e} from the simulation"
     stats = results[0][2]
-    assert stats["step"] == ROUNDS and stats["inner_steps"] == ROUNDS * H
+    assert stats["step"] == ROUNDS and stats["inner_steps"] == warmup + ROUNDS * H
+    assert (stats["warmup_bytes_sent"] > 0) == (warmup > 0)
     assert stats["skipped_rounds"] == 0
     ratio = {"none": 1.0, "bf16": 2.0}.get(compression)
     if ratio is not None:
@@ -217,7 +232,8 @@ def test_bad_arguments_are_refused_by_name():
     p = [torch.nn.Parameter(torch.zeros(3))]
     for kwargs, match in (({"sync_every": 0}, "sync_every"), ({"compression": "int8"}, "compression"),
                           ({"outer_momentum": 1.0}, "outer_momentum"),
-                          ({"outer_momentum": 0.0}, "nesterov=True needs")):
+                          ({"outer_momentum": 0.0, "nesterov": True}, "nesterov=True needs"),
+                          ({"warmup_steps": -1}, "warmup_steps")):
         with pytest.raises(ValueError, match=match):
             onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), **{"sync_every": 2, **kwargs})
 
