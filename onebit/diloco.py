@@ -4,8 +4,9 @@ DiLoCo (Douillard et al., 2023) trains across slow links by talking rarely:
 each rank takes `sync_every` (H) steps of its own inner optimizer (AdamW,
 say) without any communication, then the ranks average the pseudo-gradient
 Δ = (the parameters at the last sync) - (the parameters now), and an outer
-optimizer (SGD, with Nesterov momentum by default) applies the average to
-the last synced point. Every rank then continues from the same parameters.
+optimizer (SGD: the paper's has Nesterov momentum, ours by default none, see
+the class) applies the average to the last synced point. Every rank then
+continues from the same parameters.
 
 Here Δ travels through the same block-scaled error-compensated 1-bit
 allreduce as the optimizers' gradients (`compression="1bit"`, the default):
