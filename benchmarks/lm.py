@@ -20,6 +20,9 @@ average gradients in full precision):
     steps), an outer step every --sync-every steps (outer SGD: --outer-lr,
     --outer-momentum, --nesterov; DiLoCo's defaults), after an fp32
     gradient-averaging warmup of --diloco-warmup of the steps
+  DiLoCo-stream vs DiLoCo-fp32: streaming DiLoCo-1bit, --fragments
+    fragments synced at staggered steps, each exchange --overlap-steps
+    inner steps behind on the communication thread
 Everything else is at its default. Reports held-out loss every --every steps,
 the final gap, and the bytes each rank sent per step; --plot writes the curves.
 """
@@ -45,12 +48,14 @@ from onebit.optim.lamb import TRUST_RATIOS
 TRUST_RATIO = TRUST_RATIOS[0]  # OnebitLamb's default
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam"),
-         ("DiLoCo-1bit", "DiLoCo-fp32"), ("DiLoCo-bf16", "DiLoCo-fp32"), ("DiLoCo-fp32", "Adam")]
+         ("DiLoCo-1bit", "DiLoCo-fp32"), ("DiLoCo-stream", "DiLoCo-fp32"),
+         ("DiLoCo-bf16", "DiLoCo-fp32"), ("DiLoCo-fp32", "Adam")]
 DEFAULT_PAIRS = [p[0] for p in PAIRS[:3]]  # the optimizers' figure; DiLoCo with --only
 # Held-out loss gap goals, %; None: reported, not judged.
 GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0, "DiLoCo-1bit": 1.0,
-         "DiLoCo-bf16": 1.0, "DiLoCo-fp32": None}
-DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-bf16": "bf16", "DiLoCo-fp32": "none"}
+         "DiLoCo-stream": None, "DiLoCo-bf16": 1.0, "DiLoCo-fp32": None}
+DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-stream": "1bit", "DiLoCo-bf16": "bf16",
+          "DiLoCo-fp32": "none"}
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "pydocs.txt.gz")
 
 
@@ -155,7 +160,10 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     if name in DILOCO:  # the outer loop hangs off the inner optimizer's step
         import onebit
 
+        streaming = name == "DiLoCo-stream"
         diloco = onebit.DiLoCo(model, opt, sync_every=a["sync_every"], outer_lr=a["outer_lr"],
+                               fragments=a.get("fragments", 4) if streaming else 1,
+                               overlap_steps=a.get("overlap_steps", 1) if streaming else 0,
                                outer_momentum=a["outer_momentum"], nesterov=a["nesterov"],
                                warmup_steps=int(a.get("diloco_warmup", 0.0) * a["steps"]),
                                compression=DILOCO[name], block_size=a["block_size"],
@@ -337,6 +345,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DiLoCo: Nesterov momentum in the outer SGD (DiLoCo's published 0.7, 0.9)")
     p.add_argument("--diloco-warmup", dest="diloco_warmup", type=float, default=0.0,
                    help="DiLoCo: fp32 gradient averaging before the first round, fraction of steps")
+    p.add_argument("--fragments", type=int_arg(1), default=4,
+                   help="DiLoCo-stream: fragments synced at staggered inner steps")
+    p.add_argument("--overlap-steps", dest="overlap_steps", type=int_arg(0), default=1,
+                   help="DiLoCo-stream: inner steps each fragment's exchange runs behind")
     p.add_argument("--backend", default=None,
                    help="the 1-bit optimizers' comm backend (default: the accelerator's)")
     p.add_argument("--ranks-per-node", dest="ranks_per_node", type=int_arg(1), default=None,

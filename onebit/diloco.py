@@ -28,12 +28,22 @@ The outer step hangs off the inner optimizer's step (a post-step hook), as
 torchft's DiLoCo does. A GradScaler that skips an inner step skips the hook
 too, so that rank syncs one step later; the ranks still meet, within the
 timeout. A warmup (`warmup_steps`) averages gradients in fp32 before each
-inner step instead, through a pre-step hook. What is not built yet:
-streaming fragments and overlapping the exchange with inner steps
-(Streaming DiLoCo).
+inner step instead, through a pre-step hook.
+
+Streaming DiLoCo (Douillard et al., 2025): `fragments=F` syncs F slices of
+the model at staggered inner steps (fragments.py), and `overlap_steps=tau`
+runs each fragment's exchange on a communication thread while the next tau
+inner steps go on; its outer step then lands, from the pseudo-gradient
+measured at the launch, and the fragment's params are set to its new
+anchor (torchft's fragment_update_alpha = 0): every rank again holds the
+same values there. The thread has a process group of its own, so its
+collectives never interleave with the training loop's. `fragments=1,
+overlap_steps=0` is plain DiLoCo.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Union
 
 import torch
@@ -45,12 +55,24 @@ from .optim.agreement import RankAgreement, nonfinite_flag
 from .optim.checkpoints import (ErrorFeedbackRestartNotice, error_feedback_state,
                                  restore_error_feedback)
 from .optim.checks import check_flag, check_number, check_positive_int
+from .fragments import FragmentPlan
 from .optim.exchange import ErrorFeedbackExchange, GroupKey
+from .optim.overlap import StreamHandoff, exchange_group
 from .optim.telemetry import StepTelemetry
 from .wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
 
 COMPRESSIONS = ("1bit", "bf16", "none")
-_PSEUDO_GRADIENTS = GroupKey(0)  # the one fused buffer of every round
+
+
+@dataclass
+class _FragmentRound:
+    """A fragment's pseudo-gradients from their launch to their outer step:
+    `deltas` hold the average once `skipped` is known (the thread's `future`
+    has finished, or there was none)."""
+
+    deltas: List[torch.Tensor]
+    skipped: Optional[bool] = None
+    future: Optional[Future] = None  # returns the event after the exchange's device work
 
 
 class DiLoCo:
@@ -69,6 +91,11 @@ class DiLoCo:
       average their gradients in fp32 before each inner step (synchronous
       data parallelism, as the optimizers' freeze_step); the rounds then
       start from where it ended. Default 0.
+    fragments: F, slices of the params (consecutive, about equal elements)
+      synced at staggered inner steps, each once per H (Streaming DiLoCo);
+      each keeps its own error buffers. Default 1.
+    overlap_steps: tau, inner steps a fragment's exchange runs behind
+      (0: the inner step that launches it waits for it); below sync_every.
     compression: "1bit" (error-feedback 1-bit, see the module doc), "bf16"
       or "none" (fp32).
     process_group, timeout_s: the data-parallel group and the deadline of
@@ -80,11 +107,14 @@ class DiLoCo:
     def __init__(self, model: Union[torch.nn.Module, Iterable[torch.Tensor]],
                  inner_optimizer: torch.optim.Optimizer, sync_every: int,
                  outer_lr: float = 1.3, outer_momentum: float = 0.0, nesterov: bool = False,
-                 compression: str = "1bit", warmup_steps: int = 0, process_group=None,
+                 compression: str = "1bit", warmup_steps: int = 0, fragments: int = 1,
+                 overlap_steps: int = 0, process_group=None,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype="float32", comm_backend_name: Optional[str] = None) -> None:
         check_positive_int("sync_every", sync_every)
         check_positive_int("warmup_steps", warmup_steps, minimum=0)
+        check_positive_int("fragments", fragments)
+        check_positive_int("overlap_steps", overlap_steps, minimum=0)
         check_number("outer_lr", outer_lr, low=0.0)
         check_number("outer_momentum", outer_momentum, high=1.0, high_open=True)
         check_flag("nesterov", nesterov)
@@ -98,8 +128,11 @@ class DiLoCo:
         self.params: List[torch.Tensor] = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("DiLoCo: no parameter requires grad")
+        self.plan = FragmentPlan.split([p.numel() for p in self.params], fragments, sync_every,
+                                       overlap_steps)
         self.sync_every, self.compression = sync_every, compression
         self.warmup_steps = warmup_steps
+        self.fragments, self.overlap_steps = fragments, overlap_steps
         self.inner_optimizer, self.process_group = inner_optimizer, process_group
         self.world_size = (dist.get_world_size(process_group)
                            if dist.is_available() and dist.is_initialized() else 1)
@@ -107,10 +140,15 @@ class DiLoCo:
         self.inner_steps = self.rounds = 0
         self.backend = None
         self.comm_device = torch.device("cpu")
+        # The rounds' collectives: on the communication thread's own group
+        # when they overlap inner steps.
+        self._round_group = process_group
+        self._thread: Optional[ThreadPoolExecutor] = None
         if self.world_size > 1:
             self.comm_device = collectives.communication_device(process_group)
             RankAgreement("DiLoCo", process_group, self.timeout_s).check_fields({
                 "sync_every and warmup_steps": (sync_every, warmup_steps),
+                "fragments and overlap_steps": (fragments, overlap_steps),
                 "the synced parameters (shapes, dtypes)": [(tuple(p.shape), str(p.dtype))
                                                            for p in self.params],
                 "compression and wire format": (compression, block_size, str(self.scale_dtype),
@@ -119,10 +157,13 @@ class DiLoCo:
             collectives.broadcast_from_first_rank("DiLoCo: broadcast of rank 0's initial "
                                                   "parameters", self.params, process_group,
                                                   self.timeout_s)
+            if overlap_steps:
+                self._round_group = exchange_group(process_group)
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="onebit-diloco")
             if compression == "1bit":
                 from .backends import get_backend
 
-                self.backend = get_backend(comm_backend_name, group=process_group,
+                self.backend = get_backend(comm_backend_name, group=self._round_group,
                                            check_finite=False, block_size=block_size,
                                            scale_dtype=self.scale_dtype, timeout_s=self.timeout_s)
         # The last synced point, kept in fp32 whatever the params' dtype: the
@@ -130,7 +171,10 @@ class DiLoCo:
         self.anchors = [p.detach().float().clone() for p in self.params]
         self.outer_optimizer = torch.optim.SGD(self.anchors, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=nesterov)
-        self._exchange = ErrorFeedbackExchange(self.backend)
+        self._exchange = ErrorFeedbackExchange(self.backend)  # one buffer per fragment
+        # fragment -> its round, from the launch of its exchange to its outer step
+        self._in_flight: Dict[int, _FragmentRound] = {}
+        self._handoff = StreamHandoff()
         self.traffic = TrafficStats()  # the full-precision baselines (the backend counts 1 bit)
         self._telemetry = StepTelemetry(
             [self.traffic] + ([self.backend.stats] if self.backend is not None else []))
@@ -152,8 +196,12 @@ class DiLoCo:
             with torch.no_grad():
                 for a, p in zip(self.anchors, self.params):
                     a.copy_(p)
-        elif past > 0 and past % self.sync_every == 0:
-            self.sync()
+        elif past > 0:
+            for f in self.plan.launching(past):
+                self._launch(f)
+            for f in self.plan.landing(past):
+                if f in self._in_flight:  # not landed early by drain() or sync()
+                    self._land(f)
 
     @torch.no_grad()
     def _average_gradients(self) -> None:
@@ -174,65 +222,128 @@ class DiLoCo:
 
     @torch.no_grad()
     def sync(self) -> bool:
-        """One outer round, now: average the pseudo-gradients, step the
-        anchors, set every rank's params to them. Called by the inner
-        optimizer's step every `sync_every` steps. Returns False when the
-        round was skipped: a pseudo-gradient was not finite on some rank,
-        and every rank then goes back to the last synced point."""
-        deltas = [a - p.float() for a, p in zip(self.anchors, self.params)]
+        """One outer round of every fragment, now: what is in flight lands
+        first, then each fragment's pseudo-gradients are averaged and its
+        anchors stepped, and every rank's params are set to them. The inner
+        optimizer's step calls this on its schedule; call it yourself to
+        end a run on a synced point. Returns False when a fragment's round
+        was skipped: its pseudo-gradient was not finite on some rank, and
+        every rank went back to its last synced point."""
+        synced = self.drain()
+        for f in range(self.plan.count):
+            self._launch(f)
+            synced = self._land(f) and synced
+        return synced
+
+    @torch.no_grad()
+    def drain(self) -> bool:
+        """Land the outer steps of every exchange in flight, now (the end of
+        a run); False if one was skipped."""
+        synced = True
+        for f in sorted(self._in_flight):
+            synced = self._land(f) and synced
+        return synced
+
+    def _members(self, fragment: int):
+        ids = self.plan.members[fragment]
+        return [self.params[i] for i in ids], [self.anchors[i] for i in ids]
+
+    @torch.no_grad()
+    def _launch(self, fragment: int) -> None:
+        """Measure the fragment's pseudo-gradients and start their exchange
+        (on the communication thread when it overlaps inner steps)."""
+        params, anchors = self._members(fragment)
+        deltas = [a - p.float() for a, p in zip(anchors, params)]
+        job = self._in_flight[fragment] = _FragmentRound(deltas)
+        stamp = self.inner_steps
+
+        def exchange() -> None:
+            job.skipped = self._agree_on_round(stamp, job.deltas)
+            if not job.skipped:
+                self._average_(fragment, job.deltas)
+
+        if self._thread is None:
+            exchange()
+            return
+        device = job.deltas[0].device
+        job.future = self._thread.submit(self._handoff.run_on_comm_thread, device,
+                                         self._handoff.produced(device), exchange)
+
+    def _finished(self, job: _FragmentRound) -> None:
+        """Wait for a job's exchange (a failure raises here, on the training
+        thread); the compute stream then waits for its device work."""
+        if job.future is not None:
+            done = job.future.result()
+            self._handoff.consume(job.deltas[0].device, done)
+            job.future = None
+
+    @torch.no_grad()
+    def _land(self, fragment: int) -> bool:
+        """The fragment's outer step from its averaged pseudo-gradients, and
+        its params set to the new anchors (back to the old ones when the
+        round was skipped)."""
+        job = self._in_flight.pop(fragment)
+        self._finished(job)
+        params, anchors = self._members(fragment)
         round_no = self.rounds + 1
-        bad = self._agree_on_round(round_no, deltas)
-        if bad:
-            for p, a in zip(self.params, self.anchors):
+        if job.skipped:
+            for p, a in zip(params, anchors):
                 p.copy_(a)
             self._telemetry.end_step(round_no, self.compression, skipped=True)
             return False
-        self._average_(deltas)
-        for a, d in zip(self.anchors, deltas):
+        for a, d in zip(anchors, job.deltas):
             a.grad = d
-        self.outer_optimizer.step()
-        for p, a in zip(self.params, self.anchors):
+        self.outer_optimizer.step()  # SGD steps only the anchors that have a .grad
+        for p, a in zip(params, anchors):
             a.grad = None
             p.copy_(a)
         self.rounds = round_no
         self._telemetry.end_step(round_no, self.compression, skipped=False)
         return True
 
-    def _average_(self, deltas: List[torch.Tensor]) -> None:
+    def _average_(self, fragment: int, deltas: List[torch.Tensor]) -> None:
         if self.world_size == 1:
             return
         if self.compression == "1bit":
-            self._exchange.compressed_average_(_PSEUDO_GRADIENTS, deltas)
+            self._exchange.compressed_average_(GroupKey(fragment), deltas)
             return
         dtype = torch.bfloat16 if self.compression == "bf16" else torch.float32
         flat = torch.cat([d.reshape(-1) for d in deltas]).div_(self.world_size).to(
             device=self.comm_device, dtype=dtype)
         collectives.run("DiLoCo: averaging pseudo-gradients", lambda: dist.all_reduce(
-            flat, group=self.process_group, async_op=True), self.timeout_s, self.process_group)
+            flat, group=self._round_group, async_op=True), self.timeout_s, self._round_group)
         nominal = fp32_allreduce_bytes(flat.numel(), self.world_size)
         sent = nominal * dtype.itemsize // 4
         self.traffic.add(sent, sent, nominal)
         for d, avg in zip(deltas, flat.float().split([d.numel() for d in deltas])):
             d.copy_(avg.view_as(d))
 
-    def _agree_on_round(self, round_no: int, deltas: List[torch.Tensor]) -> bool:
+    def _agree_on_round(self, inner_step: int, deltas: List[torch.Tensor]) -> bool:
         """Whether any rank's pseudo-gradient is not finite; the same
-        all-gather checks that every rank is at round `round_no`."""
+        all-gather checks that every rank launched it after `inner_step`."""
         flag = nonfinite_flag([deltas], self.comm_device)
         if self.world_size == 1:
             return bool(flag)
-        table = collectives.gather_numbers("DiLoCo: agreeing on the outer round", [flag, round_no],
-                                           torch.int64, self.process_group, self.timeout_s)
-        rounds = [row[1] for row in table]
-        if len(set(rounds)) > 1:
-            raise ValueError(f"DiLoCo: ranks are at different outer rounds {rounds}: they must "
-                             "load the same checkpoint and take the same inner steps")
+        table = collectives.gather_numbers("DiLoCo: agreeing on the outer round",
+                                           [flag, inner_step], torch.int64, self._round_group,
+                                           self.timeout_s)
+        steps = [row[1] for row in table]
+        if len(set(steps)) > 1:
+            raise ValueError(f"DiLoCo: ranks reached an outer round at different inner steps "
+                             f"{steps}: they must load the same checkpoint and take the same "
+                             "inner steps")
         return any(row[0] for row in table)
 
     def close(self) -> None:
-        """Stop syncing: remove the hooks on the inner optimizer."""
-        for hook in self._hooks:
-            hook.remove()
+        """Stop syncing: land what is in flight (`drain`), remove the hooks
+        on the inner optimizer, stop the communication thread."""
+        try:
+            self.drain()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
 
     def __enter__(self) -> "DiLoCo":
         return self
@@ -258,23 +369,36 @@ class DiLoCo:
         return report
 
     # --------------------------------------------------------- checkpoints --
+    _SETTINGS = {"sync_every": None, "compression": None, "warmup_steps": 0, "fragments": 1,
+                 "overlap_steps": 0}  # must match on load (the default: older checkpoints)
+
     def state_dict(self) -> dict:
         """What every rank shares: the counters, the anchors, the outer
-        optimizer's momentum. Save it with the model's and the inner
+        optimizer's momentum, and the averaged pseudo-gradients of the
+        exchanges in flight (waited for: their outer steps land on the
+        resumed run's schedule). Save it with the model's and the inner
         optimizer's state; the error buffers are per rank
         (`error_feedback_state_dict`)."""
-        return {"sync_every": self.sync_every, "compression": self.compression,
-                "warmup_steps": self.warmup_steps,
+        self._settle()
+        in_flight = {f: {"skipped": job.skipped,
+                         "deltas": [] if job.skipped else [d.clone() for d in job.deltas]}
+                     for f, job in self._in_flight.items()}
+        return {**{name: getattr(self, name) for name in self._SETTINGS},
                 "inner_steps": self.inner_steps, "rounds": self.rounds,
                 "anchors": [a.detach().clone() for a in self.anchors],
-                "outer_optimizer": self.outer_optimizer.state_dict()}
+                "outer_optimizer": self.outer_optimizer.state_dict(), "in_flight": in_flight}
+
+    def _settle(self) -> None:
+        """Wait for every exchange in flight; they stay in flight."""
+        for job in self._in_flight.values():
+            self._finished(job)
 
     def load_state_dict(self, state: dict) -> None:
         """Load what `state_dict` saved (the same parameters, the same H and
         compression, else a ValueError and nothing changes). Resets the error
         buffers: restore this rank's with `load_error_feedback_state_dict`."""
-        for name in ("sync_every", "compression", "warmup_steps"):
-            if state.get(name, 0 if name == "warmup_steps" else None) != getattr(self, name):
+        for name, default in self._SETTINGS.items():
+            if state.get(name, default) != getattr(self, name):
                 raise ValueError(f"DiLoCo.load_state_dict: the checkpoint has {name}="
                                  f"{state.get(name)!r}, this DiLoCo {getattr(self, name)!r}. "
                                  "Nothing was loaded")
@@ -287,6 +411,12 @@ class DiLoCo:
                 mine.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
+        self._settle()  # the thread no longer writes what is replaced here
+        self._in_flight = {
+            int(f): _FragmentRound([d.to(a.device) for d, a in zip(job["deltas"],
+                                                               self._members(int(f))[1])],
+                              skipped=bool(job["skipped"]))
+            for f, job in state.get("in_flight", {}).items()}
         self._exchange.load_errors(None)
         self._restart_notice.loaded(self.backend is not None and self.rounds > 0)
 
@@ -294,11 +424,12 @@ class DiLoCo:
         return dist.get_rank(self.process_group) if self.world_size > 1 else 0
 
     def _error_layouts(self) -> dict:
-        return self._exchange.layouts([self.params])
+        return self._exchange.layouts([self._members(f)[0] for f in range(self.plan.count)])
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's worker and server errors (they differ on every rank):
         with them, a resume at the same world size is bitwise identical."""
+        self._settle()
         return error_feedback_state(self._exchange, self._error_layouts(), self.params[0].device,
                                     self._error_identity())
 

@@ -207,6 +207,21 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
         assert twin["stage"] == rows[name]["stage"] and twin["bytes_sent"] == rows[name]["bytes_sent"]
 
 
+def test_step_bench_times_diloco_and_streaming_diloco(tmp_path):
+    out = bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "3",
+                "--untimed", "1", "--optimizers", "diloco", "--sync-every", "4", "--fragments",
+                "2", "--json", str(tmp_path / "d.json"))
+    rows = {r["setup"]: r for r in json.loads((tmp_path / "d.json").read_text())["results"]}
+    assert list(rows) == ["floor", "ddp+adam", "diloco", "diloco+overlap", "floor again"], out
+    plain, streaming = rows["diloco"], rows["diloco+overlap"]
+    assert plain["stage"] == streaming["stage"] == "1bit"
+    # one round of H = 4 steps per timed round: 1 bit of every param per round, not 32 per step
+    assert 0 < plain["bytes_sent"] < rows["ddp+adam"]["bytes_sent"] / 64
+    # two fragments send what one does, up to each fragment's padding to whole blocks
+    assert streaming["bytes_sent"] == pytest.approx(plain["bytes_sent"], rel=0.05)
+    assert all(r["seconds"] > 0 for r in rows.values())
+
+
 def test_step_bench_overlap_choice_names_the_rows():
     from onebit.bench.step import setups
 

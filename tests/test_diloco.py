@@ -32,15 +32,18 @@ def _grad(rank, step, i):
     return torch.randn(SIZES[i], generator=gen) * (1.0 + i)  # scales differ per tensor
 
 
-def _train(rank, world, compression, rounds=ROUNDS, start=None, save_after=None,
-           outer="nesterov", warmup=0):
+def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
+           outer="nesterov", warmup=0, fragments=1, overlap=0):
+    """This rank's params after every inner step (inner step -> arrays), its
+    checkpoint after inner step `save_at`, and comm_stats()."""
     import onebit
 
     torch.manual_seed(rank)  # rank 0's init must win: the others start elsewhere
     params = [torch.nn.Parameter(x if rank == 0 else torch.randn_like(x)) for x in _init()]
     inner = torch.optim.SGD(params, lr=INNER_LR)
     diloco = onebit.DiLoCo(params, inner, sync_every=H, compression=compression,
-                           block_size=BLOCK, timeout_s=30, warmup_steps=warmup, **OUTERS[outer])
+                           block_size=BLOCK, timeout_s=30, warmup_steps=warmup,
+                           fragments=fragments, overlap_steps=overlap, **OUTERS[outer])
     if start is not None:  # a resume: this rank's checkpoint
         start = torch.load(io.BytesIO(start), weights_only=False)
         for p, v in zip(params, start["params"]):
@@ -48,20 +51,21 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_after=None,
         inner.load_state_dict(start["inner"])
         diloco.load_state_dict(start["diloco"])
         assert diloco.load_error_feedback_state_dict(start["errors"])
-    after, saved = [], None
+    after, saved = {}, None
     for step in range(diloco.inner_steps, warmup + rounds * H):
         for i, p in enumerate(params):
             p.grad = _grad(rank, step, i)
         inner.step()
-        if step + 1 > warmup and (step + 1 - warmup) % H == 0:
-            after.append(_numpy(params))
-        if save_after is not None and step + 1 == save_after * H:
+        after[step + 1] = _numpy(params)
+        if step + 1 == save_at:
             saved = io.BytesIO()  # bytes: tensors would not outlive this process
             torch.save({"params": [p.detach().clone() for p in params],
                         "inner": inner.state_dict(), "diloco": diloco.state_dict(),
                         "errors": diloco.error_feedback_state_dict()}, saved)
             saved = saved.getvalue()
-    return after, saved, diloco.comm_stats()
+    stats = diloco.comm_stats()
+    diloco.close()
+    return after, saved, stats
 
 
 def _numpy(params):
@@ -72,39 +76,80 @@ def _same(xs, ys):
     return all(np.array_equal(x, y) for x, y in zip(xs, ys))
 
 
-def _simulate(world, compression, outer="nesterov", warmup=0):
-    """float64: every rank's params after each round (after `warmup` inner
-    steps on the ranks' mean gradient)."""
+def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, delay=0):
+    """float64: every rank's params after every inner step (inner step ->
+    one list per rank), and the inner steps after which each fragment's
+    outer step landed. After `warmup` inner steps on the ranks' mean
+    gradient, each rank takes its own SGD steps; fragment f (a list of
+    param indices; default one fragment of all) measures its pseudo-
+    gradients after inner step (f + 1) * H // F of each round, averages
+    them (1-bit: with its own carried errors), and `delay` steps later its
+    anchors take the outer SGD step and every rank's params take the anchors'
+    values (Streaming DiLoCo with update alpha 0)."""
     lr, mu, nesterov = (OUTERS[outer][k] for k in ("outer_lr", "outer_momentum", "nesterov"))
+    fragments = fragments or [list(range(len(SIZES)))]
     anchor = [x.double().numpy().reshape(-1) for x in _init()]
+    out, landed = {}, {}
     for step in range(warmup):
         for i in range(len(anchor)):
             anchor[i] = anchor[i] - INNER_LR * sum(
                 _grad(rank, step, i).double().numpy().reshape(-1) for rank in range(world)) / world
-    buf = None
-    n = reference.placement([a.size for a in anchor], BLOCK, world)[1]
-    worker = [np.zeros(n) for _ in range(world)]
-    server = [np.zeros(n // world) for _ in range(world)]
-    out = []
-    for r in range(ROUNDS):
-        deltas = []
+        out[step + 1] = [[a.copy() for a in anchor] for _ in range(world)]
+    params = [[a.copy() for a in anchor] for _ in range(world)]
+    errors, buf, pending = {}, {}, {}
+    for f, members in enumerate(fragments):
+        n = reference.placement([anchor[i].size for i in members], BLOCK, world)[1]
+        errors[f] = ([np.zeros(n) for _ in range(world)], [np.zeros(n // world)] * world)
+    for step in range(warmup, warmup + ROUNDS * H):
         for rank in range(world):
-            p = [a.copy() for a in anchor]
-            for step in range(warmup + r * H, warmup + (r + 1) * H):
-                for i in range(len(p)):
-                    p[i] -= INNER_LR * _grad(rank, step, i).double().numpy().reshape(-1)
-            deltas.append([a - x for a, x in zip(anchor, p)])
-        if compression == "1bit":
-            avg, worker, server, _ = reference.reference_round(deltas, worker, server, BLOCK)
-        else:
-            avg = [sum(d[i] for d in deltas) / world for i in range(len(anchor))]
-        # torch.optim.SGD: buf = mu * buf + g (g itself at first); the step is
-        # g + mu * buf with Nesterov, buf without (g when mu = 0)
-        buf = [a.copy() for a in avg] if buf is None else [mu * b + a for b, a in zip(buf, avg)]
-        step = [a + mu * b for a, b in zip(avg, buf)] if nesterov else buf
-        anchor = [x - lr * d for x, d in zip(anchor, step)]
-        out.append(anchor)
-    return out
+            for i in range(len(anchor)):
+                params[rank][i] = params[rank][i] - INNER_LR * _grad(
+                    rank, step, i).double().numpy().reshape(-1)
+        past = step + 1 - warmup
+        for f, members in enumerate(fragments):
+            offset = (f + 1) * H // len(fragments)
+            if past >= offset and (past - offset) % H == 0:  # launch: measure and average
+                deltas = [[anchor[i] - params[rank][i] for i in members] for rank in range(world)]
+                if compression == "1bit":
+                    avg, worker, server, _ = reference.reference_round(deltas, *errors[f], BLOCK)
+                    errors[f] = (worker, server)
+                else:
+                    avg = [sum(d[k] for d in deltas) / world for k in range(len(members))]
+                pending[f] = (past + delay, avg)
+        for f, members in enumerate(fragments):
+            if f in pending and pending[f][0] == past:  # land: the outer step
+                avg = pending.pop(f)[1]
+                # torch.optim.SGD: buf = mu * buf + g (g itself at first); the
+                # step is g + mu * buf with Nesterov, buf without (g when mu = 0)
+                for i, g in zip(members, avg):
+                    buf[i] = g.copy() if i not in buf else mu * buf[i] + g
+                    anchor[i] = anchor[i] - lr * (g + mu * buf[i] if nesterov else buf[i])
+                    for rank in range(world):
+                        params[rank][i] = anchor[i].copy()
+                landed.setdefault(step + 1, []).append(f)
+        out[step + 1] = [[p.copy() for p in ps] for ps in params]
+    return out, landed
+
+
+def _check_against_simulation(results, expected, compression, tol, world, fragments=None):
+    """Every rank's params after every inner step within `tol` (relative)
+    of the simulation's; where a fragment's outer step landed, its params
+    bitwise the same on every rank."""
+    steps, landed = expected
+    fragments = fragments or [list(range(len(SIZES)))]
+    assert sorted(results[0][0]) == sorted(steps)
+    for step, want_ranks in steps.items():
+        for rank in range(world):
+            got = np.concatenate([p.astype(np.float64).reshape(-1) for p in results[rank][0][step]])
+            want = np.concatenate(want_ranks[rank])
+            err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+            assert err < tol, f"inner step {step}, rank {rank}: {compression} is {err:.2e} away"
+    for step, which in landed.items():
+        for i in (i for f in which for i in fragments[f]):
+            for rank in range(1, world):
+                assert np.array_equal(results[0][0][step][i], results[rank][0][step][i]), \
+                    f"inner step {step}: param {i} differs on rank {rank} after its outer step"
+    return landed
 
 
 @pytest.mark.parametrize("compression, tol, outer, warmup", [
@@ -116,14 +161,7 @@ def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression
     results = run_workers(_train, world, compression, ROUNDS, None, None, outer, warmup,
                           timeout=120)
     expected = _simulate(world, compression, outer, warmup)
-    for r in range(ROUNDS):
-        rank0 = results[0][0][r]
-        for rank in range(1, world):
-            assert _same(rank0, results[rank][0][r]), f"round {r + 1}: rank {rank} differs"
-        got = np.concatenate([p.astype(np.float64).reshape(-1) for p in rank0])
-        want = np.concatenate(expected[r])
-        err = np.max(np.abs(got - want)) / np.max(np.abs(want))
-        assert err < tol, f"round {r + 1}: {compression} is {err:.2e} from the simulation"
+    _check_against_simulation(results, expected, compression, tol, world)
     stats = results[0][2]
     assert stats["step"] == ROUNDS and stats["inner_steps"] == warmup + ROUNDS * H
     assert (stats["warmup_bytes_sent"] > 0) == (warmup > 0)
@@ -136,8 +174,9 @@ def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression
         assert stats["worker_error_norm"] > 0 and stats["server_error_norm"] > 0
 
 
-def _resume(rank, world, saved):
-    return _train(rank, world, "1bit", rounds=ROUNDS, start=saved[rank])
+def _resume(rank, world, saved, fragments=1, overlap=0):
+    return _train(rank, world, "1bit", ROUNDS, saved[rank], None, "nesterov", 0, fragments,
+                  overlap)
 
 
 def _resume_without_errors(rank, world, saved):
@@ -163,17 +202,38 @@ def _resume_without_errors(rank, world, saved):
     return sum("restarted from zero" in str(w.message) for w in caught)
 
 
-def test_resume_from_a_checkpoint_is_bitwise_identical():
+@pytest.mark.parametrize("fragments, overlap, save_at", [(1, 0, 2 * H), (3, 2, 7)])
+def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_at):
+    """Plain DiLoCo saved after round 2; streaming (3 fragments, 2 steps of
+    overlap) saved after inner step 7, with two exchanges in flight."""
     world = 3
-    straight = run_workers(_train, world, "1bit", ROUNDS, None, 2, timeout=120)
+    straight = run_workers(_train, world, "1bit", ROUNDS, None, save_at, "nesterov", 0,
+                           fragments, overlap, timeout=120)
     saved = [r[1] for r in straight]
-    resumed = run_workers(_resume, world, saved, timeout=120)
+    resumed = run_workers(_resume, world, saved, fragments, overlap, timeout=120)
     for rank in range(world):
-        for r in (2, 3):  # rounds 3 and 4, after the checkpoint at round 2
-            assert _same(straight[rank][0][r], resumed[rank][0][r - 2]), \
-                f"rank {rank} round {r + 1} differs after the resume"
-    # Without this rank's errors the resume is not exact, and each rank says so once.
-    assert run_workers(_resume_without_errors, world, saved, timeout=120) == [1] * world
+        assert sorted(resumed[rank][0]) == list(range(save_at + 1, ROUNDS * H + 1))
+        for step, params in resumed[rank][0].items():
+            assert _same(straight[rank][0][step], params), \
+                f"rank {rank} inner step {step} differs after the resume"
+    if fragments == 1:  # without its errors a resume is not exact, and each rank says so once
+        assert run_workers(_resume_without_errors, world, saved, timeout=120) == [1] * world
+
+
+@pytest.mark.parametrize("compression, outer, fragments, overlap", [
+    ("1bit", "default", [[0], [1, 2]], 0), ("1bit", "nesterov", [[0], [1], [2]], 2),
+    ("none", "default", [[0], [1], [2]], 1)])
+def test_streaming_matches_the_float64_simulation(compression, outer, fragments, overlap):
+    """Fragments synced at staggered inner steps, each exchange running
+    `overlap` inner steps behind on the communication thread; the split by
+    the middle element of each param (185, 300 and 3 elements)."""
+    world = 3
+    results = run_workers(_train, world, compression, ROUNDS, None, None, outer, 0,
+                          len(fragments), overlap, timeout=120)
+    expected = _simulate(world, compression, outer, 0, fragments, overlap)
+    landed = _check_against_simulation(results, expected, compression,
+                                       2e-4 if compression == "1bit" else 1e-5, world, fragments)
+    assert results[0][2]["step"] == sum(len(fs) for fs in landed.values())
 
 
 def _nan_on_one_rank(rank, world):
@@ -210,31 +270,37 @@ def _disagree(rank, world, what):
     shapes = SIZES if not (what == "params" and rank == 2) else SIZES[:-1]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     sync_every = H + (rank == 1 and what == "sync_every")
+    fragments = 1 + (rank == 0 and what == "fragments")
     with pytest.raises(ValueError) as err:
         onebit.DiLoCo(params, torch.optim.SGD(params, lr=0.1), sync_every=sync_every,
-                      timeout_s=30)
+                      fragments=fragments, timeout_s=30)
     return str(err.value)
 
 
 @pytest.mark.parametrize("what, named", [("sync_every", "sync_every"),
-                                         ("params", "the synced parameters")])
+                                         ("params", "the synced parameters"),
+                                         ("fragments", "fragments and overlap_steps")])
 def test_ranks_that_disagree_get_a_clear_error_on_every_rank(what, named):
     for message in run_workers(_disagree, 3, what, timeout=60):
         assert f"DiLoCo: ranks disagree on {named}" in message
 
 
-def _dies_at_round_two(rank, world):
+def _dies_at_round_two(rank, world, overlap=0):
+    """Rank 1 dies before the inner step that launches round 2; with
+    `overlap` the others meet the failure when its outer step lands."""
     import onebit
 
     params = [torch.nn.Parameter(x) for x in _init()]
     inner = torch.optim.SGD(params, lr=INNER_LR)
-    onebit.DiLoCo(params, inner, sync_every=H, block_size=BLOCK, timeout_s=4.0)
-    for step in range(2 * H):
+    onebit.DiLoCo(params, inner, sync_every=H, block_size=BLOCK, timeout_s=4.0,
+                  overlap_steps=overlap)
+    landing = 2 * H - 1 + overlap
+    for step in range(landing + 1):
         for i, p in enumerate(params):
             p.grad = _grad(rank, step, i)
         if rank == 1 and step == 2 * H - 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        if step < 2 * H - 1:
+        if step < landing:
             inner.step()
             continue
         start = time.monotonic()
@@ -244,8 +310,9 @@ def _dies_at_round_two(rank, world):
 
 
 @pytest.mark.slow
-def test_a_dead_rank_is_a_timely_communication_error():
-    results = run_workers(_dies_at_round_two, 3, timeout=90, may_die=(1,))
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_dead_rank_is_a_timely_communication_error(overlap):
+    results = run_workers(_dies_at_round_two, 3, overlap, timeout=90, may_die=(1,))
     for rank in (0, 2):
         message, waited = results[rank]
         assert "DiLoCo" in message and waited < 4.0 + 6.0, (message, waited)
@@ -258,7 +325,10 @@ def test_bad_arguments_are_refused_by_name():
     for kwargs, match in (({"sync_every": 0}, "sync_every"), ({"compression": "int8"}, "compression"),
                           ({"outer_momentum": 1.0}, "outer_momentum"),
                           ({"outer_momentum": 0.0, "nesterov": True}, "nesterov=True needs"),
-                          ({"warmup_steps": -1}, "warmup_steps")):
+                          ({"warmup_steps": -1}, "warmup_steps"), ({"fragments": 0}, "fragments"),
+                          ({"fragments": 2}, "fragments=2 exceeds the 1 synced parameters"),
+                          ({"overlap_steps": 2}, "overlap_steps=2 must be below sync_every=2"),
+                          ({"overlap_steps": -1}, "overlap_steps")):
         with pytest.raises(ValueError, match=match):
             onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), **{"sync_every": 2, **kwargs})
 

@@ -12,7 +12,13 @@ then each onebit optimizer in its compression stage (the warmup and
 `--untimed` more steps run first, untimed), used drop-in: step() exchanges
 1-bit momentum itself; with `--overlap` (default both) each optimizer
 also run with overlap_backward=True (rows `+overlap`), which starts each
-bucket's exchange during backward. Times are the slowest rank's mean per
+bucket's exchange during backward. `--optimizers diloco` adds DiLoCo-1bit
+over the floor's Adam, an outer round every `--sync-every` inner steps
+(row `diloco`), and streaming (row `diloco+overlap`: `--fragments`
+fragments, each exchange `--overlap-steps` inner steps behind); its timed
+rounds are whole outer rounds and end by landing what is in flight
+(`drain`), so an exchange still on the wire is waited for, not left to run
+into the floor's round. Times are the slowest rank's mean per
 step. The floor lives through the whole run and is timed in alternating
 rounds with each setup (`--rounds` of `--steps` steps: floor, setup, floor,
 setup, ..., floor), and each setup's `x floor` is its time over the mean of
@@ -39,6 +45,7 @@ from .table import Table, count_arg, int_arg
 COLUMNS = [("setup", 19, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
            ("floor ms", 9, ".1f"), ("stage", 12, "s"), ("MB sent/step", 12, ".2f"), ("pieces", 6, "s")]
 OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+CHOICES = OPTIMIZERS + ("diloco",)
 FREEZE = 2  # warmup steps before the compression stage (each is a full-precision allreduce)
 # A timing run, not a training recipe: two warmup steps give a poor variance
 # estimate (1-bit Adam wants 15-25% of training), and at lr 1e-4 this deep MLP
@@ -95,11 +102,29 @@ class _Setup:
         net = self.model
         if name == "ddp+adam":
             net = torch.nn.parallel.DistributedDataParallel(self.model)
-        if self.onebit:
+        self.diloco = None
+        if self.onebit and not name.startswith("diloco"):
             self.opt = _onebit(name, self.model.parameters())
         else:
             self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
+        if name.startswith("diloco"):
+            import onebit
+
+            streaming = name.endswith(OVERLAP)
+            self.diloco = onebit.DiLoCo(
+                self.model, self.opt, sync_every=a["sync_every"],
+                fragments=a["fragments"] if streaming else 1,
+                overlap_steps=a["overlap_steps"] if streaming else 0)
         self.net, self.x, self.y = net, x, y
+
+    def stats(self) -> Dict:
+        return (self.diloco or self.opt).comm_stats()
+
+    def steps_per_round(self, steps: int) -> int:
+        """DiLoCo's timed rounds: whole outer rounds (at least `steps`)."""
+        if self.diloco is None:
+            return steps
+        return -(-steps // self.diloco.sync_every) * self.diloco.sync_every
 
     def run(self, steps: int) -> float:
         """The slowest rank's mean seconds per step over `steps` steps."""
@@ -111,6 +136,8 @@ class _Setup:
             self.opt.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(self.net(self.x), self.y).backward()
             self.opt.step()
+        if self.diloco is not None:
+            self.diloco.drain()
         sync()
         slowest = torch.tensor([(time.perf_counter() - t0) / max(steps, 1)], dtype=torch.float64,
                                device=collectives.communication_device())
@@ -122,22 +149,24 @@ def _interleaved(setup: _Setup, floor: _Setup, floor_before: float, a: dict) -> 
     """`a["rounds"]` rounds of the setup's steps, each followed by a round
     of the floor's; the floor rounds (with `floor_before`) bracket every
     setup round, so both see the same minutes of this machine."""
-    stats = setup.opt.comm_stats() if setup.onebit else None
+    stats = setup.stats() if setup.onebit else None
     sent_before = stats["total_bytes_sent"] if stats else 0
     times, floors = [], [floor_before]
+    steps = setup.steps_per_round(a["steps"])
     for _ in range(a["rounds"]):
-        times.append(setup.run(a["steps"]))
+        times.append(setup.run(steps))
         floors.append(floor.run(a["steps"]))
     row = {"setup": setup.name, "seconds": sum(times) / len(times),
            "floor_seconds": sum(floors) / len(floors), "last_floor": floors[-1],
            "stage": "", "bytes_sent": 0.0, "pieces": ""}
     if setup.onebit:
-        stats = setup.opt.comm_stats()
+        stats = setup.stats()
         row["stage"] = stats["stage"]
-        row["bytes_sent"] = (stats["total_bytes_sent"] - sent_before) / (a["rounds"] * a["steps"])
+        row["bytes_sent"] = (stats["total_bytes_sent"] - sent_before) / (a["rounds"] * steps)
         # The pipeline's piece count per fused buffer, as its tuner chose it
         # (backends/pipeline.py): one piece serialises compression and wire.
-        chosen = getattr(getattr(setup.opt.backend, "pipeline", None), "chosen", {})
+        chosen = getattr(getattr((setup.diloco or setup.opt).backend, "pipeline", None),
+                         "chosen", {})
         row["pieces"] = ",".join(str(c) for c in sorted(set(chosen.values())))
     elif setup.name == "ddp+adam":
         world = dist.get_world_size()
@@ -178,10 +207,12 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
     show(first)
     for name in ["ddp+adam"] + setups(a["optimizers"], a["overlap"]):
         setup = _Setup(name, a, x, y)
-        setup.run(a["untimed"] + (FREEZE if setup.onebit else 0))
+        setup.run(setup.steps_per_round(a["untimed"] + (FREEZE if setup.onebit else 0)))
         row = _interleaved(setup, floor, last, a)
         last = row.pop("last_floor")
         show(row)
+        if setup.diloco is not None:
+            setup.diloco.close()
         del setup
     show(dict(first, setup=FLOOR_AGAIN, seconds=last))
     return rows
@@ -190,7 +221,8 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
 def run(args: argparse.Namespace) -> bool:
     a = dict(params=args.params, width=args.width, batch=args.batch, steps=args.steps,
              rounds=args.rounds, untimed=args.untimed, optimizers=args.optimizers.split(","),
-             overlap=args.overlap)
+             overlap=args.overlap, sync_every=args.sync_every, fragments=args.fragments,
+             overlap_steps=args.overlap_steps)
     rank, rows = launch.run_everywhere(measure, args.nproc, a,
                                        backend=launch.local_backend(args.nproc))
     if rank == 0 and args.json:
@@ -200,9 +232,9 @@ def run(args: argparse.Namespace) -> bool:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    unknown = [o for o in args.optimizers.split(",") if o not in OPTIMIZERS]
+    unknown = [o for o in args.optimizers.split(",") if o not in CHOICES]
     if unknown:
-        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {','.join(OPTIMIZERS)}")
+        raise ValueError(f"unknown optimizer(s) {unknown}; choose from {','.join(CHOICES)}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,9 +247,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds per setup, each followed by a round of the floor")
     p.add_argument("--untimed", type=int_arg(0), default=10,
                    help="untimed steps first (the onebit optimizers also run their warmup)")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma list")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                   help=f"comma list of {','.join(CHOICES)}")
     p.add_argument("--overlap", choices=("off", "on", "both"), default="both",
                    help="time each optimizer without and/or with overlap_backward=True "
                         "(rows named +overlap)")
+    p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,
+                   help="diloco: inner steps per outer round (H)")
+    p.add_argument("--fragments", type=int_arg(1), default=4,
+                   help="diloco+overlap: fragments synced at staggered steps")
+    p.add_argument("--overlap-steps", dest="overlap_steps", type=int_arg(0), default=1,
+                   help="diloco+overlap: inner steps each fragment's exchange runs behind")
     p.add_argument("--nproc", type=int_arg(1), default=4, help="local ranks when not launched")
     p.add_argument("--json", help="write results to this JSON file")
