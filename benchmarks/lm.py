@@ -172,7 +172,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     numel = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     held = _batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
-    curve, finite, error_norms = [], True, []
+    curve, finite, error_norms, sent_by_then = [], True, [], []
 
     def held_out_loss() -> float:
         model.eval()
@@ -201,17 +201,27 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
             error_norms.append((t, opt.comm_stats()["worker_error_norm"]))
         if t % a["every"] == 0 or t == a["steps"]:
             curve.append((t, held_out_loss()))
+            sent_by_then.append(_bytes_sent(diloco or opt, numel, world, t))
     if diloco is not None:
         sent = diloco.comm_stats()["bytes_per_inner_step"] * a["steps"]  # the rounds'
         diloco.close()
-    elif hasattr(opt, "comm_stats"):
-        sent = opt.comm_stats()["total_bytes_sent"]
-    else:  # an fp32 ring all-reduce of every gradient, every step
-        from onebit.backends.stats import fp32_allreduce_bytes
-
-        sent = fp32_allreduce_bytes(numel, world) * a["steps"]
+    else:
+        sent = _bytes_sent(opt, numel, world, a["steps"])
     return {"optimizer": name, "seed": seed, "curve": curve, "final": curve[-1][1], "finite": finite,
-            "error_norms": error_norms, "bytes_per_step": sent / a["steps"]}
+            "error_norms": error_norms, "bytes_per_step": sent / a["steps"],
+            "bytes_sent": sent_by_then}
+
+
+def _bytes_sent(opt, numel: int, world: int, steps: int) -> float:
+    """What this rank has sent after `steps` steps: a onebit optimizer's or
+    DiLoCo's count (DiLoCo's warmup included), else an fp32 ring all-reduce
+    of every gradient, every step."""
+    if hasattr(opt, "comm_stats"):
+        stats = opt.comm_stats()
+        return stats["total_bytes_sent"] + stats.get("warmup_bytes_sent", 0)
+    from onebit.backends.stats import fp32_allreduce_bytes
+
+    return fp32_allreduce_bytes(numel, world) * steps
 
 
 def _all_runs(rank: int, world: int, names: List[str], seeds: List[int], a: dict):

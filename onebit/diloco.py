@@ -138,6 +138,10 @@ class DiLoCo:
                            if dist.is_available() and dist.is_initialized() else 1)
         self.block_size, self.scale_dtype = block_size, scale_dtype_from(scale_dtype)
         self.inner_steps = self.rounds = 0
+        # Exchanges launched so far, every fragment's: the ranks check they
+        # agree on it (a rank whose GradScaler skipped an inner step launches
+        # a step later, and the ranks still meet).
+        self.launches = 0
         self.backend = None
         self.comm_device = torch.device("cpu")
         # The rounds' collectives: on the communication thread's own group
@@ -225,8 +229,8 @@ class DiLoCo:
         """One outer round of every fragment, now: what is in flight lands
         first, then each fragment's pseudo-gradients are averaged and its
         anchors stepped, and every rank's params are set to them. The inner
-        optimizer's step calls this on its schedule; call it yourself to
-        end a run on a synced point. Returns False when a fragment's round
+        steps make the rounds on their schedule; call this to end a run on
+        a synced point. Returns False when a fragment's round
         was skipped: its pseudo-gradient was not finite on some rank, and
         every rank went back to its last synced point."""
         synced = self.drain()
@@ -255,10 +259,11 @@ class DiLoCo:
         params, anchors = self._members(fragment)
         deltas = [a - p.float() for a, p in zip(anchors, params)]
         job = self._in_flight[fragment] = _FragmentRound(deltas)
-        stamp = self.inner_steps
+        self.launches += 1
+        number = self.launches
 
         def exchange() -> None:
-            job.skipped = self._agree_on_round(stamp, job.deltas)
+            job.skipped = self._agree_on_round(number, job.deltas)
             if not job.skipped:
                 self._average_(fragment, job.deltas)
 
@@ -318,20 +323,19 @@ class DiLoCo:
         for d, avg in zip(deltas, flat.float().split([d.numel() for d in deltas])):
             d.copy_(avg.view_as(d))
 
-    def _agree_on_round(self, inner_step: int, deltas: List[torch.Tensor]) -> bool:
+    def _agree_on_round(self, number: int, deltas: List[torch.Tensor]) -> bool:
         """Whether any rank's pseudo-gradient is not finite; the same
-        all-gather checks that every rank launched it after `inner_step`."""
+        all-gather checks that every rank is at exchange `number`."""
         flag = nonfinite_flag([deltas], self.comm_device)
         if self.world_size == 1:
             return bool(flag)
         table = collectives.gather_numbers("DiLoCo: agreeing on the outer round",
-                                           [flag, inner_step], torch.int64, self._round_group,
+                                           [flag, number], torch.int64, self._round_group,
                                            self.timeout_s)
-        steps = [row[1] for row in table]
-        if len(set(steps)) > 1:
-            raise ValueError(f"DiLoCo: ranks reached an outer round at different inner steps "
-                             f"{steps}: they must load the same checkpoint and take the same "
-                             "inner steps")
+        numbers = [row[1] for row in table]
+        if len(set(numbers)) > 1:
+            raise ValueError(f"DiLoCo: ranks are at different outer exchanges {numbers}: they "
+                             "must load the same checkpoint and take the same inner steps")
         return any(row[0] for row in table)
 
     def close(self) -> None:
@@ -384,7 +388,7 @@ class DiLoCo:
                          "deltas": [] if job.skipped else [d.clone() for d in job.deltas]}
                      for f, job in self._in_flight.items()}
         return {**{name: getattr(self, name) for name in self._SETTINGS},
-                "inner_steps": self.inner_steps, "rounds": self.rounds,
+                "inner_steps": self.inner_steps, "rounds": self.rounds, "launches": self.launches,
                 "anchors": [a.detach().clone() for a in self.anchors],
                 "outer_optimizer": self.outer_optimizer.state_dict(), "in_flight": in_flight}
 
@@ -411,6 +415,7 @@ class DiLoCo:
                 mine.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
+        self.launches = int(state.get("launches", self.rounds))
         self._settle()  # the thread no longer writes what is replaced here
         self._in_flight = {
             int(f): _FragmentRound([d.to(a.device) for d, a in zip(job["deltas"],

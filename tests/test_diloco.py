@@ -264,6 +264,35 @@ def test_a_nonfinite_pseudo_gradient_skips_the_round_on_every_rank():
         assert _same(rounds[2], results[0][0][2])
 
 
+def _one_rank_skips_an_inner_step(rank, world):
+    """Rank 1 skips its inner step at step 1 (as torch's GradScaler does
+    after an inf on that rank alone) and takes one more at the end: it
+    reaches every round a step after the others, who wait for it."""
+    import onebit
+
+    params = [torch.nn.Parameter(x) for x in _init()]
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    diloco = onebit.DiLoCo(params, inner, sync_every=H, block_size=BLOCK, timeout_s=30)
+    rounds = []
+    for step in range(2 * H + (rank == 1)):
+        for i, p in enumerate(params):
+            p.grad = _grad(rank, step, i)
+        if rank == 1 and step == 1:
+            continue
+        before = diloco.rounds
+        inner.step()
+        if diloco.rounds > before:
+            rounds.append(_numpy(params))
+    return rounds
+
+
+def test_a_rank_a_step_behind_still_meets_the_others():
+    results = run_workers(_one_rank_skips_an_inner_step, 3, timeout=120)
+    assert all(len(r) == 2 for r in results)
+    for r in range(2):
+        assert _same(results[0][r], results[1][r]) and _same(results[0][r], results[2][r])
+
+
 def _disagree(rank, world, what):
     import onebit
 

@@ -1,0 +1,77 @@
+"""`python -m benchmarks.loss_per_byte --plot OUT.png RUN.json...`: held-out loss
+against the bytes each rank has sent, from `benchmarks.lm --json` files.
+
+Each run of each file is one curve: its held-out loss at every --every
+steps, against the bytes the rank had sent by then (warmups included). A
+file holds one sync_every, so pass one file per H; the label names the
+optimizer, and H for DiLoCo. Prints the curves' final points as a table
+(loss, MB per rank) too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import List
+
+
+def curves(paths: List[str]) -> List[dict]:
+    out = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        h = data["config"].get("sync_every")
+        for run in data["runs"]:
+            name = run["optimizer"]
+            label = f"{name} H={h}" if name.startswith("DiLoCo") else name
+            losses = [loss for _, loss in run["curve"]]
+            out.append({"label": label, "seed": run["seed"], "losses": list(losses),
+                        "megabytes": [b / 1e6 for b in run["bytes_sent"]]})
+    return out
+
+
+def plot(runs: List[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    # one color per form, one line style per H: a form's curves read left to right
+    forms = sorted({r["label"].split(" ")[0] for r in runs})
+    colors = {form: plt.cm.tab10(i % 10) for i, form in enumerate(forms)}
+    styles = {"H=4": ":", "H=16": "-", "H=64": "--"}
+    shown = set()
+    for r in runs:
+        form, _, h = r["label"].partition(" ")
+        ax.plot(r["megabytes"], r["losses"], styles.get(h, "-"), color=colors[form], linewidth=1,
+                label=None if r["label"] in shown else r["label"])
+        shown.add(r["label"])
+    ax.set_xscale("log")
+    ax.set_xlabel("MB sent per rank (log)")
+    ax.set_ylabel("held-out loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> bool:
+    runs = curves(args.runs)
+    if args.plot:
+        plot(runs, args.plot)
+    print(f"{'run':>22} {'seed':>4} {'held-out':>9} {'MB/rank':>10}")
+    for r in runs:
+        print(f"{r['label']:>22} {r['seed']:>4} {r['losses'][-1]:9.4f} {r['megabytes'][-1]:10.3f}")
+    return True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="benchmarks.lm --json files")
+    p.add_argument("--plot", help="write the curves to this PNG")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from onebit.bench.command import main
+
+    sys.exit(main(sys.modules[__name__]))
