@@ -347,3 +347,25 @@ def test_launched_ranks_share_the_cores(monkeypatch):
         assert launch.share_cores() == (os.cpu_count() or 1)
     finally:
         torch.set_num_threads(before)
+
+
+def test_loss_per_byte_reads_lm_runs_and_plots_them(tmp_path):
+    """Two hand-written lm files (H = 4 and an optimizer without H): the
+    table's last points are each run's last loss and bytes, labelled by H."""
+    runs = {"h4.json": {"config": {"sync_every": 4}, "runs": [
+        {"optimizer": "DiLoCo-1bit", "seed": 0, "curve": [[50, 5.5], [100, 4.25]],
+         "bytes_sent": [1.0e6, 2.5e6]}]},
+            "adam.json": {"config": {"sync_every": 16}, "runs": [
+        {"optimizer": "Adam", "seed": 1, "curve": [[50, 5.0], [100, 3.5]],
+         "bytes_sent": [2.0e8, 4.0e8]}]}}
+    for name, data in runs.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.loss_per_byte",
+                           str(tmp_path / "h4.json"), str(tmp_path / "adam.json"),
+                           "--plot", str(tmp_path / "p.png")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert rows == [["DiLoCo-1bit", "H=4", "0", "4.2500", "2.500"],
+                    ["Adam", "1", "3.5000", "400.000"]]
+    assert (tmp_path / "p.png").stat().st_size > 1000
