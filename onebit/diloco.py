@@ -175,6 +175,9 @@ class DiLoCo:
         self.anchors = [p.detach().float().clone() for p in self.params]
         self.outer_optimizer = torch.optim.SGD(self.anchors, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=nesterov)
+        if outer_momentum:  # zeros step as SGD's first clone does; the state_dict keeps one
+            for a in self.anchors:  # shape from the start (DCP loads into a fresh one)
+                self.outer_optimizer.state[a]["momentum_buffer"] = torch.zeros_like(a)
         self._exchange = ErrorFeedbackExchange(self.backend)  # one buffer per fragment
         # fragment -> its round, from the launch of its exchange to its outer step
         self._in_flight: Dict[int, _FragmentRound] = {}
@@ -384,13 +387,32 @@ class DiLoCo:
         optimizer's state; the error buffers are per rank
         (`error_feedback_state_dict`)."""
         self._settle()
-        in_flight = {f: {"skipped": job.skipped,
-                         "deltas": [] if job.skipped else [d.clone() for d in job.deltas]}
-                     for f, job in self._in_flight.items()}
         return {**{name: getattr(self, name) for name in self._SETTINGS},
                 "inner_steps": self.inner_steps, "rounds": self.rounds, "launches": self.launches,
                 "anchors": [a.detach().clone() for a in self.anchors],
-                "outer_optimizer": self.outer_optimizer.state_dict(), "in_flight": in_flight}
+                "outer_optimizer": self.outer_optimizer.state_dict(),
+                "in_flight": self._in_flight_state()}
+
+    # An in-flight entry's status: nothing in flight, an average to land, a skipped round.
+    _IDLE, _AVERAGED, _SKIPPED = 0, 1, 2
+
+    def _in_flight_state(self) -> dict:
+        """With overlap, every fragment's entry, in flight or not, so that
+        the structure is the same at every step (torch.distributed.checkpoint
+        loads into a fresh state_dict() of the same shape): its status and
+        the averaged pseudo-gradients (zeros when there are none). Without
+        overlap nothing is ever in flight between inner steps."""
+        if not self.overlap_steps:
+            return {}
+        out = {}
+        for f in range(self.plan.count):
+            job = self._in_flight.get(f)
+            status = self._IDLE if job is None else self._SKIPPED if job.skipped else self._AVERAGED
+            anchors = self._members(f)[1]
+            deltas = ([d.clone() for d in job.deltas] if status == self._AVERAGED
+                      else [torch.zeros_like(a) for a in anchors])
+            out[str(f)] = {"status": torch.tensor(status), "deltas": deltas}  # str keys for DCP
+        return out
 
     def _settle(self) -> None:
         """Wait for every exchange in flight; they stay in flight."""
@@ -417,11 +439,14 @@ class DiLoCo:
         self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
         self.launches = int(state.get("launches", self.rounds))
         self._settle()  # the thread no longer writes what is replaced here
-        self._in_flight = {
-            int(f): _FragmentRound([d.to(a.device) for d, a in zip(job["deltas"],
-                                                               self._members(int(f))[1])],
-                              skipped=bool(job["skipped"]))
-            for f, job in state.get("in_flight", {}).items()}
+        self._in_flight = {}
+        for f, entry in state.get("in_flight", {}).items():
+            status = int(entry["status"])
+            if status != self._IDLE:
+                anchors = self._members(int(f))[1]
+                self._in_flight[int(f)] = _FragmentRound(
+                    [d.to(a.device) for d, a in zip(entry["deltas"], anchors)],
+                    skipped=status == self._SKIPPED)
         self._exchange.load_errors(None)
         self._restart_notice.loaded(self.backend is not None and self.rounds > 0)
 

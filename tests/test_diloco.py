@@ -33,9 +33,10 @@ def _grad(rank, step, i):
 
 
 def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
-           outer="nesterov", warmup=0, fragments=1, overlap=0):
+           outer="nesterov", warmup=0, fragments=1, overlap=0, dcp_dir=None):
     """This rank's params after every inner step (inner step -> arrays), its
-    checkpoint after inner step `save_at`, and comm_stats()."""
+    checkpoint after inner step `save_at`, and comm_stats(). With `dcp_dir`,
+    DiLoCo's shared state goes through torch.distributed.checkpoint there."""
     import onebit
 
     torch.manual_seed(rank)  # rank 0's init must win: the others start elsewhere
@@ -49,6 +50,12 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
         for p, v in zip(params, start["params"]):
             p.data.copy_(v)
         inner.load_state_dict(start["inner"])
+        if dcp_dir is not None:  # into a fresh state_dict() of the same shape, as DCP loads
+            import torch.distributed.checkpoint as dcp
+
+            template = {"diloco": diloco.state_dict()}
+            dcp.load(template, checkpoint_id=dcp_dir)
+            start["diloco"] = template["diloco"]
         diloco.load_state_dict(start["diloco"])
         assert diloco.load_error_feedback_state_dict(start["errors"])
     after, saved = {}, None
@@ -59,8 +66,14 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
         after[step + 1] = _numpy(params)
         if step + 1 == save_at:
             saved = io.BytesIO()  # bytes: tensors would not outlive this process
+            shared = diloco.state_dict()
+            if dcp_dir is not None:
+                import torch.distributed.checkpoint as dcp
+
+                dcp.save({"diloco": shared}, checkpoint_id=dcp_dir)
+                shared = None
             torch.save({"params": [p.detach().clone() for p in params],
-                        "inner": inner.state_dict(), "diloco": diloco.state_dict(),
+                        "inner": inner.state_dict(), "diloco": shared,
                         "errors": diloco.error_feedback_state_dict()}, saved)
             saved = saved.getvalue()
     stats = diloco.comm_stats()
@@ -174,9 +187,9 @@ def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression
         assert stats["worker_error_norm"] > 0 and stats["server_error_norm"] > 0
 
 
-def _resume(rank, world, saved, fragments=1, overlap=0):
+def _resume(rank, world, saved, fragments=1, overlap=0, dcp_dir=None):
     return _train(rank, world, "1bit", ROUNDS, saved[rank], None, "nesterov", 0, fragments,
-                  overlap)
+                  overlap, dcp_dir)
 
 
 def _resume_without_errors(rank, world, saved):
@@ -202,15 +215,18 @@ def _resume_without_errors(rank, world, saved):
     return sum("restarted from zero" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("fragments, overlap, save_at", [(1, 0, 2 * H), (3, 2, 7)])
-def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_at):
+@pytest.mark.parametrize("fragments, overlap, save_at, dcp", [
+    (1, 0, 2 * H, False), (3, 2, 7, False), (3, 2, 7, True)])
+def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_at, dcp, tmp_path):
     """Plain DiLoCo saved after round 2; streaming (3 fragments, 2 steps of
-    overlap) saved after inner step 7, with two exchanges in flight."""
+    overlap) saved after inner step 7, with two exchanges in flight, by
+    torch.save and by torch.distributed.checkpoint."""
     world = 3
+    dcp_dir = str(tmp_path / "dcp") if dcp else None
     straight = run_workers(_train, world, "1bit", ROUNDS, None, save_at, "nesterov", 0,
-                           fragments, overlap, timeout=120)
+                           fragments, overlap, dcp_dir, timeout=120)
     saved = [r[1] for r in straight]
-    resumed = run_workers(_resume, world, saved, fragments, overlap, timeout=120)
+    resumed = run_workers(_resume, world, saved, fragments, overlap, dcp_dir, timeout=120)
     for rank in range(world):
         assert sorted(resumed[rank][0]) == list(range(save_at + 1, ROUNDS * H + 1))
         for step, params in resumed[rank][0].items():
