@@ -77,7 +77,11 @@ def test_a_failing_rank_is_the_exit_status():
 @needs_namespaces
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_stops_the_ranks_and_removes_the_network(sig):
-    proc = subprocess.Popen(["bash", TOOL, "run", "2", "none", "--", "sleep", "60"])
+    # As from a terminal: bash cannot trap a signal that was ignored when it
+    # started, and a CI runner that starts the suite in the background with
+    # job control off hands every child SIGINT ignored.
+    proc = subprocess.Popen(["bash", TOOL, "run", "2", "none", "--", "sleep", "60"],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for_namespaces(["obn0", "obn1"])
         time.sleep(0.3)  # the ranks are started right after the network
