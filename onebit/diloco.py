@@ -216,16 +216,26 @@ class DiLoCo:
         the inner step (synchronous data parallelism; a missing .grad counts
         as zero, so every rank sends the same buffer)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads]).div_(self.world_size).to(
-            self.comm_device)
-        collectives.run("DiLoCo: averaging the warmup's gradients", lambda: dist.all_reduce(
-            flat, group=self.process_group, async_op=True), self.timeout_s, self.process_group)
-        nominal = fp32_allreduce_bytes(flat.numel(), self.world_size)
-        self.warmup_traffic.add(nominal, nominal, nominal)
-        for p, avg in zip(self.params, flat.split([p.numel() for p in self.params])):
+        averages = self._mean("DiLoCo: averaging the warmup's gradients", grads, torch.float32,
+                              self.process_group, self.warmup_traffic)
+        for p, avg in zip(self.params, averages):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(avg.view_as(p))
+
+    def _mean(self, phase: str, tensors: List[torch.Tensor], dtype: torch.dtype, group,
+              traffic: TrafficStats) -> List[torch.Tensor]:
+        """The ranks' mean of `tensors`, flat fp32 pieces in their order: one
+        all-reduce over `group` in `dtype` (each rank's share divided first),
+        counted in `traffic` against fp32."""
+        flat = torch.cat([t.reshape(-1).float() for t in tensors]).div_(self.world_size).to(
+            device=self.comm_device, dtype=dtype)
+        collectives.run(phase, lambda: dist.all_reduce(flat, group=group, async_op=True),
+                        self.timeout_s, group)
+        nominal = fp32_allreduce_bytes(flat.numel(), self.world_size)
+        sent = nominal * dtype.itemsize // 4
+        traffic.add(sent, sent, nominal)
+        return list(flat.float().split([t.numel() for t in tensors]))
 
     @torch.no_grad()
     def sync(self) -> bool:
@@ -316,14 +326,9 @@ class DiLoCo:
             self._exchange.compressed_average_(GroupKey(fragment), deltas)
             return
         dtype = torch.bfloat16 if self.compression == "bf16" else torch.float32
-        flat = torch.cat([d.reshape(-1) for d in deltas]).div_(self.world_size).to(
-            device=self.comm_device, dtype=dtype)
-        collectives.run("DiLoCo: averaging pseudo-gradients", lambda: dist.all_reduce(
-            flat, group=self._round_group, async_op=True), self.timeout_s, self._round_group)
-        nominal = fp32_allreduce_bytes(flat.numel(), self.world_size)
-        sent = nominal * dtype.itemsize // 4
-        self.traffic.add(sent, sent, nominal)
-        for d, avg in zip(deltas, flat.float().split([d.numel() for d in deltas])):
+        averages = self._mean("DiLoCo: averaging pseudo-gradients", deltas, dtype,
+                              self._round_group, self.traffic)
+        for d, avg in zip(deltas, averages):
             d.copy_(avg.view_as(d))
 
     def _agree_on_round(self, number: int, deltas: List[torch.Tensor]) -> bool:
