@@ -187,9 +187,16 @@ class ErrorFeedbackExchange:
         """(worker_error, server_error) of buffer `key`: restored from a
         checkpoint for its layout, or zeros, on first use."""
         flat, layout = self._flat[key]
+        errors = self._errors_at(key, layout)
+        if errors is None:
+            errors = self._errors[key] = self._restored(key, layout, flat.device, keep=False)
+        return errors
+
+    def _errors_at(self, key: ErrorKey, layout):
+        """Buffer `key`'s errors if they exist at `layout`'s sizes, else None."""
         errors = self._errors.get(key)
         if errors is None or (errors[0].numel(), errors[1].numel()) != layout.error_sizes:
-            errors = self._errors[key] = self._restored(key, layout, flat.device, keep=False)
+            return None
         return errors
 
     def error_buffers(self) -> Dict[ErrorKey, Tuple[torch.Tensor, torch.Tensor]]:
@@ -233,15 +240,15 @@ class ErrorFeedbackExchange:
         self.buffer(key, like)  # the step makes it anyway; its layout is made once
         layout = self._flat[key][1]
         ranges = self.backend.error_ranges(layout, index)
-        now = self._errors.get(key)
-        if now is None or (now[0].numel(), now[1].numel()) != layout.error_sizes:
+        now = self._errors_at(key, layout)
+        if now is None:
             now = self._restored(key, layout, like[0].device, keep=True)
         kept = [None if r is None else t[r[0]:r[1]].clone() for t, r in zip(now, ranges)]
         this_round = self._round
 
         def put_back() -> None:
-            errors = self._errors.get(key)
-            if errors is None or (errors[0].numel(), errors[1].numel()) != layout.error_sizes:
+            errors = self._errors_at(key, layout)
+            if errors is None:
                 return  # never made, or made anew for another layout: nothing of this step
             before = (self._backups[key] if self._backup_round.get(key) == this_round
                       else None)
