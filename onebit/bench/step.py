@@ -183,7 +183,8 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
               f"batch={a['batch']}/rank, ranks={world}, threads/rank={torch.get_num_threads()}, "
               f"{a['rounds']} rounds of {a['steps']} steps per setup, each round followed by "
               f"{a['steps']} floor steps, after {a['untimed']} untimed "
-              f"(+{FREEZE} warmup for onebit)")
+              f"(+{FREEZE} warmup steps for the onebit optimizers; DiLoCo's untimed steps "
+              "are whole outer rounds)")
         table.header()
 
     def show(row: Dict) -> None:
@@ -207,7 +208,8 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
     show(first)
     for name in ["ddp+adam"] + setups(a["optimizers"], a["overlap"]):
         setup = _Setup(name, a, x, y)
-        setup.run(setup.steps_per_round(a["untimed"] + (FREEZE if setup.onebit else 0)))
+        warmup = FREEZE if setup.onebit and setup.diloco is None else 0  # DiLoCo has no freeze
+        setup.run(setup.steps_per_round(a["untimed"] + warmup))
         row = _interleaved(setup, floor, last, a)
         last = row.pop("last_floor")
         show(row)
