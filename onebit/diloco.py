@@ -90,7 +90,10 @@ class DiLoCo:
     warmup_steps: inner steps before the first round in which the ranks
       average their gradients in fp32 before each inner step (synchronous
       data parallelism, as the optimizers' freeze_step); the rounds then
-      start from where it ended. Default 0.
+      start from where it ended. Default 0. After a warmup, 1-bit
+      pseudo-gradients measured best at a larger outer lr (2.0), where
+      fp32's stayed near 1.3: the block-scaled signs make a normalised
+      step (docs/benchmarks.md).
     fragments: F, slices of the params (consecutive, about equal elements)
       synced at staggered inner steps, each once per H (Streaming DiLoCo);
       each keeps its own error buffers. Default 1.
