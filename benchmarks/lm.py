@@ -18,7 +18,8 @@ average gradients in full precision):
   DiLoCo-1bit vs DiLoCo-fp32, DiLoCo-bf16 vs DiLoCo-fp32, DiLoCo-fp32 vs Adam:
     onebit.DiLoCo over inner AdamW (weight decay 0: Adam's maths, local
     steps), an outer step every --sync-every steps (outer SGD: --outer-lr,
-    --outer-momentum, --nesterov; DiLoCo's defaults), after an fp32
+    --outer-momentum, --nesterov; DiLoCo's defaults; --later-outer-lr and
+    --later-outer-lr-full from --later-from of the steps on), after an fp32
     gradient-averaging warmup of --diloco-warmup of the steps
   DiLoCo-stream vs DiLoCo-fp32: streaming DiLoCo-1bit, --fragments
     fragments synced at staggered steps, each exchange --overlap-steps
@@ -127,6 +128,18 @@ def _optimizer(name: str, params, a: dict):
     raise ValueError(name)
 
 
+def _outer_lr(name: str, a: dict):
+    """DiLoCo's outer lr: --outer-lr, and from --later-from of the steps on
+    --later-outer-lr for the 1-bit rows or --later-outer-lr-full for the
+    bf16 / fp32 rows (each form at its own settings, in one run)."""
+    later = a.get("later_outer_lr" if DILOCO[name] == "1bit" else "later_outer_lr_full")
+    if later is None:
+        return a["outer_lr"]
+    import onebit
+
+    return onebit.SteppedOuterLR(a["outer_lr"], later, int(a.get("later_from", 0.2) * a["steps"]))
+
+
 def lr_factor(a: dict):
     """The lr multiplier at each step: "constant", or "cosine" -- linear warmup
     over --warmup of the steps, then a cosine decay to 10% of the peak, the
@@ -161,7 +174,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         import onebit
 
         streaming = name == "DiLoCo-stream"
-        diloco = onebit.DiLoCo(model, opt, sync_every=a["sync_every"], outer_lr=a["outer_lr"],
+        diloco = onebit.DiLoCo(model, opt, sync_every=a["sync_every"], outer_lr=_outer_lr(name, a),
                                fragments=a.get("fragments", 4) if streaming else 1,
                                overlap_steps=a.get("overlap_steps", 1) if streaming else 0,
                                outer_momentum=a["outer_momentum"], nesterov=a["nesterov"],
@@ -290,6 +303,8 @@ def run(args: argparse.Namespace) -> bool:
           + (f" ranks/node={a['ranks_per_node']}" if a.get("ranks_per_node") else ""))
     if any(n in DILOCO for n in a["only"]):
         print(f"# DiLoCo: sync_every={a['sync_every']} outer_lr={a['outer_lr']} "
+              f"later_outer_lr={a.get('later_outer_lr')} (bf16/fp32: "
+              f"{a.get('later_outer_lr_full')}) from {a.get('later_from', 0.2):.0%} "
               f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}")
     print(f"#{'optimizer':>12} {'baseline':>11} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} {'B/step':>9} {'base B/step':>11} finite ok")
@@ -353,6 +368,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-momentum", dest="outer_momentum", type=float, default=0.0)
     p.add_argument("--nesterov", dest="nesterov", action="store_true",
                    help="DiLoCo: Nesterov momentum in the outer SGD (DiLoCo's published 0.7, 0.9)")
+    p.add_argument("--later-outer-lr", dest="later_outer_lr", type=float, default=None,
+                   help="DiLoCo-1bit/-stream: the outer lr from --later-from of the steps on")
+    p.add_argument("--later-outer-lr-full", dest="later_outer_lr_full", type=float, default=None,
+                   help="DiLoCo-bf16/-fp32: the outer lr from --later-from of the steps on")
+    p.add_argument("--later-from", dest="later_from", type=float, default=0.2,
+                   help="DiLoCo: where the later outer lr starts, fraction of the steps")
     p.add_argument("--diloco-warmup", dest="diloco_warmup", type=float, default=0.0,
                    help="DiLoCo: fp32 gradient averaging before the first round, fraction of steps")
     p.add_argument("--fragments", type=int_arg(1), default=4,

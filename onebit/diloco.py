@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,12 @@ class DiLoCo:
       our benchmark LM for fp32 and 1-bit pseudo-gradients alike, where
       DiLoCo's published Nesterov (0.7, 0.9) was far worse at a few dozen
       rounds (docs/benchmarks.md). The error feedback already carries what
-      a round could not send into the next one.
+      a round could not send into the next one. outer_lr may also be a
+      function of the inner steps taken (warmup included) when a round's
+      outer step lands, returning its lr: `onebit.SteppedOuterLR`
+      makes the step larger once the first fast-changing rounds are past,
+      which 1-bit pseudo-gradients (block-scaled signs, a normalised step)
+      measured better with than fp32 ones.
     warmup_steps: inner steps before the first round in which the ranks
       average their gradients in fp32 before each inner step (synchronous
       data parallelism, as the optimizers' freeze_step); the rounds then
@@ -109,7 +114,8 @@ class DiLoCo:
 
     def __init__(self, model: Union[torch.nn.Module, Iterable[torch.Tensor]],
                  inner_optimizer: torch.optim.Optimizer, sync_every: int,
-                 outer_lr: float = 1.3, outer_momentum: float = 0.0, nesterov: bool = False,
+                 outer_lr: Union[float, Callable[[int], float]] = 1.3,
+                 outer_momentum: float = 0.0, nesterov: bool = False,
                  compression: str = "1bit", warmup_steps: int = 0, fragments: int = 1,
                  overlap_steps: int = 0, process_group=None,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -118,7 +124,10 @@ class DiLoCo:
         check_positive_int("warmup_steps", warmup_steps, minimum=0)
         check_positive_int("fragments", fragments)
         check_positive_int("overlap_steps", overlap_steps, minimum=0)
-        check_number("outer_lr", outer_lr, low=0.0)
+        # A schedule is read at every landing; its first value is checked now.
+        self._outer_lr_at = outer_lr if callable(outer_lr) else None
+        first_lr = outer_lr(0) if callable(outer_lr) else outer_lr
+        check_number("outer_lr", first_lr, low=0.0)
         check_number("outer_momentum", outer_momentum, high=1.0, high_open=True)
         check_flag("nesterov", nesterov)
         if compression not in COMPRESSIONS:
@@ -160,7 +169,10 @@ class DiLoCo:
                                                            for p in self.params],
                 "compression and wire format": (compression, block_size, str(self.scale_dtype),
                                                 WIRE_FORMAT_VERSION, comm_backend_name),
-                "outer optimizer": (outer_lr, outer_momentum, nesterov)})
+                # a schedule by its values at the first rounds' landings
+                "outer optimizer": ([outer_lr(warmup_steps + k * sync_every) for k in range(65)]
+                                    if callable(outer_lr) else outer_lr,
+                                    outer_momentum, nesterov)})
             collectives.broadcast_from_first_rank("DiLoCo: broadcast of rank 0's initial "
                                                   "parameters", self.params, process_group,
                                                   self.timeout_s)
@@ -176,7 +188,7 @@ class DiLoCo:
         # The last synced point, kept in fp32 whatever the params' dtype: the
         # outer optimizer steps it, and the params are set from it.
         self.anchors = [p.detach().float().clone() for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(self.anchors, lr=outer_lr, momentum=outer_momentum,
+        self.outer_optimizer = torch.optim.SGD(self.anchors, lr=first_lr, momentum=outer_momentum,
                                                nesterov=nesterov)
         if outer_momentum:  # zeros step as SGD's first clone does; the state_dict keeps one
             for a in self.anchors:  # shape from the start (DCP loads into a fresh one)
@@ -314,6 +326,11 @@ class DiLoCo:
             return False
         for a, d in zip(anchors, job.deltas):
             a.grad = d
+        if self._outer_lr_at is not None:
+            lr = self._outer_lr_at(self.inner_steps)
+            check_number("outer_lr", lr, low=0.0)
+            for group in self.outer_optimizer.param_groups:
+                group["lr"] = lr
         self.outer_optimizer.step()  # SGD steps only the anchors that have a .grad
         for p, a in zip(params, anchors):
             a.grad = None
@@ -484,3 +501,17 @@ class DiLoCo:
         if loaded:
             self._restart_notice.restored()
         return loaded
+
+
+@dataclass(frozen=True)
+class SteppedOuterLR:
+    """An outer lr schedule for DiLoCo(outer_lr=...): `early` until inner
+    step `from_step`, then `later` (a class, not a lambda, so that it
+    pickles into spawned workers)."""
+
+    early: float
+    later: float
+    from_step: int
+
+    def __call__(self, inner_steps: int) -> float:
+        return self.early if inner_steps < self.from_step else self.later

@@ -21,6 +21,24 @@ OUTERS = {"nesterov": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
           "default": dict(outer_lr=1.3, outer_momentum=0.0, nesterov=False)}
 
 
+def _outer_settings(outer):
+    """DiLoCo's outer arguments; "later": plain SGD whose lr grows from 1.3
+    to 2.0 from inner step 2 * H on (its third round)."""
+    if outer == "later":
+        import onebit
+
+        return dict(outer_lr=onebit.SteppedOuterLR(1.3, 2.0, 2 * H), outer_momentum=0.0,
+                    nesterov=False)
+    return OUTERS[outer]
+
+
+def _outer_lr_at(outer, inner_steps):
+    """The simulation's own reading of the same schedules."""
+    if outer == "later":
+        return 1.3 if inner_steps < 2 * H else 2.0
+    return OUTERS[outer]["outer_lr"]
+
+
 def _init():
     gen = torch.Generator().manual_seed(0)
     return [torch.randn(s, generator=gen) for s in SIZES]
@@ -44,7 +62,7 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
     inner = torch.optim.SGD(params, lr=INNER_LR)
     diloco = onebit.DiLoCo(params, inner, sync_every=H, compression=compression,
                            block_size=BLOCK, timeout_s=30, warmup_steps=warmup,
-                           fragments=fragments, overlap_steps=overlap, **OUTERS[outer])
+                           fragments=fragments, overlap_steps=overlap, **_outer_settings(outer))
     if start is not None:  # a resume: this rank's checkpoint
         start = torch.load(io.BytesIO(start), weights_only=False)
         for p, v in zip(params, start["params"]):
@@ -99,7 +117,7 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
     them (1-bit: with its own carried errors), and `delay` steps later its
     anchors take the outer SGD step and every rank's params take the anchors'
     values (Streaming DiLoCo with update alpha 0)."""
-    lr, mu, nesterov = (OUTERS[outer][k] for k in ("outer_lr", "outer_momentum", "nesterov"))
+    mu, nesterov = (_outer_settings(outer)[k] for k in ("outer_momentum", "nesterov"))
     fragments = fragments or [list(range(len(SIZES)))]
     anchor = [x.double().numpy().reshape(-1) for x in _init()]
     out, landed = {}, {}
@@ -132,6 +150,7 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
         for f, members in enumerate(fragments):
             if f in pending and pending[f][0] == past:  # land: the outer step
                 avg = pending.pop(f)[1]
+                lr = _outer_lr_at(outer, step + 1)
                 # torch.optim.SGD: buf = mu * buf + g (g itself at first); the
                 # step is g + mu * buf with Nesterov, buf without (g when mu = 0)
                 for i, g in zip(members, avg):
@@ -167,7 +186,8 @@ def _check_against_simulation(results, expected, compression, tol, world, fragme
 
 @pytest.mark.parametrize("compression, tol, outer, warmup", [
     ("1bit", 2e-4, "nesterov", 0), ("none", 1e-5, "nesterov", 0), ("bf16", 2e-2, "nesterov", 0),
-    ("1bit", 2e-4, "default", 0), ("1bit", 2e-4, "default", 5), ("none", 1e-5, "default", 5)])
+    ("1bit", 2e-4, "default", 0), ("1bit", 2e-4, "default", 5), ("none", 1e-5, "default", 5),
+    ("1bit", 2e-4, "later", 0), ("none", 1e-5, "later", 2)])
 def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression, tol, outer,
                                                                      warmup):
     world = 3
@@ -316,15 +336,18 @@ def _disagree(rank, world, what):
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     sync_every = H + (rank == 1 and what == "sync_every")
     fragments = 1 + (rank == 0 and what == "fragments")
+    # a schedule that differs only after a few rounds, on one rank
+    later = onebit.SteppedOuterLR(1.3, 2.0, 5 * H + (rank == 2 and what == "outer_lr") * H)
     with pytest.raises(ValueError) as err:
         onebit.DiLoCo(params, torch.optim.SGD(params, lr=0.1), sync_every=sync_every,
-                      fragments=fragments, timeout_s=30)
+                      fragments=fragments, outer_lr=later, timeout_s=30)
     return str(err.value)
 
 
 @pytest.mark.parametrize("what, named", [("sync_every", "sync_every"),
                                          ("params", "the synced parameters"),
-                                         ("fragments", "fragments and overlap_steps")])
+                                         ("fragments", "fragments and overlap_steps"),
+                                         ("outer_lr", "outer optimizer")])
 def test_ranks_that_disagree_get_a_clear_error_on_every_rank(what, named):
     for message in run_workers(_disagree, 3, what, timeout=60):
         assert f"DiLoCo: ranks disagree on {named}" in message
@@ -373,7 +396,8 @@ def test_bad_arguments_are_refused_by_name():
                           ({"warmup_steps": -1}, "warmup_steps"), ({"fragments": 0}, "fragments"),
                           ({"fragments": 2}, "fragments=2 exceeds the 1 synced parameters"),
                           ({"overlap_steps": 2}, "overlap_steps=2 must be below sync_every=2"),
-                          ({"overlap_steps": -1}, "overlap_steps")):
+                          ({"overlap_steps": -1}, "overlap_steps"),
+                          ({"outer_lr": lambda inner_steps: -1.0}, "outer_lr")):
         with pytest.raises(ValueError, match=match):
             onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), **{"sync_every": 2, **kwargs})
 
