@@ -315,6 +315,11 @@ class DiLoCo:
         """The fragment's outer step from its averaged pseudo-gradients, and
         its params set to the new anchors (back to the old ones when the
         round was skipped)."""
+        if self._outer_lr_at is not None:  # a bad value raises before anything changes
+            lr = self._outer_lr_at(self.inner_steps)
+            check_number("outer_lr", lr, low=0.0)
+            for group in self.outer_optimizer.param_groups:
+                group["lr"] = lr
         job = self._in_flight.pop(fragment)
         self._finished(job)
         params, anchors = self._members(fragment)
@@ -326,11 +331,6 @@ class DiLoCo:
             return False
         for a, d in zip(anchors, job.deltas):
             a.grad = d
-        if self._outer_lr_at is not None:
-            lr = self._outer_lr_at(self.inner_steps)
-            check_number("outer_lr", lr, low=0.0)
-            for group in self.outer_optimizer.param_groups:
-                group["lr"] = lr
         self.outer_optimizer.step()  # SGD steps only the anchors that have a .grad
         for p, a in zip(params, anchors):
             a.grad = None

@@ -420,3 +420,23 @@ def test_one_process_is_local_sgd_with_an_outer_step():
     assert diloco.rounds == 1
     inner.step()  # closed: no more rounds
     assert diloco.inner_steps == H
+
+
+def test_a_schedule_that_turns_bad_raises_before_the_anchors_change():
+    import onebit
+
+    p = [torch.nn.Parameter(torch.ones(5))]
+    inner = torch.optim.SGD(p, lr=0.1)
+    diloco = onebit.DiLoCo(p, inner, sync_every=2,
+                           outer_lr=lambda steps: 1.3 if steps < 4 else float("nan"))
+    for _ in range(2):  # the first round lands at lr 1.3
+        p[0].grad = torch.ones(5)
+        inner.step()
+    anchors = diloco.anchors[0].clone()
+    assert not torch.equal(anchors, torch.ones(5))
+    p[0].grad = torch.ones(5)
+    inner.step()
+    p[0].grad = torch.ones(5)
+    with pytest.raises(ValueError, match="outer_lr"):
+        inner.step()
+    assert torch.equal(diloco.anchors[0], anchors) and diloco.rounds == 1
