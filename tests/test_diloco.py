@@ -258,11 +258,14 @@ def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_
 
 @pytest.mark.parametrize("compression, outer, fragments, overlap", [
     ("1bit", "default", [[0], [1, 2]], 0), ("1bit", "nesterov", [[0], [1], [2]], 2),
-    ("none", "default", [[0], [1], [2]], 1)])
+    ("none", "default", [[0], [1], [2]], 1), ("1bit", "later", [[0], [1], [2]], 1)])
 def test_streaming_matches_the_float64_simulation(compression, outer, fragments, overlap):
     """Fragments synced at staggered inner steps, each exchange running
     `overlap` inner steps behind on the communication thread; the split by
-    the middle element of each param (185, 300 and 3 elements)."""
+    the middle element of each param (185, 300 and 3 elements). With the
+    "later" schedule the second round's fragments land on either side of
+    its switch (after inner steps 5, 6 and 7; the switch at 6), so each
+    fragment must take the lr of its own landing."""
     world = 3
     results = run_workers(_train, world, compression, ROUNDS, None, None, outer, 0,
                           len(fragments), overlap, timeout=120)
