@@ -35,6 +35,12 @@ def finish(model, caught):
     torch.save(model.state_dict(), os.path.join(out, f"{tag}.rank{rank}.pt"))
     restarted = [w for w in caught if "restarted from zero" in str(w.message)]
     print(f"rank {rank} warnings {len(restarted)}", flush=True)
+    # The trainers' own DDP collectives (torch's, not onebit's) can abort a
+    # process at interpreter exit, about once in 30 jobs (docs/faults.md,
+    # pytorch/pytorch#190489). The results are on disk and flushed, so leave
+    # without finalizing once both ranks are here.
+    dist.barrier()
+    os._exit(0)
 """
 
 HF_SCRIPT = COMMON + """
