@@ -128,6 +128,9 @@ def _optimizer(name: str, params, a: dict):
     raise ValueError(name)
 
 
+LATER_FROM = 0.2  # --later-from's default: the measured switch at H = 16 (docs/benchmarks.md)
+
+
 def _outer_lr(name: str, a: dict):
     """DiLoCo's outer lr: --outer-lr, and from --later-from of the steps on
     --later-outer-lr for the 1-bit rows or --later-outer-lr-full for the
@@ -137,7 +140,8 @@ def _outer_lr(name: str, a: dict):
         return a["outer_lr"]
     import onebit
 
-    return onebit.SteppedOuterLR(a["outer_lr"], later, int(a.get("later_from", 0.2) * a["steps"]))
+    from_step = int(a.get("later_from", LATER_FROM) * a["steps"])
+    return onebit.SteppedOuterLR(a["outer_lr"], later, from_step)
 
 
 def lr_factor(a: dict):
@@ -304,7 +308,7 @@ def run(args: argparse.Namespace) -> bool:
     if any(n in DILOCO for n in a["only"]):
         print(f"# DiLoCo: sync_every={a['sync_every']} outer_lr={a['outer_lr']} "
               f"later_outer_lr={a.get('later_outer_lr')} (bf16/fp32: "
-              f"{a.get('later_outer_lr_full')}) from {a.get('later_from', 0.2):.0%} "
+              f"{a.get('later_outer_lr_full')}) from {a.get('later_from', LATER_FROM):.0%} "
               f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}")
     print(f"#{'optimizer':>12} {'baseline':>11} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} {'B/step':>9} {'base B/step':>11} finite ok")
@@ -372,7 +376,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DiLoCo-1bit/-stream: the outer lr from --later-from of the steps on")
     p.add_argument("--later-outer-lr-full", dest="later_outer_lr_full", type=float, default=None,
                    help="DiLoCo-bf16/-fp32: the outer lr from --later-from of the steps on")
-    p.add_argument("--later-from", dest="later_from", type=float, default=0.2,
+    p.add_argument("--later-from", dest="later_from", type=float, default=LATER_FROM,
                    help="DiLoCo: where the later outer lr starts, fraction of the steps")
     p.add_argument("--diloco-warmup", dest="diloco_warmup", type=float, default=0.0,
                    help="DiLoCo: fp32 gradient averaging before the first round, fraction of steps")
