@@ -1,8 +1,9 @@
 """"The same bits", guarded in the repo: a committed fixture holds a hash of
 every parameter, every state tensor and every error-feedback buffer after
 40 steps of each optimizer through all its stages, on 3 real ranks, fused
-and with overlap_backward, and of 1-bit Adam on the hierarchical backend
-(2 nodes of 2 ranks). Any change to the arithmetic of an optimizer or of the
+and with overlap_backward, of 1-bit Adam on the hierarchical backend
+(2 nodes of 2 ranks), and of DiLoCo over inner AdamW (1-bit, bf16 and fp32
+rounds; streaming with a warmup, outer momentum and a stepped outer lr). Any change to the arithmetic of an optimizer or of the
 backend, down to the rounding of one element, changes a hash here.
 
 The gradients are exact by construction: the loss is a sum of each
@@ -78,7 +79,9 @@ def _digest(t: torch.Tensor) -> str:
     return f"{t.dtype}:{tuple(t.shape)}:" + hashlib.sha256(raw).hexdigest()[:16]
 
 
-def _hashes(model, opt) -> dict:
+def _hashes(model, opt, errors=None) -> dict:
+    """Hashes of the params, `opt`'s state and the error buffers of `errors`
+    (default: `opt`)."""
     out = {}
     names = {p: n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
@@ -87,7 +90,7 @@ def _hashes(model, opt) -> dict:
         for k, v in sorted(st.items()):
             if isinstance(v, torch.Tensor) and v.numel():
                 out[f"state {names[p]} {k}"] = _digest(v)
-    for g, bufs in sorted(opt.error_feedback_state_dict()["groups"].items()):
+    for g, bufs in sorted((errors or opt).error_feedback_state_dict()["groups"].items()):
         out[f"errors {g} worker"] = _digest(bufs["worker"])
         out[f"errors {g} server"] = _digest(bufs["server"])
     return out
@@ -110,6 +113,43 @@ def _run(rank, world, runs):
     return result
 
 
+DILOCO = {
+    "DiLoCo 1bit H4": dict(sync_every=4, outer_lr="stepped"),
+    "DiLoCo bf16 H4": dict(sync_every=4, compression="bf16"),
+    "DiLoCo fp32 H4": dict(sync_every=4, compression="none"),
+    # fragments land 2 inner steps after their launch, some after the lr's switch
+    "DiLoCo 1bit streaming": dict(sync_every=6, fragments=3, overlap_steps=2, warmup_steps=4,
+                                  outer_momentum=0.5, nesterov=True, outer_lr="stepped"),
+}
+
+
+def _run_diloco(rank, world, runs):
+    import onebit
+
+    result = {}
+    for name in runs:
+        settings = dict(DILOCO[name])
+        if settings.get("outer_lr") == "stepped":
+            settings["outer_lr"] = onebit.SteppedOuterLR(1.3, 2.0, from_step=21)
+        torch.manual_seed(0)
+        model = Model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-3)
+        diloco = onebit.DiLoCo(model, inner, **settings)
+        for step in range(STEPS):
+            inner.zero_grad()
+            model.exact_loss(torch.Generator().manual_seed(1000 * rank + step)).backward()
+            inner.step()
+        diloco.drain()
+        out = _hashes(model, inner, errors=diloco)
+        state = diloco.state_dict()
+        for i, anchor in enumerate(state["anchors"]):
+            out[f"anchor {i}"] = _digest(anchor)
+        for i, st in state["outer_optimizer"]["state"].items():
+            out[f"outer momentum {i}"] = _digest(st["momentum_buffer"])
+        result[name] = out
+    return result
+
+
 def _key() -> str:
     from onebit import ops
 
@@ -124,7 +164,8 @@ def current_bits() -> dict:
     bits = run_workers(_run, 3, flat, timeout=240)
     hier = [("OnebitAdam hierarchical 2x2", "OnebitAdam", dict(comm_backend_name="hierarchical"))]
     bits4 = run_workers(_run, 4, hier, timeout=240, env={"ONEBIT_RANKS_PER_NODE": "2"})
-    return {f"rank {r}": {**bits[r], **bits4[r]} for r in range(3)} | {
+    diloco = run_workers(_run_diloco, 3, list(DILOCO), timeout=240)
+    return {f"rank {r}": {**bits[r], **bits4[r], **diloco[r]} for r in range(3)} | {
         "rank 3": bits4[3]}
 
 
