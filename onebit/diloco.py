@@ -68,7 +68,9 @@ COMPRESSIONS = ("1bit", "bf16", "none")
 class _FragmentRound:
     """A fragment's pseudo-gradients from their launch to their outer step:
     `deltas` hold the average once `skipped` is known (the thread's `future`
-    has finished, or there was none)."""
+    has finished, or there was none). With 1-bit compression they are views
+    of the fragment's exchange buffer, which its next launch rewrites: the
+    round has landed by then (overlap_steps < sync_every)."""
 
     deltas: List[torch.Tensor]
     skipped: Optional[bool] = None
@@ -285,7 +287,12 @@ class DiLoCo:
         """Measure the fragment's pseudo-gradients and start their exchange
         (on the communication thread when it overlaps inner steps)."""
         params, anchors = self._members(fragment)
-        deltas = [a - p.float() for a, p in zip(anchors, params)]
+        if self.backend is not None:  # straight into the 1-bit exchange's buffer: no copies
+            deltas = self._exchange.prepare(GroupKey(fragment), anchors)
+            for d, a, p in zip(deltas, anchors, params):
+                torch.sub(a, p, out=d)
+        else:
+            deltas = [a - p.float() for a, p in zip(anchors, params)]
         job = self._in_flight[fragment] = _FragmentRound(deltas)
         self.launches += 1
         number = self.launches
@@ -342,8 +349,8 @@ class DiLoCo:
     def _average_(self, fragment: int, deltas: List[torch.Tensor]) -> None:
         if self.world_size == 1:
             return
-        if self.compression == "1bit":
-            self._exchange.compressed_average_(GroupKey(fragment), deltas)
+        if self.compression == "1bit":  # `deltas` are views of the buffer (_launch)
+            self._exchange.allreduce(GroupKey(fragment))
             return
         dtype = torch.bfloat16 if self.compression == "bf16" else torch.float32
         averages = self._mean("DiLoCo: averaging pseudo-gradients", deltas, dtype,
