@@ -230,12 +230,20 @@ class DiLoCo:
     @torch.no_grad()
     def _average_gradients(self) -> None:
         """A warmup step: every rank's gradients, averaged in fp32 before
-        the inner step (synchronous data parallelism; a missing .grad counts
-        as zero, so every rank sends the same buffer)."""
+        the inner step (synchronous data parallelism). As DDP does, a .grad
+        missing on some ranks counts as zero there, and a param that has no
+        .grad on any rank keeps none (so the inner optimizer skips it: no
+        state, no weight decay). One value per param in the same all-reduce
+        says whether this rank has its .grad."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        averages = self._mean("DiLoCo: averaging the warmup's gradients", grads, torch.float32,
-                              self.process_group, self.warmup_traffic)
-        for p, avg in zip(self.params, averages):
+        has_grad = torch.tensor([float(p.grad is not None) for p in self.params],
+                                device=self.params[0].device)
+        *averages, anywhere = self._mean("DiLoCo: averaging the warmup's gradients",
+                                         grads + [has_grad], torch.float32,
+                                         self.process_group, self.warmup_traffic)
+        for p, avg, used in zip(self.params, averages, anywhere.tolist()):
+            if not used:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(avg.view_as(p))

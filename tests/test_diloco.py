@@ -332,6 +332,41 @@ def test_a_rank_a_step_behind_still_meets_the_others():
         assert _same(results[0][r], results[1][r]) and _same(results[0][r], results[2][r])
 
 
+def _warmup_with_missing_grads(rank, world):
+    """Three warmup steps of inner AdamW (weight decay on): param 0 has a
+    gradient on every rank, param 1 only on rank 0, param 2 on none."""
+    import onebit
+
+    params = [torch.nn.Parameter(torch.full((5,), 1.0 + i)) for i in range(3)]
+    inner = torch.optim.AdamW(params, lr=0.1, weight_decay=0.5)
+    diloco = onebit.DiLoCo(params, inner, sync_every=H, warmup_steps=3, timeout_s=30)
+    seen = []  # the grads the inner step takes: a pre-hook that runs after DiLoCo's
+    inner.register_step_pre_hook(lambda *_: seen.append(  # numpy: tensors would not
+        [None if p.grad is None else p.grad.numpy().copy() for p in params]))  # outlive us
+    for step in range(3):
+        inner.zero_grad()
+        params[0].grad = torch.full((5,), 3.0 * (rank + 1))  # shares of 3 ranks: exact
+        if rank == 0:
+            params[1].grad = torch.full((5,), 6.0)
+        inner.step()
+    diloco.close()
+    return seen, _numpy(params), [len(inner.state[p]) for p in params]
+
+
+def test_the_warmup_averages_grads_as_ddp_does_with_missing_ones():
+    world = 3
+    results = run_workers(_warmup_with_missing_grads, world, timeout=120)
+    for seen, final, states in results:
+        assert len(seen) == 3
+        for grads in seen:
+            assert np.array_equal(grads[0], np.full(5, 6.0, np.float32))  # (3 + 6 + 9) / 3
+            assert np.array_equal(grads[1], np.full(5, 2.0, np.float32))  # 6 / 3: 0 elsewhere
+            assert grads[2] is None  # no rank has one: it keeps none, as under DDP
+        assert states[2] == 0 and np.array_equal(final[2], np.full(5, 3.0, np.float32))
+        assert states[0] > 0 and states[1] > 0
+    assert all(_same(r[1], results[0][1]) for r in results[1:])
+
+
 def _disagree(rank, world, what):
     import onebit
 
