@@ -3,8 +3,9 @@ every parameter, every state tensor and every error-feedback buffer after
 40 steps of each optimizer through all its stages, on 3 real ranks, fused
 and with overlap_backward, of 1-bit Adam on the hierarchical backend
 (2 nodes of 2 ranks), and of DiLoCo over inner AdamW (1-bit, bf16 and fp32
-rounds; streaming with a warmup, outer momentum and a stepped outer lr). Any change to the arithmetic of an optimizer or of the
-backend, down to the rounding of one element, changes a hash here.
+rounds; streaming with a warmup, outer momentum and a stepped outer lr).
+Any change to the arithmetic of an optimizer, of DiLoCo or of the backend,
+down to the rounding of one element, changes a hash here.
 
 The gradients are exact by construction: the loss is a sum of each
 parameter times an integer-valued tensor scaled by a power of two, so
@@ -79,9 +80,9 @@ def _digest(t: torch.Tensor) -> str:
     return f"{t.dtype}:{tuple(t.shape)}:" + hashlib.sha256(raw).hexdigest()[:16]
 
 
-def _hashes(model, opt, errors=None) -> dict:
-    """Hashes of the params, `opt`'s state and the error buffers of `errors`
-    (default: `opt`)."""
+def _hashes(model, opt, errors_of=None) -> dict:
+    """Hashes of the params, `opt`'s state and the error buffers of
+    `errors_of` (default: `opt`; DiLoCo keeps its own)."""
     out = {}
     names = {p: n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
@@ -90,7 +91,7 @@ def _hashes(model, opt, errors=None) -> dict:
         for k, v in sorted(st.items()):
             if isinstance(v, torch.Tensor) and v.numel():
                 out[f"state {names[p]} {k}"] = _digest(v)
-    for g, bufs in sorted((errors or opt).error_feedback_state_dict()["groups"].items()):
+    for g, bufs in sorted((errors_of or opt).error_feedback_state_dict()["groups"].items()):
         out[f"errors {g} worker"] = _digest(bufs["worker"])
         out[f"errors {g} server"] = _digest(bufs["server"])
     return out
@@ -140,7 +141,7 @@ def _run_diloco(rank, world, runs):
             model.exact_loss(torch.Generator().manual_seed(1000 * rank + step)).backward()
             inner.step()
         diloco.drain()
-        out = _hashes(model, inner, errors=diloco)
+        out = _hashes(model, inner, errors_of=diloco)
         state = diloco.state_dict()
         for i, anchor in enumerate(state["anchors"]):
             out[f"anchor {i}"] = _digest(anchor)
