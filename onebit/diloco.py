@@ -355,10 +355,10 @@ class DiLoCo:
         return True
 
     def _average_(self, fragment: int, deltas: List[torch.Tensor]) -> None:
-        if self.world_size == 1:
-            return
-        if self.compression == "1bit":  # `deltas` are views of the buffer (_launch)
+        if self.backend is not None:  # 1-bit: `deltas` are views of the buffer (_launch)
             self._exchange.allreduce(GroupKey(fragment))
+            return
+        if self.world_size == 1:
             return
         dtype = torch.bfloat16 if self.compression == "bf16" else torch.float32
         averages = self._mean("DiLoCo: averaging pseudo-gradients", deltas, dtype,
