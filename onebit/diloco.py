@@ -286,6 +286,12 @@ class DiLoCo:
             synced = self._land(f) and synced
         return synced
 
+    @property
+    def exchanges_in_flight(self) -> int:
+        """Fragments whose exchange has started and whose outer step has not
+        landed yet (what drain() would wait for)."""
+        return len(self._in_flight)
+
     def _members(self, fragment: int):
         ids = self.plan.members[fragment]
         return [self.params[i] for i in ids], [self.anchors[i] for i in ids]

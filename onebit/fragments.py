@@ -11,7 +11,7 @@ steps later, the exchange running meanwhile (tau = 0: at once).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -71,3 +71,17 @@ class FragmentPlan:
     def landing(self, past: int) -> List[int]:
         """The fragments whose outer step lands after inner step `past`."""
         return self.launching(past - self.delay)
+
+    def quiet_step(self) -> Optional[int]:
+        """The first inner step of a round (0..H-1) after which no exchange
+        is in flight in any round, or None when the exchanges cover every
+        step. A run timed from one quiet step to another pays for the
+        exchanges it launches and for nothing launched before it, as a
+        long run does: the bench's timed rounds (bench/step.py) start there."""
+        def in_flight(step: int, fragment: int) -> bool:
+            return (step - self.offset(fragment)) % self.sync_every < self.delay
+
+        for step in range(self.sync_every):
+            if not any(in_flight(step, f) for f in range(self.count)):
+                return step
+        return None

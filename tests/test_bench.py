@@ -220,6 +220,9 @@ def test_step_bench_times_diloco_and_streaming_diloco(tmp_path):
     # two fragments send what one does, up to each fragment's padding to whole blocks
     assert streaming["bytes_sent"] == pytest.approx(plain["bytes_sent"], rel=0.05)
     assert all(r["seconds"] > 0 for r in rows.values())
+    # Timed from the schedule's quiet step: no exchange was still in flight
+    # when a timed round ended (plain DiLoCo's are never in flight).
+    assert plain["tail"] == streaming["tail"] == "0", out
 
 
 def test_step_bench_overlap_choice_names_the_rows():

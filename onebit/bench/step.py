@@ -16,9 +16,13 @@ bucket's exchange during backward. `--optimizers diloco` adds DiLoCo-1bit
 over the floor's Adam, an outer round every `--sync-every` inner steps
 (row `diloco`), and streaming (row `diloco+overlap`: `--fragments`
 fragments, each exchange `--overlap-steps` inner steps behind); its timed
-rounds are whole outer rounds and end by landing what is in flight
-(`drain`), so an exchange still on the wire is waited for, not left to run
-into the floor's round. Times are the slowest rank's mean per
+rounds are whole outer rounds from one quiet step of the schedule to the
+next (a step after which no exchange is in flight: fragments.py), so a
+timed round pays for the exchanges it launches, as a long run does, and
+none runs into the floor's round. A schedule with no quiet step ends each
+timed round by landing what is in flight (`drain`), which waits for an
+exchange a long run would hide; column `tail` counts those exchanges
+per timed round. Times are the slowest rank's mean per
 step. The floor lives through the whole run and is timed in alternating
 rounds with each setup (`--rounds` of `--steps` steps: floor, setup, floor,
 setup, ..., floor), and each setup's `x floor` is its time over the mean of
@@ -43,7 +47,8 @@ from ..accelerator import get_accelerator
 from .table import Table, count_arg, int_arg
 
 COLUMNS = [("setup", 19, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
-           ("floor ms", 9, ".1f"), ("stage", 12, "s"), ("MB sent/step", 12, ".2f"), ("pieces", 6, "s")]
+           ("floor ms", 9, ".1f"), ("stage", 12, "s"), ("MB sent/step", 12, ".2f"),
+           ("pieces", 6, "s"), ("tail", 5, "s")]
 OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 CHOICES = OPTIMIZERS + ("diloco",)
 FREEZE = 2  # warmup steps before the compression stage (each is a full-precision allreduce)
@@ -116,6 +121,7 @@ class _Setup:
                 fragments=a["fragments"] if streaming else 1,
                 overlap_steps=a["overlap_steps"] if streaming else 0)
         self.net, self.x, self.y = net, x, y
+        self.tail: List[int] = []  # per timed round, the exchanges drain() waited for
 
     def stats(self) -> Dict:
         return (self.diloco or self.opt).comm_stats()
@@ -125,6 +131,13 @@ class _Setup:
         if self.diloco is None:
             return steps
         return -(-steps // self.diloco.sync_every) * self.diloco.sync_every
+
+    def untimed_steps(self, steps: int) -> int:
+        """DiLoCo's untimed steps: whole outer rounds (at least `steps`),
+        then on to the schedule's quiet step, where the timed rounds start."""
+        if self.diloco is None:
+            return steps
+        return self.steps_per_round(steps) + (self.diloco.plan.quiet_step() or 0)
 
     def run(self, steps: int) -> float:
         """The slowest rank's mean seconds per step over `steps` steps."""
@@ -137,6 +150,7 @@ class _Setup:
             torch.nn.functional.mse_loss(self.net(self.x), self.y).backward()
             self.opt.step()
         if self.diloco is not None:
+            self.tail.append(self.diloco.exchanges_in_flight)
             self.diloco.drain()
         sync()
         slowest = torch.tensor([(time.perf_counter() - t0) / max(steps, 1)], dtype=torch.float64,
@@ -158,7 +172,10 @@ def _interleaved(setup: _Setup, floor: _Setup, floor_before: float, a: dict) -> 
         floors.append(floor.run(a["steps"]))
     row = {"setup": setup.name, "seconds": sum(times) / len(times),
            "floor_seconds": sum(floors) / len(floors), "last_floor": floors[-1],
-           "stage": "", "bytes_sent": 0.0, "pieces": ""}
+           "stage": "", "bytes_sent": 0.0, "pieces": "", "tail": ""}
+    if setup.diloco is not None:
+        tail = setup.tail[-len(times):]
+        row["tail"] = f"{sum(tail) / len(tail):g}"
     if setup.onebit:
         stats = setup.stats()
         row["stage"] = stats["stage"]
@@ -184,7 +201,7 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
               f"{a['rounds']} rounds of {a['steps']} steps per setup, each round followed by "
               f"{a['steps']} floor steps, after {a['untimed']} untimed "
               f"(+{FREEZE} warmup steps for the onebit optimizers; DiLoCo's untimed steps "
-              "are whole outer rounds)")
+              "are whole outer rounds, then up to the schedule's quiet step)")
         table.header()
 
     def show(row: Dict) -> None:
@@ -193,7 +210,7 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
         table.row(**{"setup": row["setup"], "ms/step": row["seconds"] * 1e3,
                      "x floor": row["x_floor"], "floor ms": row["floor_seconds"] * 1e3,
                      "stage": row["stage"], "MB sent/step": row["bytes_sent"] / 1e6,
-                     "pieces": row["pieces"]})
+                     "pieces": row["pieces"], "tail": row["tail"]})
 
     gen = torch.Generator().manual_seed(1 + rank)
     device = collectives.communication_device()
@@ -204,12 +221,12 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
     rows: List[Dict] = []
     last = floor.run(a["steps"])
     first = {"setup": FLOOR, "seconds": last, "floor_seconds": last, "stage": "",
-             "bytes_sent": 0.0, "pieces": ""}
+             "bytes_sent": 0.0, "pieces": "", "tail": ""}
     show(first)
     for name in ["ddp+adam"] + setups(a["optimizers"], a["overlap"]):
         setup = _Setup(name, a, x, y)
         warmup = FREEZE if setup.onebit and setup.diloco is None else 0  # DiLoCo has no freeze
-        setup.run(setup.steps_per_round(a["untimed"] + warmup))
+        setup.run(setup.untimed_steps(a["untimed"] + warmup))
         row = _interleaved(setup, floor, last, a)
         last = row.pop("last_floor")
         show(row)
