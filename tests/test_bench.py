@@ -225,6 +225,14 @@ def test_step_bench_times_diloco_and_streaming_diloco(tmp_path):
     assert plain["tail"] == streaming["tail"] == "0", out
 
 
+def test_step_bench_without_ddp_times_only_the_floor_and_the_optimizers(tmp_path):
+    bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "1",
+          "--rounds", "1", "--untimed", "0", "--optimizers", "diloco", "--sync-every", "2",
+          "--fragments", "2", "--overlap", "on", "--ddp", "off", "--json", str(tmp_path / "d.json"))
+    rows = [r["setup"] for r in json.loads((tmp_path / "d.json").read_text())["results"]]
+    assert rows == ["floor", "diloco+overlap", "floor again"]
+
+
 def test_step_bench_overlap_choice_names_the_rows():
     from onebit.bench.step import setups
 

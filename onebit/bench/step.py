@@ -7,7 +7,8 @@ same run, as baselines:
   floor      the same model and torch.optim.Adam with no communication at
              all: what a step costs if the network were free;
   ddp+adam   DistributedDataParallel + torch.optim.Adam (fp32 gradients,
-             bucketed and overlapped with backward by DDP);
+             bucketed and overlapped with backward by DDP; `--ddp off` leaves
+             it out);
 then each onebit optimizer in its compression stage (the warmup and
 `--untimed` more steps run first, untimed), used drop-in: step() exchanges
 1-bit momentum itself; with `--overlap` (default both) each optimizer
@@ -223,7 +224,7 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
     first = {"setup": FLOOR, "seconds": last, "floor_seconds": last, "stage": "",
              "bytes_sent": 0.0, "pieces": "", "tail": ""}
     show(first)
-    for name in ["ddp+adam"] + setups(a["optimizers"], a["overlap"]):
+    for name in ["ddp+adam"] * a["ddp"] + setups(a["optimizers"], a["overlap"]):
         setup = _Setup(name, a, x, y)
         warmup = FREEZE if setup.onebit and setup.diloco is None else 0  # DiLoCo has no freeze
         setup.run(setup.untimed_steps(a["untimed"] + warmup))
@@ -240,7 +241,8 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
 def run(args: argparse.Namespace) -> bool:
     a = dict(params=args.params, width=args.width, batch=args.batch, steps=args.steps,
              rounds=args.rounds, untimed=args.untimed, optimizers=args.optimizers.split(","),
-             overlap=args.overlap, sync_every=args.sync_every, fragments=args.fragments,
+             overlap=args.overlap, ddp=args.ddp == "on", sync_every=args.sync_every,
+             fragments=args.fragments,
              overlap_steps=args.overlap_steps)
     rank, rows = launch.run_everywhere(measure, args.nproc, a,
                                        backend=launch.local_backend(args.nproc))
@@ -271,6 +273,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", choices=("off", "on", "both"), default="both",
                    help="time each optimizer without and/or with overlap_backward=True "
                         "(rows named +overlap)")
+    p.add_argument("--ddp", choices=("on", "off"), default="on",
+                   help="time the ddp+adam baseline (off: only the floor and the optimizers, "
+                        "for runs on slow links, where DDP's steps take most of the time)")
     p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,
                    help="diloco: inner steps per outer round (H)")
     p.add_argument("--fragments", type=int_arg(1), default=4,
