@@ -224,7 +224,8 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
     first = {"setup": FLOOR, "seconds": last, "floor_seconds": last, "stage": "",
              "bytes_sent": 0.0, "pieces": "", "tail": ""}
     show(first)
-    for name in ["ddp+adam"] * a["ddp"] + setups(a["optimizers"], a["overlap"]):
+    baselines = ["ddp+adam"] if a["ddp"] else []
+    for name in baselines + setups(a["optimizers"], a["overlap"]):
         setup = _Setup(name, a, x, y)
         warmup = FREEZE if setup.onebit and setup.diloco is None else 0  # DiLoCo has no freeze
         setup.run(setup.untimed_steps(a["untimed"] + warmup))
@@ -242,8 +243,7 @@ def run(args: argparse.Namespace) -> bool:
     a = dict(params=args.params, width=args.width, batch=args.batch, steps=args.steps,
              rounds=args.rounds, untimed=args.untimed, optimizers=args.optimizers.split(","),
              overlap=args.overlap, ddp=args.ddp == "on", sync_every=args.sync_every,
-             fragments=args.fragments,
-             overlap_steps=args.overlap_steps)
+             fragments=args.fragments, overlap_steps=args.overlap_steps)
     rank, rows = launch.run_everywhere(measure, args.nproc, a,
                                        backend=launch.local_backend(args.nproc))
     if rank == 0 and args.json:
