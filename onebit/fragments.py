@@ -78,10 +78,9 @@ class FragmentPlan:
         step. A run timed from one quiet step to another pays for the
         exchanges it launches and for nothing launched before it, as a
         long run does: the bench's timed rounds (bench/step.py) start there."""
-        def in_flight(step: int, fragment: int) -> bool:
-            return (step - self.offset(fragment)) % self.sync_every < self.delay
-
+        late = 2 * self.sync_every  # past the first round, where launches start up
         for step in range(self.sync_every):
-            if not any(in_flight(step, f) for f in range(self.count)):
+            # in flight after `late + step`: launched within the last `delay` steps
+            if not any(self.launching(late + step - back) for back in range(self.delay)):
                 return step
         return None
