@@ -112,8 +112,12 @@ case $act in
     # stop and the namespaces go: a leftover bridge would shape the next run.
     cleanup() {
       trap - EXIT INT TERM
-      local p
-      for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+      # Every background job, not only "${pids[@]}": a signal can land between
+      # starting a rank and recording its pid, and `wait` would then wait for
+      # that rank to end by itself.
+      local ranks
+      ranks=$(jobs -p)
+      [ -z "$ranks" ] || kill $ranks 2>/dev/null
       wait 2>/dev/null
       down
     }
