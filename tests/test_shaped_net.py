@@ -124,11 +124,16 @@ def wait_for_namespaces(expected):
 
 
 def stop(proc):
-    """End the tool the way a user would (SIGTERM), so it removes its network;
-    SIGKILL only if it does not end."""
+    """End the tool the way a user would (SIGTERM), so it removes its network.
+    If it does not end, that is a failure of its own: SIGKILL it and remove
+    what it leaves, so later tests and benchmarks on this machine do not run
+    on a stale shaped network."""
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+            subprocess.run(["bash", TOOL, "down", "1"], timeout=30)
+            raise AssertionError("shaped_net.sh did not end within 20 s of SIGTERM")
