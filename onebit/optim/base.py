@@ -41,12 +41,12 @@ from . import functional as F
 from .agreement import RankAgreement, check_params_served, nonfinite_flag
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
-from .checks import (check_each_parameter_once, check_flag, check_number, check_positive_int,
-                     check_whole_parameters)
+from .checks import check_each_parameter_once, check_flag, check_number, check_positive_int
 from .exchange import ErrorFeedbackExchange, GroupKey, LateKey, UnhookedKey
 from .guards import ZeroVarianceGuard, copy_masked_, mask_unseen_
 from .late import LATE_KEY, LateJoiners
 from .overlap import BackwardOverlap, OverlapCallbacks, exchange_group
+from .shards import ShardedParams
 from .stage import Stage
 from .telemetry import StepTelemetry
 from .untouched import UntouchedParams
@@ -57,7 +57,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base class; see OnebitAdam for the user-facing documentation.
 
     `process_group` is the data-parallel group (default: the world, or no
-    communication at all when torch.distributed is not initialised).
+    communication at all when torch.distributed is not initialised). With
+    FSDP2-sharded params it is the mesh's replicate dim, and the maths runs
+    on each rank's local shards (shards.py).
 
     The contract of a subclass:
 
@@ -107,6 +109,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.cuda_aware = cuda_aware
+        self._shards = ShardedParams(type(self).__name__, self.param_groups, process_group)
+        if self._shards.sharded and (graph_capture or overlap_backward):
+            raise ValueError(f"{type(self).__name__}: graph_capture and overlap_backward are not "
+                             "supported with FSDP2-sharded params yet; leave them False")
         from ..backends import backend_name, get_backend
 
         self.comm_backend_name = backend_name(comm_backend_name)
@@ -114,7 +120,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
         self.comm_device = collectives.communication_device(process_group) \
             if self.distributed else torch.device("cpu")
-        self._agreement = RankAgreement(type(self).__name__, process_group, timeout_s)
+        # The decisions every rank must share (skipping a step, which params
+        # have no gradient) span the shard group too: a shard that skipped
+        # while its neighbour stepped would leave half a parameter behind.
+        # The replicas' checksums, though, compare only copies of one shard.
+        self._agreement = RankAgreement(type(self).__name__, self._shards.mesh_group
+                                        if self._shards.sharded else process_group, timeout_s)
+        self._replicas = RankAgreement(type(self).__name__, process_group, timeout_s)
+        self._agreeing = self.world_size > 1 or (self._shards.sharded and dist.get_world_size() > 1)
+        if self._agreeing and self.world_size == 1:  # one replica of shards: agree, no exchange
+            self._agreement.check_construction(self._settings, self.param_groups,
+                                               self.comm_backend_name)
         if self.world_size > 1:
             check_params_served(type(self).__name__, self.param_groups, process_group)
             # MPI has its own communicator and no deadlines; torch.distributed
@@ -212,7 +228,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         beta1, beta2 = group["betas"]
         self._clip_(grads, group["max_grad_norm"])
         for p, g in zip(params, grads):
-            k = LateJoiners.steps_done(self.state, p) + 1
+            k = LateJoiners.steps_done(self._local_state(), p) + 1
             m, v = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
             F.update_momentum_([m], [g], beta1)
             F.update_variance_([v], [g], beta2)
@@ -258,13 +274,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             with torch.enable_grad():
                 loss = closure()
         self._restart_notice.before_step()
+        self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
         t = stage.step
         self._late.mark(self.state, self.param_groups, stage.variance_frozen)
         self._notice_trainable_changes()
         groups = [(self._with_float_lr(g), self._trainable(g)) for g in self.param_groups]
-        late = [(g, self._late.params(self.state, raw)) for (g, _), raw in
-                zip(groups, self.param_groups)]
+        late = [(g, self._shards.locals(self._late.params(self.state, raw)))
+                for (g, _), raw in zip(groups, self.param_groups)]
         grads = [self._gradients(ps) for _, ps in groups]
         late_grads = [self._gradients(ps) for _, ps in late]
         try:
@@ -297,13 +314,15 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         for i, ((group, params), gs) in enumerate(zip(late, late_grads)):
             if params:
                 self._late_update(LateKey(i), group, params, gs)
-                LateJoiners.advance(self.state, params)
+                LateJoiners.advance(self._local_state(), params)
         if untouched is not None:
             untouched.restore()
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
-            self._agreement.check_replicas(t, self.param_groups, self.state)
+            self._replicas.check_replicas(
+                t, [{"params": self._shards.locals(g["params"])} for g in self.param_groups],
+                self._local_state())
         self._telemetry.end_step(t, stage.name, skipped=False)
         return loss
 
@@ -319,7 +338,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         flag = nonfinite_flag(grads_by_group, self.comm_device, found_inf)
         every = [p for g in self.param_groups for p in g["params"]]
         no_grad = [p.grad is None for p in every]
-        if self.world_size > 1:
+        if self._agreeing:
             stale = self._overlap is not None and self._overlap.stale
             verdict = self._agreement.before_step(t, flag, self._trainable_digest, stale,
                                                   self.param_groups, no_grad)
@@ -334,7 +353,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
                              "least one rank; nothing was updated (use torch.amp.GradScaler to "
                              "skip such steps)")
-        return bad, [p for p, none in zip(every, no_grad) if none and p.requires_grad]
+        return bad, self._shards.locals(
+            [p for p, none in zip(every, no_grad) if none and p.requires_grad])
 
     def _keep_untouched(self, gradless: List[torch.Tensor],
                         trained: List[List[torch.Tensor]]) -> UntouchedParams:
@@ -345,7 +365,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         keep = UntouchedParams()
         ids = {id(p) for p in gradless}
         for p in gradless:
-            keep.keep_param(p, self.state[p])
+            keep.keep_param(p, self._state_of(p))
         for i, ps in enumerate(trained):
             places = [(GroupKey(i), ps, j) for j, p in enumerate(ps) if id(p) in ids]
             if self._overlap is not None:
@@ -376,11 +396,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if not isinstance(params, (torch.Tensor, set)):  # a generator is read once
             params = param_group["params"] = list(params)
         listed = [params] if isinstance(params, torch.Tensor) else params
-        check_whole_parameters(type(self).__name__, listed)
         check_each_parameter_once(type(self).__name__, listed)
         super().add_param_group(param_group)
         if not getattr(self, "_constructed", False):  # torch's __init__ adding the first groups
             return
+        self._shards.check_added(self.param_groups)
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
             check_params_served(type(self).__name__, self.param_groups, self.process_group)
@@ -448,8 +468,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         require grad, less late joiners in their own warmup (late.py). A param
         whose .grad is None at a step counts as a zero gradient, so every rank
         flattens the same layout."""
-        return [p for p in group["params"]
-                if p.requires_grad and not self._late.is_late(self.state, p)]
+        return self._shards.locals([p for p in group["params"]
+                                    if p.requires_grad and not self._late.is_late(self.state, p)])
 
     def _trained_lists(self) -> List[List[torch.Tensor]]:
         return [self._trainable(g) for g in self.param_groups]
@@ -470,8 +490,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._trainable_signature = signature
         self._trainable_digest = stable_digest(signature)
 
+    def _local_state(self):
+        """`self.state`, which a sharded param's local shard (what the maths
+        holds, see `_trainable`) indexes as the param itself."""
+        return self._shards.state_view(self.state)
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        """The state of param `p`, or of the param whose local shard `p` is."""
+        return self.state[self._shards.owner(p)]
+
     def _state_tensor(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        st = self.state[p]
+        st = self._state_of(p)
         t = st.get(name)
         if t is None:
             t = st[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -488,12 +517,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """fp32 gradients, unscaled when a GradScaler handed us its scale."""
         grads = []
         for p in params:
-            if p.grad is None:
+            g = self._shards.grad(p)
+            if g is None:
                 g = torch.zeros_like(p, dtype=torch.float32)
-            elif p.grad.is_sparse:
+            elif g.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")
             else:
-                g = p.grad.detach()
+                g = g.detach()
                 g = g.float() if g.dtype != torch.float32 else g
             grads.append(g)
         scale = getattr(self, "grad_scale", None)
@@ -515,7 +545,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
         if max_norm > 0 and grads:
-            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            total = torch.linalg.vector_norm(
+                self._shards.whole_norms(torch.stack(torch._foreach_norm(grads))))
             coef = max_norm / (float(total) + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
@@ -602,7 +633,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         for group in self.param_groups if groups is None else groups:
             collectives.broadcast_from_first_rank(
                 f"{type(self).__name__}: broadcast of rank 0's initial parameters",
-                list(group["params"]), self.process_group, self.timeout_s)
+                self._shards.locals(list(group["params"])), self.process_group, self.timeout_s)
 
     # ------------------------------------------------- overlap with backward --
     def _coming_step(self) -> int:
@@ -662,6 +693,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             g[COUNTERS_KEY] = copy.deepcopy(g[COUNTERS_KEY])
         params = [p for g in self.param_groups for p in g["params"]]
         checkpoints.add_placeholders(sd, params, self._all_staged_state())
+        self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
         return sd
 
     def _all_staged_state(self) -> Dict[str, tuple]:
@@ -681,6 +713,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """
         state_dict = checkpoints.adapt(self, state_dict, self._counters_at)
         super().load_state_dict(checkpoints.keep_masks(state_dict, self.param_groups))
+        self._shards.from_dtensors(self.state)
         counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
         self._share_counters(counters)
         checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"])
@@ -704,14 +737,15 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _error_identity(self) -> dict:
         return {"rank": self._rank(), "world_size": self.world_size,
                 "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
-                "step": self.counters["step"]}
+                "step": self.counters["step"], **self._shards.identity()}
 
     def error_feedback_key(self) -> str:
         """The key for this rank's error buffers in a DCP checkpoint. It names
         the world size too: at another one the buffers have other sizes, and
         DCP refuses to load a tensor into one of another size, so there the
         key is simply absent (load with allow_partial_load=True)."""
-        return f"onebit_errors.world{self.world_size}.rank{self._rank()}"
+        return (f"onebit_errors.world{self.world_size}.rank{self._rank()}"
+                + self._shards.key_suffix())
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore what `error_feedback_state_dict` saved on this rank. At

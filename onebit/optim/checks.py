@@ -70,24 +70,6 @@ def check_positive_int(name: str, value, minimum: int = 1) -> None:
            f"an integer >= {minimum}")
 
 
-def check_whole_parameters(name: str, params) -> None:
-    """A ValueError, at construction, for a sharded parameter (a DTensor:
-    FSDP2's `fully_shard`, or tensor parallelism). The compressed exchange
-    and the error feedback need every rank to hold whole parameters."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch before 2.4: no public DTensor
-        return
-    for i, p in enumerate(params):
-        if isinstance(p, DTensor):
-            raise ValueError(
-                f"{name}: param {i} {tuple(p.shape)} is a DTensor (FSDP2's fully_shard or tensor "
-                "parallelism); sharded parameters are not supported yet. Train whole "
-                "parameters with DDP and the comm hook instead: model = DDP(model); "
-                "model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook) "
-                "(docs/usage.md, 'With DistributedDataParallel')")
-
-
 def check_each_parameter_once(name: str, params) -> None:
     """A ValueError for a parameter listed twice in one group. torch.optim
     only warns and then updates it twice per step; here the two entries

@@ -185,20 +185,25 @@ def apply_updates_(params: Tensors, updates: Tensors, lr: float,
     add_updates_(params, updates)
 
 
-def norms(tensors: Tensors) -> List[float]:
-    """L2 norm of each tensor (0 for empty tensors), as Python floats."""
+def norms(tensors: Tensors, whole=None) -> List[float]:
+    """L2 norm of each tensor (0 for empty tensors), as Python floats.
+    `whole` (sharded params, shards.py) turns the stacked norms of local
+    shards into those of the whole parameters."""
     if not tensors:
         return []
-    return [float(n) for n in torch.stack(torch._foreach_norm(tensors)).tolist()]
+    stacked = torch.stack(torch._foreach_norm(tensors))
+    if whole is not None:
+        stacked = whole(stacked)
+    return [float(n) for n in stacked.tolist()]
 
 
 def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
-                      max_coeff: float, updates_scale: float = 1.0) -> List[float]:
+                      max_coeff: float, updates_scale: float = 1.0, whole=None) -> List[float]:
     """||p|| / ||u|| clamped to [min_coeff, max_coeff]; 1 where either norm
     is 0. u is `updates` times `updates_scale` (a pass saved where the
-    caller's buffers hold a multiple of the update)."""
+    caller's buffers hold a multiple of the update). `whole`: see norms."""
     # One host sync for both lists of norms.
-    both = norms([p.float() for p in params] + list(updates))
+    both = norms([p.float() for p in params] + list(updates), whole)
     out = []
     for w, u in zip(both[:len(params)], both[len(params):]):
         u *= updates_scale
@@ -206,19 +211,27 @@ def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
     return out
 
 
-def max_ratios_(numerators: Tensors, denominators: Tensors) -> List[float]:
+def max_ratios_(numerators: Tensors, denominators: Tensors, whole_max=None) -> List[float]:
     """max(a / b) of each pair of tensors (1.0 for empty ones), with one host
     sync for the whole list instead of one per tensor. Overwrites
-    `denominators` with the ratios (no allocation)."""
+    `denominators` with the ratios (no allocation). `whole_max` (sharded
+    params, shards.py) takes per-tensor maxima of local shards to those of
+    the whole parameters; an empty shard then counts as -inf, not 1.0."""
     live = [i for i, a in enumerate(numerators) if a.numel()]
     out = [1.0] * len(numerators)
+    maxes = []
     if live:
         ratios = [denominators[i] for i in live]
         torch._foreach_reciprocal_(ratios)
         torch._foreach_mul_(ratios, [numerators[i] for i in live])
         maxes = torch._foreach_max(ratios) if hasattr(torch, "_foreach_max") else [r.max() for r in ratios]
-        for i, v in zip(live, torch.stack(maxes).tolist()):
-            out[i] = v
+    if whole_max is not None and numerators:
+        every = torch.full((len(numerators),), -math.inf, device=numerators[0].device)
+        if live:
+            every[live] = torch.stack(maxes).float()
+        return [v if v != -math.inf else 1.0 for v in whole_max(every).tolist()]
+    for i, v in zip(live, torch.stack(maxes).tolist() if live else []):
+        out[i] = v
     return out
 
 

@@ -142,7 +142,7 @@ class OnebitLamb(FreezeStepOptimizer):
         param at a time, counted from its first step; its last step keeps its
         variance as the fresh one, as freeze_step does for the rest."""
         for p, g in zip(params, grads):
-            self._warmup_step(key, group, [p], [g], LateJoiners.steps_done(self.state, p) + 1)
+            self._warmup_step(key, group, [p], [g], LateJoiners.steps_done(self._local_state(), p) + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
         beta1, beta2 = group["betas"]
@@ -156,7 +156,7 @@ class OnebitLamb(FreezeStepOptimizer):
         bc1, bc2 = self._bias_corrections(group, t, t)
         coeffs = self._lamb_update(i, group, params, m, self._denominators(i, group, v, bc2, None), bc1)
         for p, coeff in zip(params, coeffs):
-            st = self.state[p]
+            st = self._state_of(p)
             st.setdefault("lamb_coeff_freeze", 0.0)
             st.setdefault("last_factor", 1.0)
             if coeff != 1.0:
@@ -166,7 +166,7 @@ class OnebitLamb(FreezeStepOptimizer):
             key, src = (("exp_avg_sq_fresh", v) if self.trust_ratio == "frozen"
                         else ("exp_avg_smoothed", m))
             for p, x in zip(params, src):
-                self.state[p][key] = x.clone()
+                self._state_of(p)[key] = x.clone()
 
     def _lamb_update(self, i, group, params, m, denom, bc1) -> list:
         """LAMB's step: p -= lr * clamp(||p|| / ||u||) * u with
@@ -174,10 +174,16 @@ class OnebitLamb(FreezeStepOptimizer):
         pf = [p.float() for p in params]
         upd = F.adam_updates(m, denom, pf, group["weight_decay"], bc1,
                              out=self._static.scratch("update", i, m))
-        coeffs = F.lamb_trust_ratios(pf, upd, group["min_coeff"], group["max_coeff"])
+        coeffs = F.lamb_trust_ratios(pf, upd, group["min_coeff"], group["max_coeff"],
+                                     whole=self._whole_norms())
         self.lamb_coeffs.extend(coeffs)
         F.apply_updates_(params, upd, group["lr"], coeffs)
         return coeffs
+
+    def _whole_norms(self):
+        """Sharded params: the ratio is of whole parameters' norms, so each
+        list of shard norms is completed over the shard group (shards.py)."""
+        return self._shards.whole_norms if self._shards.sharded else None
 
     def _compressed_step(self, i, group, params, gs, t) -> None:
         m, v = self._moments(group, params, gs)
@@ -200,9 +206,9 @@ class OnebitLamb(FreezeStepOptimizer):
         """trust_ratio="fresh": LAMB's ratio, measured on the running average
         of the exchanged momentum (see the class doc)."""
         for p, mi in zip(params, m):  # freeze_step = 0 or a restored warmup: start from m
-            if "exp_avg_smoothed" not in self.state[p]:
-                self.state[p]["exp_avg_smoothed"] = mi.clone()
-        smoothed = [self.state[p]["exp_avg_smoothed"] for p in params]
+            if "exp_avg_smoothed" not in self._state_of(p):
+                self._state_of(p)["exp_avg_smoothed"] = mi.clone()
+        smoothed = [self._state_of(p)["exp_avg_smoothed"] for p in params]
         params, m, v, smoothed = only_seen(seen, params, m, v, smoothed)
         if not params:
             return
@@ -214,7 +220,7 @@ class OnebitLamb(FreezeStepOptimizer):
         ref = F.adam_updates(smoothed, denom, pf, wd * bc1, 1.0,
                              out=self._static.scratch("update", i, m))
         coeffs = F.lamb_trust_ratios(pf, ref, group["min_coeff"], group["max_coeff"],
-                                     updates_scale=1.0 / bc1)
+                                     updates_scale=1.0 / bc1, whole=self._whole_norms())
         self.lamb_coeffs.extend(coeffs)
         # The step itself never materialises the update (a decay and an addcdiv).
         F.adam_step_(params, m, denom, group["lr"], wd, bc1, scales=coeffs)
@@ -223,9 +229,9 @@ class OnebitLamb(FreezeStepOptimizer):
         """The paper's compression-stage update (trust_ratio="frozen")."""
         beta1, beta2 = group["betas"]
         for p, vi in zip(params, v):  # freeze_step = 0: the fresh variance starts at v
-            if "exp_avg_sq_fresh" not in self.state[p]:
-                self.state[p]["exp_avg_sq_fresh"] = vi.clone()
-        fresh = [self.state[p]["exp_avg_sq_fresh"] for p in params]
+            if "exp_avg_sq_fresh" not in self._state_of(p):
+                self._state_of(p)["exp_avg_sq_fresh"] = vi.clone()
+        fresh = [self._state_of(p)["exp_avg_sq_fresh"] for p in params]
         params, m, v, m_last, fresh = only_seen(seen, params, m, v, m_last, fresh)
         if not params:
             return
@@ -238,17 +244,18 @@ class OnebitLamb(FreezeStepOptimizer):
         denom = self._denominators(i, group, v, bc2, self.freeze_step)
         denom_fresh = F.denominators(fresh, group["eps"], group["eps_inside_sqrt"], bc2,
                                      out=self._static.scratch("fresh denominators", i, fresh))
-        ratio_maxes = F.max_ratios_(denom, denom_fresh)
+        ratio_maxes = F.max_ratios_(denom, denom_fresh, self._shards.whole_maxima
+                                    if self._shards.sharded else None)
         pf = [p.float() for p in params]
         # The update before weight decay, then after, in the same buffer.
         upd = F.adam_updates(m, denom, pf, 0.0, bc1, out=self._static.scratch("update", i, m))
-        prelim_norms = upd_norms = F.norms(upd)
+        prelim_norms = upd_norms = F.norms(upd, self._whole_norms())
         if group["weight_decay"]:
             torch._foreach_add_(upd, pf, alpha=group["weight_decay"])
-            upd_norms = F.norms(upd)
+            upd_norms = F.norms(upd, self._whole_norms())
         coeffs = []
         for p, rmax, pn, un in zip(params, ratio_maxes, prelim_norms, upd_norms):
-            st = self.state[p]
+            st = self._state_of(p)
             factor = F.lamb_frozen_factor(rmax, pn, un, group["weight_decay"],
                                           st.get("last_factor", 1.0), self.factor_min,
                                           self.factor_max, self.factor_threshold)

@@ -292,7 +292,7 @@ class ZeroOneAdam(OnebitOptimizer):
         only then: with sync interval 1, never."""
         out = []
         for p in params:
-            st = self.state[p]
+            st = self._state_of(p)
             if "sync_point" not in st:
                 st["sync_point"] = p.detach().clone()
             elif first:

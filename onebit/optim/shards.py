@@ -1,0 +1,235 @@
+"""FSDP2-sharded parameters, seen by the optimizers as their local shards.
+
+Shard inside a node, 1 bit between nodes. Under
+`fully_shard(module, mesh=mesh["shard"])` every parameter is a DTensor with
+one `Shard(0)` placement on a 1-D mesh: this rank holds a run of its rows,
+and after backward its `.grad` holds the mean of those rows' gradients over
+the shard group (FSDP2's reduce-scatter, in full precision, on the links
+inside a node). The same rows live on one rank of every other node: the
+ranks of the optimizer's `process_group` (the mesh's "replicate" dim). They
+are the replicas of this shard, and the optimizer averages over them exactly
+as it averages whole parameters under DDP: in full precision in warmup, in
+1 bit after the freeze. Every optimizer step is elementwise, so its maths
+runs unchanged on the local tensors; only these need the shard group:
+
+- a decision every shard of a parameter must share: skipping a non-finite
+  step, which params have no gradient anywhere (`mesh_group`: the ranks of
+  the replicate and shard dims together);
+- a norm of a whole parameter (LAMB's trust ratio, gradient clipping):
+  the shards' squared norms summed over the shard group (`whole_norms`).
+
+The optimizer's state stays keyed by the parameters themselves (what
+torch.optim, DCP and FSDP2's tooling expect), holding local tensors in
+memory; `to_dtensors` and `from_dtensors` turn them into DTensors of the
+parameter's placement and back at `state_dict` / `load_state_dict`, so that
+torch.distributed.checkpoint saves and reshards them as it does the params.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+try:  # torch 2.4 and later: a public DTensor
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover - older torch has no FSDP2 either
+    DTensor, Shard = None, None
+
+SUPPORTED = ("FSDP2 on a 1-D mesh of the GPUs (or processes) of one node: "
+             "fully_shard(module, mesh=mesh['shard']) with the optimizer's "
+             "process_group=mesh.get_group('replicate')")
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(p, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of `t` (a DTensor), or `t` itself. In place
+    changes to it change the parameter: it is a view of FSDP2's shard."""
+    return t.to_local() if is_sharded(t) else t
+
+
+class ShardedParams:
+    """The params of an optimizer as local shards, or, when none is a
+    DTensor, as themselves (then every method is the identity, and costs a
+    dict lookup at most).
+
+    `name` (the optimizer's) starts every error message; `process_group`
+    is the group the optimizer averages over (the replicate dim)."""
+
+    def __init__(self, name: str, param_groups, process_group) -> None:
+        self.name, self.process_group = name, process_group
+        self.sharded = any(is_sharded(p) for g in param_groups for p in g["params"])
+        self.shard_group = self.mesh_group = None
+        self.shard_rank, self.shard_count = 0, 1
+        self._owners: Dict[int, torch.Tensor] = {}  # id(local view) -> its parameter
+        if self.sharded:
+            self._check_layout(param_groups)
+
+    # ------------------------------------------------------------ layout --
+    def _check_layout(self, param_groups) -> None:
+        """A ValueError naming what is supported for any layout that would
+        average the wrong things together (the module docstring's)."""
+        for i, g in enumerate(param_groups):
+            if g.get("exp_avg_mask") is not None:
+                raise ValueError(f"{self.name}: group {i} has an exp_avg_mask, which is not "
+                                 "supported with FSDP2-sharded params yet (it has the whole "
+                                 "param's shape, the maths sees shards)")
+        params = [p for g in param_groups for p in g["params"]]
+        mesh = None
+        for i, p in enumerate(params):
+            where = f"{self.name}: param {i} {tuple(p.shape)}"
+            if not is_sharded(p):
+                raise ValueError(f"{where} is a plain tensor among FSDP2-sharded DTensors: shard "
+                                 f"every parameter the optimizer trains ({SUPPORTED})")
+            if p.device_mesh.ndim != 1:
+                raise ValueError(
+                    f"{where} lives on a {p.device_mesh.ndim}-D mesh "
+                    f"{p.device_mesh.mesh_dim_names}: HSDP (fully_shard on the whole 2-D mesh) "
+                    "would all-reduce the gradients across replicas itself, in full precision, "
+                    "and onebit would average them again; a tensor-parallel dim is not "
+                    f"supported. Use {SUPPORTED}")
+            if tuple(p.placements) != (Shard(0),):
+                raise ValueError(f"{where} has placements {tuple(p.placements)}; supported: "
+                                 f"(Shard(dim=0),), FSDP2's default ({SUPPORTED})")
+            if mesh is None:
+                mesh = p.device_mesh
+            elif p.device_mesh != mesh:
+                raise ValueError(f"{where} is sharded on another mesh ({p.device_mesh}) than "
+                                 f"param 0 ({mesh}): one shard mesh for every param ({SUPPORTED})")
+        self.shard_group = mesh.get_group()
+        self.shard_rank, self.shard_count = mesh.get_local_rank(), mesh.size()
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        """The replicate group must hold exactly one rank of each node's
+        shard group, and the two together must be the whole world (the
+        decisions every shard shares are all-gathered over it)."""
+        shard_ranks = set(dist.get_process_group_ranks(self.shard_group))
+        replicate_ranks = set(dist.get_process_group_ranks(
+            self.process_group if self.process_group is not None else dist.group.WORLD))
+        if len(shard_ranks & replicate_ranks) != 1:
+            raise ValueError(
+                f"{self.name}: process_group (ranks {sorted(replicate_ranks)}) shares "
+                f"{len(shard_ranks & replicate_ranks)} ranks with the params' shard group (ranks "
+                f"{sorted(shard_ranks)}); it must be the replicate dim of the mesh, one rank per "
+                f"shard group, or different shards would be averaged together ({SUPPORTED})")
+        world = dist.get_world_size()
+        if len(shard_ranks) * len(replicate_ranks) != world:
+            raise ValueError(
+                f"{self.name}: {len(replicate_ranks)} replicas x {len(shard_ranks)} shards is not "
+                f"the world ({world} ranks): a mesh with a dim besides replicate and shard "
+                f"(pipeline or tensor parallelism) is not supported ({SUPPORTED})")
+        self.mesh_group = dist.group.WORLD
+
+    def check_added(self, param_groups) -> None:
+        """A group added later (add_param_group) keeps the layout: sharded
+        like the rest, or plain like the rest."""
+        if self.sharded:
+            self._check_layout(param_groups)
+        elif any(is_sharded(p) for g in param_groups for p in g["params"]):
+            raise ValueError(f"{self.name}: a group of FSDP2-sharded params added to an "
+                             f"optimizer of whole params; build it with the sharded params "
+                             f"from the start ({SUPPORTED})")
+
+    def identity(self) -> dict:
+        """What error buffers saved on this rank are valid for, besides the
+        replicate rank: the shard they belong to (empty when not sharded)."""
+        return {"shard": self.shard_rank, "shards": self.shard_count} if self.sharded else {}
+
+    def key_suffix(self) -> str:
+        """The shard in a checkpoint key: replicas of different shards share
+        their replicate rank."""
+        return f".shard{self.shard_rank}of{self.shard_count}" if self.sharded else ""
+
+    # ------------------------------------------------------ local views --
+    def locals(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The local shards of `params`, remembered for `owner` until the next
+        call. FSDP2 rebinds a parameter's local tensor (at lazy init, after a
+        load), so the views are taken afresh at every step."""
+        if not self.sharded:
+            return params
+        views = [p.to_local() for p in params]
+        self._owners.update((id(v), p) for v, p in zip(views, params))
+        return views
+
+    def forget_views(self) -> None:
+        """Drop the views of the last step (their ids may be reused)."""
+        self._owners.clear()
+
+    def owner(self, t: torch.Tensor) -> torch.Tensor:
+        """The parameter whose local shard `t` is (from `locals`), or `t`."""
+        return self._owners.get(id(t), t)
+
+    def grad(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The local shard of the gradient of the parameter `t` stands for."""
+        g = self.owner(t).grad
+        return local(g) if g is not None else None
+
+    def state_view(self, state):
+        """`state` (keyed by parameters) indexed by local shards as well."""
+        return _StateByShard(state, self) if self.sharded else state
+
+    # --------------------------------------------------- whole parameters --
+    def whole_norms(self, norms: torch.Tensor) -> torch.Tensor:
+        """The 2-norms of whole parameters from their shards' (a 1-D tensor,
+        one per param, the same order on every shard): one all-reduce of the
+        squares over the shard group."""
+        if not self.sharded or self.shard_count == 1:
+            return norms
+        squares = norms.double().square()
+        dist.all_reduce(squares, group=self.shard_group)
+        return squares.sqrt().to(norms.dtype)
+
+    def whole_maxima(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-param maxima over the shards (a 1-D tensor, one per param)."""
+        if not self.sharded or self.shard_count == 1:
+            return values
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.shard_group)
+        return values
+
+    # ------------------------------------------------------- checkpoints --
+    def to_dtensors(self, state_dict: dict, params: List[torch.Tensor]) -> None:
+        """In `state_dict["state"]` (keyed by index into `params`), every
+        tensor shaped like its param's local shard becomes a DTensor of the
+        param's placement, which DCP saves and reshards as it does params."""
+        if not self.sharded:
+            return
+        for index, st in state_dict["state"].items():
+            p = params[index]
+            shape = p.to_local().shape
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and not is_sharded(v) and v.shape == shape:
+                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+
+    def from_dtensors(self, state) -> None:
+        """The reverse, in a loaded optimizer's `state`: local tensors."""
+        if not self.sharded:
+            return
+        for st in state.values():
+            for k, v in st.items():
+                if is_sharded(v):
+                    st[k] = v.to_local()
+
+
+class _StateByShard:
+    """An optimizer's `state` that a local shard indexes as its parameter."""
+
+    def __init__(self, state, shards: ShardedParams) -> None:
+        self._state, self._shards = state, shards
+
+    def __getitem__(self, t):
+        return self._state[self._shards.owner(t)]
+
+    def get(self, t, default=None):
+        return self._state.get(self._shards.owner(t), default)
+
+    def __contains__(self, t) -> bool:
+        return self._shards.owner(t) in self._state
+
+    def values(self):
+        return self._state.values()
