@@ -192,27 +192,6 @@ def test_shutdown_waits_for_every_peer_before_destroying_the_group(tmp_path):
     assert run_workers(_orderly_shutdown, 3, marker, timeout=60) == [True, True, True]
 
 
-def _builds_over_fsdp2(rank, world, name):
-    import onebit
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    with pytest.raises(ValueError) as err:
-        getattr(onebit, name)(model.parameters())
-    return str(err.value)
-
-
-@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
-def test_fsdp2_parameters_are_refused_at_construction_naming_ddp(name):
-    """Not 'a peer rank probably died' from the first broadcast: the params
-    are DTensors, and the error says so and what to use instead."""
-    for message in run_workers(_builds_over_fsdp2, 2, name, timeout=60):
-        assert "is a DTensor" in message and "register_comm_hook" in message, message
-        assert "probably died" not in message, message
-
-
 def _collective_on_a_tensor_the_group_refuses(rank, world):
     import torch.distributed as dist
 

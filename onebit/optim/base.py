@@ -153,7 +153,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._static = StaticBuffers()
         self._warned_scales_drift = False
         self._restart_notice = checkpoints.ErrorFeedbackRestartNotice(type(self).__name__)
-        self._zero_variance = ZeroVarianceGuard()
+        self._zero_variance = ZeroVarianceGuard(self._shards.whole_sums
+                                                if self._shards.sharded else None)
         self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
         self._hook_averaged: set = set()  # ids of params the DDP hook averaged, for one step
         self._trainable_signature = None  # see _notice_trainable_changes
@@ -397,10 +398,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             params = param_group["params"] = list(params)
         listed = [params] if isinstance(params, torch.Tensor) else params
         check_each_parameter_once(type(self).__name__, listed)
+        if getattr(self, "_constructed", False):  # sharded like the rest, or whole like the rest
+            self._shards.check_added([*self.param_groups, {**param_group, "params": listed}])
         super().add_param_group(param_group)
         if not getattr(self, "_constructed", False):  # torch's __init__ adding the first groups
             return
-        self._shards.check_added(self.param_groups)
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
             check_params_served(type(self).__name__, self.param_groups, self.process_group)

@@ -14,10 +14,13 @@ m / (sqrt(0) + eps) is then about scale / 1e-8: the model blows up. So:
 
 v is identical on every rank (it only ever sees averaged gradients), so every
 rank makes the same decisions. While v is frozen the masks are computed once.
+On FSDP2 shards (shards.py) "seen" is decided for the whole parameter, so
+every shard of it decides alike: a shard whose part of v is all 0 while
+another shard's is not is a partly seen tensor, masked everywhere.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,7 +32,10 @@ class ZeroVarianceGuard:
     mask of the elements that have, for the tensors that are only partly
     seen (None for tensors seen everywhere or nowhere; see _mask)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole_counts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                 ) -> None:
+        # Sharded params: per-tensor counts of the local shards -> of the params.
+        self.whole_counts = whole_counts
         self._cache: Dict[int, tuple] = {}
 
     def clear(self) -> None:
@@ -43,11 +49,13 @@ class ZeroVarianceGuard:
         cached = self._cache.get(index)
         if version is not None and cached is not None and cached[0] == version:
             return cached[1], cached[2]
-        counts = (torch.stack([torch.count_nonzero(v) for v in exp_avg_sqs]).tolist()
-                  if exp_avg_sqs else [])
-        seen = [c > 0 for c in counts]
-        masks = [_mask(v, c, cached=version is not None) if 0 < c < v.numel() else None
-                 for c, v in zip(counts, exp_avg_sqs)]
+        local = torch.stack([torch.count_nonzero(v) for v in exp_avg_sqs]) if exp_avg_sqs else None
+        counts = local.tolist() if local is not None else []
+        whole = (self.whole_counts(local).tolist() if self.whole_counts is not None
+                 and local is not None else counts)
+        seen = [w > 0 for w in whole]
+        masks = [_mask(v, c, cached=version is not None) if 0 < w and c < v.numel() else None
+                 for c, w, v in zip(counts, whole, exp_avg_sqs)]
         if version is not None:
             self._cache[index] = (version, seen, masks)
         else:

@@ -183,6 +183,14 @@ class ShardedParams:
         dist.all_reduce(squares, group=self.shard_group)
         return squares.sqrt().to(norms.dtype)
 
+    def whole_sums(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per-param sums over the shards (a 1-D tensor, one per param)."""
+        if self.shard_count == 1:
+            return counts
+        counts = counts.clone()
+        dist.all_reduce(counts, group=self.shard_group)
+        return counts
+
     def whole_maxima(self, values: torch.Tensor) -> torch.Tensor:
         """Per-param maxima over the shards (a 1-D tensor, one per param)."""
         if not self.sharded or self.shard_count == 1:
@@ -201,10 +209,12 @@ class ShardedParams:
         for index, st in state_dict["state"].items():
             p = params[index]
             shape = p.to_local().shape
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and not is_sharded(v) and v.shape == shape:
-                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                               shape=p.shape, stride=p.stride())
+            # A new dict: torch's state_dict shares the live per-param dicts.
+            state_dict["state"][index] = {
+                k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+                if isinstance(v, torch.Tensor) and not is_sharded(v) and v.shape == shape else v
+                for k, v in st.items()}
 
     def from_dtensors(self, state) -> None:
         """The reverse, in a loaded optimizer's `state`: local tensors."""

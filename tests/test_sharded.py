@@ -1,0 +1,405 @@
+"""Shard inside a node, 1 bit between nodes: the optimizers on FSDP2-sharded
+params, on real gloo ranks laid out as (replicate = nodes) x (shard = ranks
+per node) meshes, 2x2 and 3x2.
+
+What is compared against what:
+- 1-bit Adam's shards against a float64 simulation written here from
+  docs/design.md ("Sharded training"), with the compressed exchange of
+  tests/reference.py: FSDP2 averages a shard's gradient over its node, then
+  each shard is an independent 1-bit Adam over the nodes, its tensors laid
+  out on blocks of their own;
+- warmup on shards against the same optimizer on whole params over all
+  ranks, in the same job (LAMB's trust ratio needs whole-param norms);
+- every shard against its copies on the other nodes, bit for bit, after
+  every step.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_workers
+from tests.reference import placement, reference_round
+
+BLOCK = 256  # the optimizers' default block_size
+
+# 7 rows: shards of 4+3 (2 per node) or 3+3+1 (3); 1 row: an empty shard;
+# 600 elements: several blocks. Gradient scales six orders of magnitude apart.
+SHAPES = [(7, 5), (13,), (1, 3), (4, 3, 2), (600,)]
+GRAD_SCALES = [1.0, 1e-3, 10.0, 1.0, 1e-2]
+PARAM_SCALE = 0.05  # keeps LAMB's ||p|| / ||u|| inside its default clamp [0.01, 10]
+
+
+def synthetic_grad(rank, step, i):
+    g = torch.Generator().manual_seed(7919 * step + 31 * rank + i + 1)
+    return torch.randn(SHAPES[i], generator=g) * (1 + rank) * GRAD_SCALES[i]
+
+
+def initial_params():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) * PARAM_SCALE for s in SHAPES]
+
+
+class Synthetic(torch.nn.Module):
+    """loss = sum_i <p_i, w_i>: the gradient of p_i is w_i, exactly, on each
+    rank. `unused` params take no part (no rank has a gradient for them)."""
+
+    def __init__(self, unused=()):
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in initial_params()])
+        self.unused = set(unused)
+
+    def forward(self, weights):
+        return sum((p * w).sum() for i, (p, w) in enumerate(zip(self.ps, weights))
+                   if i not in self.unused)
+
+
+def weights(rank, step):
+    return [synthetic_grad(rank, step, i) for i in range(len(SHAPES))]
+
+
+def sharded(world, nodes, unused=()):
+    """A Synthetic model under fully_shard on the shard dim of a (nodes,
+    world // nodes) mesh, and the replicate group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
+    model = Synthetic(unused)
+    fully_shard(model, mesh=mesh["shard"])
+    return model, mesh
+
+
+def local_flat(model):
+    return [p.to_local().detach().reshape(-1).clone() for p in model.parameters()]
+
+
+def assert_replicas_identical(model, group, where):
+    import torch.distributed as dist
+
+    for i, t in enumerate(local_flat(model)):
+        copies = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, t, group=group)
+        for r, c in enumerate(copies[1:], 1):
+            assert torch.equal(copies[0].view(torch.int32), c.view(torch.int32)), \
+                f"param {i}'s shard differs on replica {r} {where}"
+
+
+def make(cls_name, params, **kw):
+    import onebit
+
+    return getattr(onebit, cls_name)(params, **kw)
+
+
+CONFIGS = {
+    "OnebitAdam": dict(freeze_step=4, lr=1e-2),
+    "OnebitLamb": dict(freeze_step=4, lr=1e-2, weight_decay=0.01),
+    "ZeroOneAdam": dict(var_freeze_step=4, var_update_scaler=2, local_step_scaler=4,
+                        local_step_clipper=2, lr=1e-2, weight_decay=0.01),
+}
+
+
+# ------------------------------------------------- the float64 reference --
+def shard_rows(rows, s, shards):
+    """The rows FSDP2 gives shard s of `shards` (torch.chunk on dim 0)."""
+    chunk = -(-rows // shards)
+    return slice(min(s * chunk, rows), min((s + 1) * chunk, rows))
+
+
+def simulate_sharded_onebit_adam(nodes, per_node, steps, freeze, lr, betas=(0.9, 0.999),
+                                 eps=1e-8):
+    """1-bit Adam on shards in float64: for each shard s, the tensors are the
+    s-th row runs of every param; node n's gradient is the mean over its
+    ranks of their gradients' rows (FSDP2's reduce-scatter); then the paper's
+    1-bit Adam over the nodes (warmup: Adam on the exact mean; after the
+    freeze: each node's momentum through reference.py's compressed
+    exchange). Returns {(s, i): final flat values of param i's shard s}."""
+    p0 = [p.double().numpy() for p in initial_params()]
+    out = {}
+    for s in range(per_node):
+        rows = [shard_rows(p.shape[0], s, per_node) for p in p0]
+        params = [p[r].reshape(-1).copy() for p, r in zip(p0, rows)]
+        sizes = [len(x) for x in params]
+        _, n, _ = placement(sizes, BLOCK, nodes)
+        m = [np.zeros(k) for k in sizes]
+        v = [np.zeros(k) for k in sizes]
+        werrs, serrs = [np.zeros(n) for _ in range(nodes)], [np.zeros(n // nodes)] * nodes
+
+        def node_grads(node, t):
+            ranks = range(node * per_node, (node + 1) * per_node)
+            return [np.mean([synthetic_grad(r, t, i).double().numpy()[rows[i]].reshape(-1)
+                             for r in ranks], axis=0) for i in range(len(p0))]
+
+        for t in range(1, steps + 1):
+            grads = [node_grads(node, t) for node in range(nodes)]
+            if t <= freeze:
+                g = [np.mean([gs[i] for gs in grads], axis=0) for i in range(len(p0))]
+                m = [betas[0] * mi + (1 - betas[0]) * gi for mi, gi in zip(m, g)]
+                v = [betas[1] * vi + (1 - betas[1]) * gi * gi for vi, gi in zip(v, g)]
+            else:
+                local = [[betas[0] * mi + (1 - betas[0]) * gi for mi, gi in zip(m, gs)]
+                         for gs in grads]
+                m, werrs, serrs, _ = reference_round(local, werrs, serrs, BLOCK)
+            bc1, bc2 = 1 - betas[0] ** t, 1 - betas[1] ** min(t, freeze)
+            params = [p - lr * (mi / bc1) / (np.sqrt(vi / bc2) + eps)
+                      for p, mi, vi in zip(params, m, v)]
+        for i, p in enumerate(params):
+            out[(s, i)] = p
+    return out
+
+
+def _sharded_adam(rank, world, nodes, steps, kw):
+    model, mesh = sharded(world, nodes)
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"), **kw)
+    for t in range(1, steps + 1):
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert_replicas_identical(model, mesh.get_group("replicate"), f"after step {t}")
+    return mesh["shard"].get_local_rank(), [t.double().numpy() for t in local_flat(model)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2)])
+def test_onebit_adam_on_shards_matches_the_float64_simulation(nodes, per_node):
+    steps, freeze, lr = 10, 4, 1e-2
+    got = run_workers(_sharded_adam, nodes * per_node, nodes, steps,
+                      dict(freeze_step=freeze, lr=lr), timeout=180)
+    expected = simulate_sharded_onebit_adam(nodes, per_node, steps, freeze, lr)
+    start = [p.double().numpy() for p in initial_params()]
+    for shard, values in got:
+        for i, v in enumerate(values):
+            want = expected[(shard, i)]
+            rows = shard_rows(SHAPES[i][0], shard, per_node)
+            moved = np.abs(want - start[i][rows].reshape(-1))
+            assert want.size == 0 or moved.mean() > 1e-3, "the comparison must not stand still"
+            np.testing.assert_allclose(v, want, rtol=0, atol=2e-4,
+                                       err_msg=f"param {i}, shard {shard}")
+
+
+# ------------------------------------------- identical replicas, 3 nodes --
+def _replicas_through_both_stages(rank, world, nodes, cls_name):
+    model, mesh = sharded(world, nodes)
+    opt = make(cls_name, model.parameters(), process_group=mesh.get_group("replicate"),
+               **CONFIGS[cls_name])
+    start = local_flat(model)
+    for t in range(1, 13):
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+        # 0/1 Adam's local steps differ between syncs by design; its syncs
+        # (and every other optimizer's steps) leave the replicas identical.
+        if cls_name != "ZeroOneAdam" or opt.last_stage.name != "local step":
+            assert_replicas_identical(model, mesh.get_group("replicate"), f"after step {t}")
+    moved = [float((a - b).abs().max()) for a, b in zip(local_flat(model), start) if a.numel()]
+    return opt.counters["step"], moved, [str(opt.last_stage.name)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_every_shard_is_bitwise_identical_on_every_replica(cls_name):
+    for step, moved, _ in run_workers(_replicas_through_both_stages, 6, 3, cls_name, timeout=180):
+        assert step == 12
+        assert all(math.isfinite(x) for x in moved) and max(moved) > 1e-4
+
+
+# --------------------------------------- warmup = whole params over all ranks --
+def _warmup_against_whole_params(rank, world, nodes, cls_name):
+    import torch.distributed as dist
+
+    model, mesh = sharded(world, nodes)
+    # 0/1 Adam: every step a variance update (full precision) until 100.
+    kw = dict(CONFIGS[cls_name], **({"var_freeze_step": 100, "var_update_scaler": 100}
+                                    if cls_name == "ZeroOneAdam" else {"freeze_step": 100}))
+    opt = make(cls_name, model.parameters(), process_group=mesh.get_group("replicate"), **kw)
+    whole = Synthetic()
+    whole_opt = make(cls_name, whole.parameters(), **kw)  # the world: every rank a replica
+    coeffs = []
+    for t in range(1, 6):
+        model(weights(rank, t)).backward()
+        whole(weights(rank, t)).backward()
+        opt.step()
+        whole_opt.step()
+        opt.zero_grad()
+        whole_opt.zero_grad()
+        coeffs += getattr(opt, "lamb_coeffs", [])
+    gaps = [float((p.detach().full_tensor() - q.detach()).abs().max() / q.detach().abs().max())
+            for p, q in zip(model.parameters(), whole.parameters())]
+    moved = [float((q.detach() - p0).abs().max()) for q, p0 in zip(whole.parameters(), initial_params())]
+
+    def state_numel(o):
+        return sum(v.to_local().numel() if hasattr(v, "to_local") else v.numel()
+                   for st in o.state_dict()["state"].values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
+    return gaps, moved, coeffs, state_numel(opt) / state_numel(whole_opt), dist.get_rank()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_warmup_on_shards_equals_the_optimizer_on_whole_params(cls_name):
+    """In warmup (0/1 Adam: before var_freeze_step) the shards average in
+    full precision over the replicas what FSDP2 averaged over the node: the
+    mean over all ranks, as the same optimizer on whole params computes it,
+    to fp32 rounding. LAMB's trust ratios must use whole-param norms for
+    this to hold (they stay inside the clamp here, and ||p|| of a shard
+    is about 0.7 of the whole's). The optimizer state on
+    each rank is that of its shard: about half at 2 shards."""
+    for gaps, moved, coeffs, state_share, rank in run_workers(
+            _warmup_against_whole_params, 4, 2, cls_name, timeout=180):
+        assert min(moved) > 1e-3, moved
+        assert max(gaps) < 1e-5, gaps
+        if cls_name == "OnebitLamb":
+            assert coeffs and all(0.01 < c < 10.0 for c in coeffs), coeffs  # the clamp
+        assert 0.2 < state_share <= 0.6, state_share
+
+
+# ------------------------------------------------------- bad gradients --
+def _inf_on_one_rank(rank, world, nodes):
+    model, mesh = sharded(world, nodes)
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
+               freeze_step=2, lr=1e-2)
+    for t in range(1, 4):
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    before = local_flat(model)
+    w = weights(rank, 4)
+    if rank == 0:
+        w[0][0, 0] = math.inf  # row 0: only shard 0 of node 0 sees it after FSDP2's mean
+    model(w).backward()
+    seen = bool(torch.isfinite(model.ps[0].grad.to_local()).all())
+    with pytest.raises(ValueError, match="NaN or Inf gradient at step 4"):
+        opt.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, local_flat(model)))
+    return seen, unchanged, opt.counters["step"]
+
+
+@pytest.mark.slow
+def test_an_inf_on_one_rank_stops_the_step_on_every_shard_and_replica():
+    results = run_workers(_inf_on_one_rank, 4, 2, timeout=120)
+    assert [seen for seen, _, _ in results].count(False) == 1  # one shard saw the inf
+    for _, unchanged, step in results:
+        assert unchanged and step == 3
+
+
+def _unused_param(rank, world, nodes):
+    model, mesh = sharded(world, nodes, unused=(3,))
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
+               freeze_step=2, lr=1e-2, weight_decay=0.1)
+    start = local_flat(model)
+    for t in range(1, 6):
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    now = local_flat(model)
+    return [torch.equal(a, b) for a, b in zip(start, now)]
+
+
+@pytest.mark.slow
+def test_a_param_no_rank_has_a_gradient_for_stays_untouched():
+    for same in run_workers(_unused_param, 4, 2, timeout=120):
+        assert same[3] and not same[0] and not same[4], same
+
+
+# --------------------------------------------------------- checkpoints --
+def _dcp_save_or_resume(rank, world, nodes, path, resume):
+    """Straight: 10 steps, saving at step 6 (1 bit since step 5). Resumed: a
+    fresh model and optimizer (other initial values) load the checkpoint
+    with DCP and take steps 7 to 10."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, mesh = sharded(world, nodes)
+    if resume:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(3.0)
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
+               freeze_step=4, lr=1e-2)
+    errors = opt.error_feedback_key()
+
+    def state():
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+                errors: opt.error_feedback_state_dict()}
+    first = 1
+    restored = None
+    if resume:
+        sd = state()
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        restored = opt.load_error_feedback_state_dict(sd[errors])
+        first = opt.counters["step"] + 1
+    for t in range(first, 11):
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+        if t == 6 and not resume:
+            dcp.save(state(), checkpoint_id=path)
+    return restored, first, [t.tolist() for t in local_flat(model)]
+
+
+@pytest.mark.slow
+def test_dcp_resume_on_the_same_mesh_is_bitwise_identical(tmp_path):
+    path = str(tmp_path / "dcp")
+    straight = run_workers(_dcp_save_or_resume, 4, 2, path, False, timeout=120)
+    resumed = run_workers(_dcp_save_or_resume, 4, 2, path, True, timeout=120)
+    for (_, _, want), (restored, first, got) in zip(straight, resumed):
+        assert restored is True and first == 7
+        assert got == want
+
+
+# ----------------------------------------------------------- layouts --
+def _refusals(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    messages = {}
+
+    def refused(key, build):
+        with pytest.raises(ValueError) as err:
+            build()
+        messages[key] = str(err.value)
+
+    model = Synthetic()
+    fully_shard(model, mesh=mesh["shard"])
+    # No process_group: the world, which holds the shard group too.
+    refused("world", lambda: make("OnebitAdam", model.parameters()))
+    refused("mixed", lambda: make("OnebitAdam", list(model.parameters()) + [
+        torch.nn.Parameter(torch.zeros(3))], process_group=mesh.get_group("replicate")))
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"))
+    refused("added", lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]}))
+    messages["groups after"] = len(opt.param_groups)
+    refused("overlap", lambda: make("OnebitAdam", model.parameters(), overlap_backward=True,
+                                    process_group=mesh.get_group("replicate")))
+    hsdp = Synthetic()
+    fully_shard(hsdp, mesh=mesh)  # HSDP: FSDP2 all-reduces across replicas itself
+    refused("hsdp", lambda: make("OnebitLamb", hsdp.parameters(),
+                                 process_group=mesh.get_group("replicate")))
+    other_dim = torch.nn.Linear(4, 6)
+    fully_shard(other_dim, mesh=mesh["shard"], shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    refused("dim", lambda: make("ZeroOneAdam", other_dim.parameters(),
+                                process_group=mesh.get_group("replicate")))
+    return messages
+
+
+def test_unsupported_layouts_are_refused_naming_what_is_supported():
+    for messages in run_workers(_refusals, 4, timeout=120):
+        assert "mesh.get_group('replicate')" in messages["world"], messages["world"]
+        assert "shares 2 ranks" in messages["world"], messages["world"]
+        assert "plain tensor among FSDP2-sharded" in messages["mixed"], messages["mixed"]
+        assert "added to an optimizer" not in messages["added"]
+        assert "plain tensor among" in messages["added"], messages["added"]
+        assert "overlap_backward" in messages["overlap"], messages["overlap"]
+        assert "2-D mesh" in messages["hsdp"] and "HSDP" in messages["hsdp"], messages["hsdp"]
+        assert "Shard(dim=1)" in messages["dim"] and "Shard(dim=0)" in messages["dim"], \
+            messages["dim"]
+        assert messages.pop("groups after") == 1  # the refused group was not added
+        for m in messages.values():
+            assert "probably died" not in m
