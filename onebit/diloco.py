@@ -58,6 +58,7 @@ from .optim.checks import check_flag, check_number, check_positive_int
 from .fragments import FragmentPlan
 from .optim.exchange import ErrorFeedbackExchange, GroupKey
 from .optim.overlap import StreamHandoff, exchange_group
+from .optim.shards import ShardedParams, local, placed_like
 from .optim.telemetry import StepTelemetry
 from .wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
 
@@ -110,6 +111,9 @@ class DiLoCo:
       or "none" (fp32).
     process_group, timeout_s: the data-parallel group and the deadline of
       each collective (a dead rank is a CommunicationError, never a hang).
+      With FSDP2-sharded params (fully_shard on a mesh's "shard" dim), the
+      mesh's replicate group: each rank's anchors, outer momentum and
+      errors are those of its local shards (optim/shards.py).
     block_size, scale_dtype, comm_backend_name: the 1-bit wire format and
       backend, as the optimizers take them.
     """
@@ -142,6 +146,9 @@ class DiLoCo:
         self.params: List[torch.Tensor] = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("DiLoCo: no parameter requires grad")
+        self._shards = ShardedParams("DiLoCo", [{"params": self.params}], process_group)
+        # Fragments by whole-param sizes: every shard of the model launches
+        # and lands the same fragment at the same inner step.
         self.plan = FragmentPlan.split([p.numel() for p in self.params], fragments, sync_every,
                                        overlap_steps)
         self.sync_every, self.compression = sync_every, compression
@@ -160,7 +167,7 @@ class DiLoCo:
         self.comm_device = torch.device("cpu")
         # The rounds' collectives: on the communication thread's own group
         # when they overlap inner steps.
-        self._round_group = process_group
+        self._round_group = self._agree_group = process_group
         self._thread: Optional[ThreadPoolExecutor] = None
         if self.world_size > 1:
             self.comm_device = collectives.communication_device(process_group)
@@ -176,11 +183,16 @@ class DiLoCo:
                                     if callable(outer_lr) else outer_lr,
                                     outer_momentum, nesterov)})
             collectives.broadcast_from_first_rank("DiLoCo: broadcast of rank 0's initial "
-                                                  "parameters", self.params, process_group,
+                                                  "parameters", self._locals(), process_group,
                                                   self.timeout_s)
             if overlap_steps:
                 self._round_group = exchange_group(process_group)
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="onebit-diloco")
+            # Sharded: a round is skipped on every shard of the model or on none.
+            self._agree_group = self._round_group
+            if self._shards.sharded:
+                self._agree_group = (exchange_group(self._shards.mesh_group) if overlap_steps
+                                     else self._shards.mesh_group)
             if compression == "1bit":
                 from .backends import get_backend
 
@@ -189,7 +201,7 @@ class DiLoCo:
                                            scale_dtype=self.scale_dtype, timeout_s=self.timeout_s)
         # The last synced point, kept in fp32 whatever the params' dtype: the
         # outer optimizer steps it, and the params are set from it.
-        self.anchors = [p.detach().float().clone() for p in self.params]
+        self.anchors = [p.detach().float().clone() for p in self._locals()]
         self.outer_optimizer = torch.optim.SGD(self.anchors, lr=first_lr, momentum=outer_momentum,
                                                nesterov=nesterov)
         if outer_momentum:  # zeros step as SGD's first clone does; the state_dict keeps one
@@ -218,7 +230,7 @@ class DiLoCo:
         past = self.inner_steps - self.warmup_steps
         if past == 0:  # the rounds start from where the warmup ended
             with torch.no_grad():
-                for a, p in zip(self.anchors, self.params):
+                for a, p in zip(self.anchors, self._locals()):
                     a.copy_(p)
         elif past > 0:
             for f in self.plan.launching(past):
@@ -235,7 +247,8 @@ class DiLoCo:
         .grad on any rank keeps none (so the inner optimizer skips it: no
         state, no weight decay). One value per param in the same all-reduce
         says whether this rank has its .grad."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
+                 for p in self.params]
         has_grad = torch.tensor([float(p.grad is not None) for p in self.params],
                                 device=self.params[0].device)
         *averages, anywhere = self._mean("DiLoCo: averaging the warmup's gradients",
@@ -245,8 +258,8 @@ class DiLoCo:
             if not used:
                 continue
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(avg.view_as(p))
+                p.grad = torch.zeros_like(p)  # a DTensor for a sharded param
+            local(p.grad).copy_(avg.view_as(local(p)))
 
     def _mean(self, phase: str, tensors: List[torch.Tensor], dtype: torch.dtype, group,
               traffic: TrafficStats) -> List[torch.Tensor]:
@@ -292,9 +305,15 @@ class DiLoCo:
         landed yet (what drain() would wait for)."""
         return len(self._in_flight)
 
+    def _locals(self) -> List[torch.Tensor]:
+        """The synced params as this rank holds them: their local shards
+        when sharded, taken afresh (FSDP2 rebinds them at lazy init and
+        after a load)."""
+        return [local(p) for p in self.params]
+
     def _members(self, fragment: int):
         ids = self.plan.members[fragment]
-        return [self.params[i] for i in ids], [self.anchors[i] for i in ids]
+        return [local(self.params[i]) for i in ids], [self.anchors[i] for i in ids]
 
     @torch.no_grad()
     def _launch(self, fragment: int) -> None:
@@ -379,7 +398,7 @@ class DiLoCo:
         if self.world_size == 1:
             return bool(flag)
         table = collectives.gather_numbers("DiLoCo: agreeing on the outer round",
-                                           [flag, number], torch.int64, self._round_group,
+                                           [flag, number], torch.int64, self._agree_group,
                                            self.timeout_s)
         numbers = [row[1] for row in table]
         if len(set(numbers)) > 1:
@@ -435,9 +454,19 @@ class DiLoCo:
         self._settle()
         return {**{name: getattr(self, name) for name in self._SETTINGS},
                 "inner_steps": self.inner_steps, "rounds": self.rounds, "launches": self.launches,
-                "anchors": [a.detach().clone() for a in self.anchors],
-                "outer_optimizer": self.outer_optimizer.state_dict(),
+                "anchors": [placed_like(a.detach().clone(), p)
+                            for a, p in zip(self.anchors, self.params)],
+                "outer_optimizer": self._outer_state_dict(),
                 "in_flight": self._in_flight_state()}
+
+    def _outer_state_dict(self) -> dict:
+        """The outer SGD's state_dict; sharded, its momentum as DTensors of
+        the params' placement (new dicts: torch's share the live ones)."""
+        sd = self.outer_optimizer.state_dict()
+        if self._shards.sharded:
+            sd["state"] = {i: {k: placed_like(v, self.params[i]) if isinstance(v, torch.Tensor)
+                               else v for k, v in st.items()} for i, st in sd["state"].items()}
+        return sd
 
     # An in-flight entry's status: nothing in flight, an average to land, a skipped round.
     _IDLE, _AVERAGED, _SKIPPED = 0, 1, 2
@@ -457,6 +486,8 @@ class DiLoCo:
             anchors = self._members(f)[1]
             deltas = ([d.clone() for d in job.deltas] if status == self._AVERAGED
                       else [torch.zeros_like(a) for a in anchors])
+            deltas = [placed_like(d, self.params[i])
+                      for d, i in zip(deltas, self.plan.members[f])]
             out[str(f)] = {"status": torch.tensor(status), "deltas": deltas}  # str keys for DCP
         return out
 
@@ -474,7 +505,7 @@ class DiLoCo:
                 raise ValueError(f"DiLoCo.load_state_dict: the checkpoint has {name}="
                                  f"{state.get(name)!r}, this DiLoCo {getattr(self, name)!r}. "
                                  "Nothing was loaded")
-        anchors = state["anchors"]
+        anchors = [local(a) for a in state["anchors"]]
         if [tuple(a.shape) for a in anchors] != [tuple(a.shape) for a in self.anchors]:
             raise ValueError("DiLoCo.load_state_dict: the checkpoint's parameters have other "
                              "shapes. Nothing was loaded")
@@ -482,6 +513,7 @@ class DiLoCo:
             for mine, saved in zip(self.anchors, anchors):
                 mine.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self._shards.from_dtensors(self.outer_optimizer.state)
         self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
         self.launches = int(state.get("launches", self.rounds))
         self._settle()  # the thread no longer writes what is replaced here
@@ -491,7 +523,7 @@ class DiLoCo:
             if status != self._IDLE:
                 anchors = self._members(int(f))[1]
                 self._in_flight[int(f)] = _FragmentRound(
-                    [d.to(a.device) for d, a in zip(entry["deltas"], anchors)],
+                    [local(d).to(a.device) for d, a in zip(entry["deltas"], anchors)],
                     skipped=status == self._SKIPPED)
         self._exchange.load_errors(None)
         self._restart_notice.loaded(self.backend is not None and self.rounds > 0)
@@ -511,7 +543,8 @@ class DiLoCo:
 
     def _error_identity(self) -> dict:
         return {"rank": self._rank(), "world_size": self.world_size, "rounds": self.rounds,
-                "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size}
+                "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
+                **self._shards.identity()}
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore this rank's errors; at another world size, rank, round,

@@ -403,3 +403,95 @@ def test_unsupported_layouts_are_refused_naming_what_is_supported():
         assert messages.pop("groups after") == 1  # the refused group was not added
         for m in messages.values():
             assert "probably died" not in m
+
+
+# -------------------------------------------------------------- DiLoCo --
+INNER_LR, H, ROUNDS, OUTER_LR = 0.1, 3, 3, 1.3
+
+
+def simulate_sharded_diloco(nodes, per_node, compression):
+    """DiLoCo on shards in float64: each node takes SGD steps on its ranks'
+    mean gradient (FSDP2 averages inside the node); every H steps each
+    shard's pseudo-gradients (anchor - params) are averaged over the nodes,
+    in 1 bit through reference.py with errors carried between rounds (or
+    exactly), and the anchors take plain SGD at OUTER_LR; every node then
+    continues from the anchors. Returns {(s, i): final flat values}."""
+    p0 = [p.double().numpy() for p in initial_params()]
+    out = {}
+    for s in range(per_node):
+        rows = [shard_rows(p.shape[0], s, per_node) for p in p0]
+        anchor = [p[r].reshape(-1).copy() for p, r in zip(p0, rows)]
+        params = [[a.copy() for a in anchor] for _ in range(nodes)]
+        _, n, _ = placement([a.size for a in anchor], BLOCK, nodes)
+        werrs, serrs = [np.zeros(n) for _ in range(nodes)], [np.zeros(n // nodes)] * nodes
+        for t in range(1, H * ROUNDS + 1):
+            for node in range(nodes):
+                ranks = range(node * per_node, (node + 1) * per_node)
+                for i in range(len(p0)):
+                    g = np.mean([synthetic_grad(r, t, i).double().numpy()[rows[i]].reshape(-1)
+                                 for r in ranks], axis=0)
+                    params[node][i] = params[node][i] - INNER_LR * g
+            if t % H:
+                continue
+            deltas = [[a - p for a, p in zip(anchor, params[node])] for node in range(nodes)]
+            if compression == "1bit":
+                avg, werrs, serrs, _ = reference_round(deltas, werrs, serrs, BLOCK)
+            else:
+                avg = [np.mean([d[i] for d in deltas], axis=0) for i in range(len(p0))]
+            anchor = [a - OUTER_LR * g for a, g in zip(anchor, avg)]
+            params = [[a.copy() for a in anchor] for _ in range(nodes)]
+        for i, a in enumerate(anchor):
+            out[(s, i)] = a
+    return out
+
+
+def _sharded_diloco(rank, world, nodes, compression, fragments=1, overlap=0):
+    import onebit
+
+    model, mesh = sharded(world, nodes)
+    inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    diloco = onebit.DiLoCo(model, inner, sync_every=H, outer_lr=OUTER_LR, compression=compression,
+                           fragments=fragments, overlap_steps=overlap,
+                           process_group=mesh.get_group("replicate"))
+    rounds = []
+    for t in range(1, H * ROUNDS + 1):
+        model(weights(rank, t)).backward()
+        inner.step()
+        inner.zero_grad()
+        rounds.append(diloco.rounds)
+    if fragments > 1:
+        diloco.sync()  # every fragment on a synced point
+    diloco.close()
+    assert_replicas_identical(model, mesh.get_group("replicate"), "after the last round")
+    return (mesh["shard"].get_local_rank(), [t.double().numpy() for t in local_flat(model)],
+            rounds, len(diloco.anchors[0]) == model.ps[0].to_local().shape[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression,nodes", [("1bit", 2), ("1bit", 3), ("none", 2)])
+def test_diloco_on_shards_matches_the_float64_simulation(compression, nodes):
+    per_node = 2
+    got = run_workers(_sharded_diloco, nodes * per_node, nodes, compression, timeout=180)
+    expected = simulate_sharded_diloco(nodes, per_node, compression)
+    start = [p.double().numpy() for p in initial_params()]
+    for shard, values, rounds, shard_sized in got:
+        assert rounds[-1] == ROUNDS and shard_sized  # anchors are the shard's, not the param's
+        for i, v in enumerate(values):
+            want = expected[(shard, i)]
+            rows = shard_rows(SHAPES[i][0], shard, per_node)
+            assert want.size == 0 or np.abs(want - start[i][rows].reshape(-1)).max() > 1e-5
+            np.testing.assert_allclose(v, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(initial=1),
+                                       err_msg=f"param {i}, shard {shard}")
+
+
+@pytest.mark.slow
+def test_streaming_diloco_on_shards_syncs_every_shard_at_the_same_steps():
+    """Two fragments, their exchanges one inner step behind, on 3 nodes of 2
+    shards: every rank lands the same rounds at the same inner steps (the
+    fragments are cut by whole-param sizes), and each shard is identical on
+    every replica once the last round is synced."""
+    results = run_workers(_sharded_diloco, 6, 3, "1bit", 2, 1, timeout=180)
+    assert len({tuple(rounds) for _, _, rounds, _ in results}) == 1
+    assert results[0][2][-1] >= 2 * (ROUNDS - 1)
+    for _, values, _, _ in results:
+        assert all(np.isfinite(v).all() for v in values)

@@ -51,6 +51,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
+def placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`t`, a tensor shaped like the local shard of param `p`, as a DTensor
+    of `p`'s placement (what DCP saves and reshards); else `t` itself."""
+    if not is_sharded(p) or is_sharded(t) or t.shape != p.to_local().shape:
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
 class ShardedParams:
     """The params of an optimizer as local shards, or, when none is a
     DTensor, as themselves (then every method is the identity, and costs a
@@ -207,13 +216,9 @@ class ShardedParams:
         if not self.sharded:
             return
         for index, st in state_dict["state"].items():
-            p = params[index]
-            shape = p.to_local().shape
             # A new dict: torch's state_dict shares the live per-param dicts.
             state_dict["state"][index] = {
-                k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                      shape=p.shape, stride=p.stride())
-                if isinstance(v, torch.Tensor) and not is_sharded(v) and v.shape == shape else v
+                k: placed_like(v, params[index]) if isinstance(v, torch.Tensor) else v
                 for k, v in st.items()}
 
     def from_dtensors(self, state) -> None:
@@ -222,8 +227,7 @@ class ShardedParams:
             return
         for st in state.values():
             for k, v in st.items():
-                if is_sharded(v):
-                    st[k] = v.to_local()
+                st[k] = local(v) if isinstance(v, torch.Tensor) else v
 
 
 class _StateByShard:
