@@ -495,3 +495,156 @@ def test_streaming_diloco_on_shards_syncs_every_shard_at_the_same_steps():
     assert results[0][2][-1] >= 2 * (ROUNDS - 1)
     for _, values, _, _ in results:
         assert all(np.isfinite(v).all() for v in values)
+
+
+# ---------------------------------------------------------- GradScaler --
+def _scaler_with_an_inf_on_one_rank(rank, world, nodes):
+    """onebit.amp.GradScaler (the world's agreement) with an inf on rank 0
+    at step 5 (compression stage), in a row only shard 0 of node 0 sees:
+    every rank skips that step and keeps the same scale."""
+    import torch.distributed as dist
+
+    import onebit
+
+    model, mesh = sharded(world, nodes)
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
+               freeze_step=2, lr=1e-2)
+    scaler = onebit.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scales, skipped = [], []
+    for t in range(1, 8):
+        w = weights(rank, t)
+        if t == 5 and rank == 0:
+            w[0][0, 0] = math.inf
+        before = local_flat(model)
+        scaler.scale(model(w)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, local_flat(model))))
+        scales.append(float(scaler.get_scale()))
+        assert_replicas_identical(model, mesh.get_group("replicate"), f"after step {t}")
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, scales)
+    return skipped, scales, all(s == scales for s in every), opt.comm_stats()["skipped_steps"]
+
+
+@pytest.mark.slow
+def test_grad_scaler_skips_an_inf_seen_by_one_shard_on_every_rank():
+    for skipped, scales, agreed, count in run_workers(_scaler_with_an_inf_on_one_rank, 4, 2,
+                                                      timeout=120):
+        assert skipped == [False] * 4 + [True] + [False] * 2, skipped
+        assert agreed and scales[4] == scales[3] / 2, scales
+        assert count == 1
+
+
+# ------------------------------------------- checkpoints on another mesh --
+def _dcp_other_mesh(rank, world, nodes, path):
+    """Load the 2x2 checkpoint of _dcp_save_or_resume (step 6) on `nodes`
+    nodes of 2: the state comes back resharded, the error buffers restart
+    from zero (their entries are for another replica count), and it trains
+    on."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, mesh = sharded(world, nodes)
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
+               freeze_step=4, lr=1e-2)
+    errors = opt.error_feedback_key()
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+          errors: opt.error_feedback_state_dict()}
+    dcp.load(sd, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    restored = opt.load_error_feedback_state_dict(sd[errors])
+    exp_avg_sq = [st["exp_avg_sq"].full_tensor().tolist()
+                  for st in opt.state_dict()["state"].values()]
+    step = opt.counters["step"]
+    for t in range(step + 1, 11):
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_replicas_identical(model, mesh.get_group("replicate"), "after resuming")
+    return restored, step, exp_avg_sq
+
+
+def _exp_avg_sq_at_6(rank, world, nodes, path):
+    """The full exp_avg_sq of every param in the 2x2 checkpoint's run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, mesh = sharded(world, nodes)
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
+               freeze_step=4, lr=1e-2)
+    for t in range(1, 7):
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = get_optimizer_state_dict(model, opt)
+    return [v["exp_avg_sq"].full_tensor().tolist() for v in sd["state"].values()]
+
+
+@pytest.mark.slow
+def test_dcp_checkpoint_loads_on_another_replica_count_with_errors_from_zero(tmp_path):
+    path = str(tmp_path / "dcp")
+    run_workers(_dcp_save_or_resume, 4, 2, path, False, timeout=120)
+    want = run_workers(_exp_avg_sq_at_6, 4, 2, path, timeout=120)[0]
+    for restored, step, exp_avg_sq in run_workers(_dcp_other_mesh, 6, 3, path, timeout=180):
+        assert restored is False and step == 6
+        # the frozen variance, resharded from 2 shards of 2 nodes onto 2 of 3
+        got = [torch.tensor(x) for x in exp_avg_sq]
+        assert all(torch.equal(g.reshape(-1), torch.tensor(w).reshape(-1))
+                   for g, w in zip(got, want))
+
+
+def _diloco_dcp(rank, world, nodes, path, resume):
+    """Streaming DiLoCo (2 fragments, 1 step behind) on shards: straight, 9
+    inner steps, saving after step 4 (fragment 0's exchange in flight);
+    resumed, a fresh model (other values) loads with DCP and takes 5 to 9."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    import onebit
+
+    model, mesh = sharded(world, nodes)
+    if resume:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(3.0)
+    inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    diloco = onebit.DiLoCo(model, inner, sync_every=H, fragments=2, overlap_steps=1,
+                           process_group=mesh.get_group("replicate"))
+    errors = f"diloco_errors.rank{dist.get_rank()}"
+
+    def state():
+        return {"model": get_model_state_dict(model), "diloco": diloco.state_dict(),
+                errors: diloco.error_feedback_state_dict()}
+    first, restored, in_flight = 1, None, None
+    if resume:
+        sd = state()
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(model, sd["model"])
+        diloco.load_state_dict(sd["diloco"])
+        restored = diloco.load_error_feedback_state_dict(sd[errors])
+        first, in_flight = diloco.inner_steps + 1, diloco.exchanges_in_flight
+    for t in range(first, 10):
+        model(weights(rank, t)).backward()
+        inner.step()
+        inner.zero_grad()
+        if t == 4 and not resume:
+            dcp.save(state(), checkpoint_id=path)
+    diloco.close()
+    return restored, first, in_flight, [t.tolist() for t in local_flat(model)]
+
+
+@pytest.mark.slow
+def test_streaming_diloco_on_shards_resumes_bitwise_with_dcp(tmp_path):
+    path = str(tmp_path / "dcp")
+    straight = run_workers(_diloco_dcp, 4, 2, path, False, timeout=120)
+    resumed = run_workers(_diloco_dcp, 4, 2, path, True, timeout=120)
+    for (_, _, _, want), (restored, first, in_flight, got) in zip(straight, resumed):
+        assert restored is True and first == 5 and in_flight == 1
+        assert got == want
