@@ -26,6 +26,12 @@ average gradients in full precision):
     inner steps behind on the communication thread
 Everything else is at its default. Reports held-out loss every --every steps,
 the final gap, and the bytes each rank sent per step; --plot writes the curves.
+
+--shards S: sharded training on a (nproc / S nodes) x (S shards) mesh.
+Every model is under FSDP2 (each block, then the whole): the onebit rows on
+the shard dim, averaging over the replicate group; the Adam baseline as HSDP
+(FSDP2 on both dims, its own full-precision replicate all-reduce). Bytes
+are then what a rank sends to the other nodes.
 """
 from __future__ import annotations
 
@@ -105,13 +111,13 @@ class TinyGPT(torch.nn.Module):
         return self.ln(x) @ self.tok.weight.t()  # tied output head
 
 
-def _optimizer(name: str, params, a: dict):
+def _optimizer(name: str, params, a: dict, group=None):
     import onebit
 
     steps, lr = a["steps"], a["lr"]
     f = max(1, int(a["freeze"] * steps))
     wire = dict(block_size=a["block_size"], scale_dtype=a["scale_dtype"],
-                comm_backend_name=a.get("backend"))
+                comm_backend_name=a.get("backend"), process_group=group)
     if name == "Adam" or name in DILOCO:
         return torch.optim.Adam(params, lr=lr) if name == "Adam" else \
             torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -124,7 +130,7 @@ def _optimizer(name: str, params, a: dict):
                                  trust_ratio=a.get("trust_ratio", TRUST_RATIO), **wire)
     if name == "Lamb":  # the same code, kept in warmup
         return onebit.OnebitLamb(params, lr=lr * a["lamb_lr_scale"], freeze_step=10 * steps,
-                                 comm_backend_name="compressed")
+                                 comm_backend_name="compressed", process_group=group)
     raise ValueError(name)
 
 
@@ -165,6 +171,20 @@ def _batch(ids: torch.Tensor, gen: torch.Generator, batch: int, context: int) ->
     return torch.stack([ids[s:s + context + 1] for s in starts.tolist()])
 
 
+def _shard(model: torch.nn.Module, name: str, world: int, shards: int):
+    """FSDP2 on a (world / shards) x shards mesh (the module doc's
+    --shards); returns the replicate group the onebit rows average over."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
+    on = mesh if name == "Adam" else mesh["shard"]  # Adam: HSDP, averaging across nodes itself
+    for block in model.blocks:
+        fully_shard(block, mesh=on)
+    fully_shard(model, mesh=on)
+    return mesh.get_group("replicate")
+
+
 def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     """One run; returns rank 0's held-out loss curve and whether every step was finite."""
     train_ids, held_ids, vocab = load_tokens(a["vocab"])
@@ -172,7 +192,9 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     model = TinyGPT(vocab, a["dim"], a["layers"], a["heads"], a["context"])
     for p in model.parameters():  # torch.optim.Adam does not broadcast: start equal anyway
         dist.broadcast(p.data, 0)
-    opt = _optimizer(name, model.parameters(), a)
+    shards = a.get("shards") or 1
+    group = _shard(model, name, world, shards) if shards > 1 else None
+    opt = _optimizer(name, model.parameters(), a, group)
     diloco = None
     if name in DILOCO:  # the outer loop hangs off the inner optimizer's step
         import onebit
@@ -184,9 +206,12 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
                                outer_momentum=a["outer_momentum"], nesterov=a["nesterov"],
                                warmup_steps=int(a.get("diloco_warmup", 0.0) * a["steps"]),
                                compression=DILOCO[name], block_size=a["block_size"],
-                               scale_dtype=a["scale_dtype"], comm_backend_name=a.get("backend"))
+                               scale_dtype=a["scale_dtype"], comm_backend_name=a.get("backend"),
+                               process_group=group)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(a))
-    numel = sum(p.numel() for p in model.parameters())
+    # The elements this rank holds and the ranks they are averaged over.
+    numel = sum(p.to_local().numel() if shards > 1 else p.numel() for p in model.parameters())
+    replicas = world // shards
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     held = _batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
     curve, finite, error_norms, sent_by_then = [], True, [], []
@@ -205,7 +230,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, vocab),
                                                  x[:, 1:].reshape(-1))
         loss.backward()
-        if name == "Adam":  # the baseline averages in full precision
+        if name == "Adam" and shards == 1:  # the baseline averages in full precision
             for p in model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
@@ -213,17 +238,18 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         opt.step()
         sched.step()
         finite = finite and math.isfinite(loss.item()) and all(
-            bool(torch.isfinite(p).all()) for p in model.parameters())
+            bool(torch.isfinite(p.to_local() if shards > 1 else p).all())
+            for p in model.parameters())
         if hasattr(opt, "comm_stats"):  # the error-feedback residual, step by step
             error_norms.append((t, opt.comm_stats()["worker_error_norm"]))
         if t % a["every"] == 0 or t == a["steps"]:
             curve.append((t, held_out_loss()))
-            sent_by_then.append(_bytes_sent(diloco or opt, numel, world, t))
+            sent_by_then.append(_bytes_sent(diloco or opt, numel, replicas, t))
     if diloco is not None:
         sent = diloco.comm_stats()["bytes_per_inner_step"] * a["steps"]  # the rounds'
         diloco.close()
     else:
-        sent = _bytes_sent(opt, numel, world, a["steps"])
+        sent = _bytes_sent(opt, numel, replicas, a["steps"])
     return {"optimizer": name, "seed": seed, "curve": curve, "final": curve[-1][1], "finite": finite,
             "error_norms": error_norms, "bytes_per_step": sent / a["steps"],
             "bytes_sent": sent_by_then}
@@ -304,7 +330,8 @@ def run(args: argparse.Namespace) -> bool:
           + f" seeds={a['seeds']} "
           f"block_size={a['block_size']} scale_dtype={a['scale_dtype']}"
           + (f" backend={a['backend']}" if a.get("backend") else "")
-          + (f" ranks/node={a['ranks_per_node']}" if a.get("ranks_per_node") else ""))
+          + (f" ranks/node={a['ranks_per_node']}" if a.get("ranks_per_node") else "")
+          + (f" shards={a['shards']} (FSDP2; Adam as HSDP)" if a.get("shards") else ""))
     if any(n in DILOCO for n in a["only"]):
         print(f"# DiLoCo: sync_every={a['sync_every']} outer_lr={a['outer_lr']} "
               f"later_outer_lr={a.get('later_outer_lr')} (bf16/fp32: "
@@ -336,6 +363,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.ranks_per_node and args.nproc % args.ranks_per_node:
         raise ValueError(f"--nproc ({args.nproc}) must be a multiple of --ranks-per-node "
                          f"({args.ranks_per_node})")
+    if args.shards and args.nproc % args.shards:
+        raise ValueError(f"--nproc ({args.nproc}) must be a multiple of --shards ({args.shards})")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
 
@@ -388,6 +417,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the 1-bit optimizers' comm backend (default: the accelerator's)")
     p.add_argument("--ranks-per-node", dest="ranks_per_node", type=int_arg(1), default=None,
                    help="simulate nodes of this many local ranks (for --backend hierarchical)")
+    p.add_argument("--shards", type=int_arg(1), default=None,
+                   help="FSDP2 shards per node: nproc / shards nodes (see the module doc)")
     p.add_argument("--json")
     p.add_argument("--plot", help="write the held-out loss curves to this PNG")
 
