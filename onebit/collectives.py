@@ -128,6 +128,34 @@ def run(phase: str, begin: Callable[[], "dist.Work"], timeout_s: Optional[float]
     start(phase, begin, timeout_s, group).wait()
 
 
+ALLOW_NO_PROCESS_GROUP = "ONEBIT_ALLOW_NO_PROCESS_GROUP"
+
+
+def is_distributed(name: str) -> bool:
+    """Whether torch.distributed is initialised, for `name` (an optimizer or
+    DiLoCo) deciding between its ranks and world size 1. A launcher that set
+    WORLD_SIZE > 1 (torchrun, or a script's own environment) without a
+    process group means a script that forgot init_process_group: each rank
+    would train its own model and the job would end "successfully" with
+    replicas that differ, so that is a ValueError, as DDP's. Setting
+    $ONEBIT_ALLOW_NO_PROCESS_GROUP=1 runs at world size 1 anyway."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        launched = int(raw)
+    except ValueError:
+        launched = 1
+    if launched > 1 and os.environ.get(ALLOW_NO_PROCESS_GROUP) != "1":
+        raise ValueError(
+            f"{name}: WORLD_SIZE={raw} says this job has {launched} ranks, but no process group "
+            "is initialised, so every rank would train a model of its own. Call "
+            "torch.distributed.init_process_group() (or onebit.launch.init_distributed(), which "
+            f"also joins mpirun jobs) before building it; to run one process alone anyway, set "
+            f"{ALLOW_NO_PROCESS_GROUP}=1")
+    return False
+
+
 # A backend named without its device types serves the device it was made for.
 _BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "ccl": "xpu", "gloo": "cpu", "mpi": "cpu"}
 

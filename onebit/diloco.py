@@ -156,7 +156,7 @@ class DiLoCo:
         self.fragments, self.overlap_steps = fragments, overlap_steps
         self.inner_optimizer, self.process_group = inner_optimizer, process_group
         self.world_size = (dist.get_world_size(process_group)
-                           if dist.is_available() and dist.is_initialized() else 1)
+                           if collectives.is_distributed("DiLoCo") else 1)
         self.block_size, self.scale_dtype = block_size, scale_dtype_from(scale_dtype)
         self.inner_steps = self.rounds = 0
         # Exchanges launched so far, every fragment's: the ranks check they

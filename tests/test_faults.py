@@ -208,3 +208,4 @@ def test_an_immediate_error_is_reported_as_itself_not_as_a_dead_peer():
     for message in run_workers(_collective_on_a_tensor_the_group_refuses, 2, timeout=60):
         assert "test phase failed on rank" in message, message
         assert "probably died" not in message and "within" not in message, message
+

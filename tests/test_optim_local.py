@@ -297,3 +297,36 @@ def test_grad_scaler_skips_inf_step_and_leaves_state_untouched():
                         got = after["state"][k][name]
                         assert torch.equal(t, got) if torch.is_tensor(t) else t == got
     assert opt.counters["step"] == 4  # 5 calls, one skipped
+
+
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam", "DiLoCo"])
+def test_a_job_launched_with_ranks_but_no_process_group_is_refused(name, monkeypatch):
+    """WORLD_SIZE=2 set by a launcher, no init_process_group: each rank would
+    train its own model and exit 0. A ValueError naming the fix, as DDP
+    raises; the documented variable runs one process alone anyway."""
+    import torch.distributed as dist
+
+    import onebit
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ONEBIT_ALLOW_NO_PROCESS_GROUP", raising=False)
+
+    def build():
+        model = torch.nn.Linear(3, 2)
+        if name == "DiLoCo":
+            return onebit.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4)
+        return getattr(onebit, name)(model.parameters())
+
+    with pytest.raises(ValueError) as err:
+        build()
+    message = str(err.value)
+    assert "WORLD_SIZE=2" in message and "init_process_group" in message, message
+    assert "onebit.launch.init_distributed()" in message, message
+    assert "ONEBIT_ALLOW_NO_PROCESS_GROUP=1" in message, message
+    monkeypatch.setenv("ONEBIT_ALLOW_NO_PROCESS_GROUP", "1")
+    built = build()
+    assert built.world_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("ONEBIT_ALLOW_NO_PROCESS_GROUP")
+    assert build().world_size == 1
