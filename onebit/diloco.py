@@ -59,10 +59,14 @@ from .fragments import FragmentPlan
 from .optim.exchange import ErrorFeedbackExchange, GroupKey
 from .optim.overlap import StreamHandoff, exchange_group
 from .optim.shards import ShardedParams, local, placed_like
+from .diloco_misuse import ParamWriteWatch, ddp_in_call_stack
 from .optim.telemetry import StepTelemetry
 from .wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
 
 COMPRESSIONS = ("1bit", "bf16", "none")
+_DDP_MISUSE = ("DiLoCo: the model is wrapped in DistributedDataParallel, which all-reduces every "
+               "gradient at every step, in full precision: DiLoCo would save nothing. DiLoCo's "
+               "inner steps are local: pass the bare model, with no DDP wrapper")
 
 
 @dataclass
@@ -142,6 +146,8 @@ class DiLoCo:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")
         check_block_size(block_size)
         self.timeout_s = collectives.check_timeout(timeout_s)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError(_DDP_MISUSE)
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         self.params: List[torch.Tensor] = [p for p in params if p.requires_grad]
         if not self.params:
@@ -218,12 +224,42 @@ class DiLoCo:
         self.warmup_traffic = TrafficStats()  # the warmup's gradient averaging (not a round's)
         self._hooks = [inner_optimizer.register_step_pre_hook(lambda *_: self._before_inner_step()),
                        inner_optimizer.register_step_post_hook(lambda *_: self._inner_step_done())]
+        # Misuse that would go silent (diloco_misuse.py): a DDP wrapper, and
+        # params stepped by an optimizer DiLoCo does not hook.
+        self._writes = ParamWriteWatch(lambda: self.params)
+        self._steps_at_start, self._armed = self.inner_steps, False
+        if isinstance(model, torch.nn.Module):
+            self._hooks.append(model.register_forward_pre_hook(
+                lambda module, _: self._before_forward(module)))
 
     # ---------------------------------------------------------------- loop --
     def _before_inner_step(self) -> None:
         self._restart_notice.before_step()
         if self.inner_steps < self.warmup_steps and self.world_size > 1:
             self._average_gradients()
+
+    def _before_forward(self, model: torch.nn.Module) -> None:
+        if ddp_in_call_stack(model):
+            raise ValueError(_DDP_MISUSE)
+        self._check_writes("forward")
+
+    def _check_writes(self, where: str) -> None:
+        """A ValueError when the params were written while DiLoCo has counted
+        no inner step since it was built or loaded: another optimizer steps
+        them. Writes before the first forward are setup (a model loaded
+        after DiLoCo's state, say): the first forward takes them as they are."""
+        if self.inner_steps != self._steps_at_start:
+            return
+        if not self._armed and where == "forward":
+            self._writes.mark()
+            self._armed = True
+            return
+        if self._writes.moved():
+            raise ValueError(
+                f"DiLoCo ({where}): the params changed, but DiLoCo has counted no inner step since "
+                "it was built: an optimizer it does not hook is stepping them (one built again "
+                "after DiLoCo(...), say), so no round ever runs and the replicas drift apart. "
+                "Build the inner optimizer once, pass it to DiLoCo, and step that one")
 
     def _inner_step_done(self) -> None:
         self.inner_steps += 1
@@ -284,6 +320,7 @@ class DiLoCo:
         a synced point. Returns False when a fragment's round
         was skipped: its pseudo-gradient was not finite on some rank, and
         every rank went back to its last synced point."""
+        self._check_writes("sync")
         synced = self.drain()
         for f in range(self.plan.count):
             self._launch(f)
@@ -410,6 +447,7 @@ class DiLoCo:
         """Stop syncing: land what is in flight (`drain`), remove the hooks
         on the inner optimizer, stop the communication thread."""
         try:
+            self._check_writes("close")
             self.drain()
         finally:
             for hook in self._hooks:
@@ -451,6 +489,7 @@ class DiLoCo:
         resumed run's schedule). Save it with the model's and the inner
         optimizer's state; the error buffers are per rank
         (`error_feedback_state_dict`)."""
+        self._check_writes("state_dict")
         self._settle()
         return {**{name: getattr(self, name) for name in self._SETTINGS},
                 "inner_steps": self.inner_steps, "rounds": self.rounds, "launches": self.launches,
@@ -527,6 +566,8 @@ class DiLoCo:
                     skipped=status == self._SKIPPED)
         self._exchange.load_errors(None)
         self._restart_notice.loaded(self.backend is not None and self.rounds > 0)
+        self._steps_at_start, self._armed = self.inner_steps, False
+        self._writes.mark()
 
     def _rank(self) -> int:
         return dist.get_rank(self.process_group) if self.world_size > 1 else 0

@@ -478,3 +478,69 @@ def test_a_schedule_that_turns_bad_raises_before_the_anchors_change():
     with pytest.raises(ValueError, match="outer_lr"):
         inner.step()
     assert torch.equal(diloco.anchors[0], anchors) and diloco.rounds == 1
+
+
+def _ddp_around_the_model(rank, world):
+    import onebit
+
+    model = torch.nn.Linear(4, 2)
+    messages = []
+    with pytest.raises(ValueError) as err:  # handed the wrapper itself
+        onebit.DiLoCo(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)),
+                      torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    messages.append(str(err.value))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = onebit.DiLoCo(model, inner, sync_every=2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)  # wrapped afterwards
+    with pytest.raises(ValueError) as err:
+        ddp(torch.ones(3, 4)).sum().backward()
+    messages.append(str(err.value))
+    return messages
+
+
+def test_a_ddp_wrapper_around_the_model_is_refused():
+    """DDP would all-reduce every step in full precision: DiLoCo saves
+    nothing. Refused when handed the wrapper, and at the first forward when
+    the model is wrapped after DiLoCo was built."""
+    for messages in run_workers(_ddp_around_the_model, 2, timeout=60):
+        for m in messages:
+            assert "DistributedDataParallel" in m and "no DDP wrapper" in m, m
+
+
+def test_an_inner_optimizer_built_again_after_diloco_is_refused():
+    """A second optimizer over the same params steps them without DiLoCo's
+    hooks: no round would ever run. With a module, the second forward after
+    such a step raises; with a list of params, sync() does. A model loaded
+    after DiLoCo was built (before the first forward) is setup, not misuse."""
+    import onebit
+
+    model = torch.nn.Linear(4, 2)
+    diloco = onebit.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    with torch.no_grad():
+        model.weight.fill_(0.5)  # before the first forward: setup
+    rebuilt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(3, 4)).sum().backward()
+    rebuilt.step()
+    with pytest.raises(ValueError, match="counted no inner step"):
+        model(torch.ones(3, 4))
+    with pytest.raises(ValueError, match="counted no inner step"):
+        diloco.close()
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    diloco = onebit.DiLoCo(params, torch.optim.SGD(params, lr=0.1), sync_every=2)
+    params[0].grad = torch.ones(3)
+    torch.optim.SGD(params, lr=0.1).step()
+    with pytest.raises(ValueError, match="an optimizer it does not hook"):
+        diloco.sync()
+
+    # The inner optimizer DiLoCo hooks, and writes of its own: no error.
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with onebit.DiLoCo(model, inner, sync_every=2) as diloco:
+        for _ in range(5):
+            model(torch.ones(3, 4)).sum().backward()
+            inner.step()
+            inner.zero_grad()
+            with torch.no_grad():
+                model.weight.clamp_(-1, 1)  # the script's own edit after a counted step
+        assert diloco.sync() and diloco.rounds == 3

@@ -32,6 +32,15 @@ drifts by tens of percent within a run, and a ratio against a floor timed
 minutes earlier would carry that drift. The first floor round is the row
 `floor`, the last the row `floor again` (its `x floor`: the drift over the
 run).
+
+`--shards S`: sharded training on a (ranks / S nodes) x (S shards) mesh
+(docs/sharding.md). Every model is under FSDP2 on the shard dim, each layer
+then the whole: the floor is FSDP2 with Adam and nothing between nodes, the
+baseline `hsdp+adam` is FSDP2 on both dims (its own fp32 all-reduce across
+nodes), and the onebit rows average over the replicate group (no
+overlap_backward: not built for shards). Under benchmarks/shaped_net.sh
+with PER_HOST=S, a host is a node: only the replicate exchange crosses the
+shaped link.
 """
 from __future__ import annotations
 
@@ -71,11 +80,11 @@ OVERLAP = "+overlap"  # the setup's name suffix for overlap_backward=True
 FLOOR, FLOOR_AGAIN = "floor", "floor again"
 
 
-def _onebit(setup: str, params):
+def _onebit(setup: str, params, group=None):
     import onebit
 
     name, overlap = setup.removesuffix(OVERLAP), setup.endswith(OVERLAP)
-    kw = dict(lr=LR, overlap_backward=overlap)
+    kw = dict(lr=LR, overlap_backward=overlap, process_group=group)
     if name == "onebitadam":
         return onebit.OnebitAdam(params, freeze_step=FREEZE, **kw)
     if name == "zerooneadam":
@@ -95,6 +104,27 @@ def setups(optimizers: List[str], overlap: str) -> List[str]:
     return out
 
 
+BASELINES = ("ddp+adam", "hsdp+adam")  # the fp32 baseline, whole params or sharded
+
+
+def _shard(model: torch.nn.Module, name: str, shards: int):
+    """FSDP2 on the shard dim of a (ranks / shards) x shards mesh (HSDP, on
+    both dims, for the hsdp+adam baseline); returns the replicate group,
+    None for the floor (which talks to no other node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = collectives.communication_device().type
+    mesh = init_device_mesh(device, (dist.get_world_size() // shards, shards),
+                            mesh_dim_names=("replicate", "shard"))
+    on = mesh if name == "hsdp+adam" else mesh["shard"]
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=on)
+    fully_shard(model, mesh=on)
+    return None if name in (FLOOR,) + BASELINES else mesh.get_group("replicate")
+
+
 class _Setup:
     """One setup's model, optimizer and training step, built the same way
     on every rank (the same initial model for every setup)."""
@@ -104,13 +134,16 @@ class _Setup:
         # On the group's device: an NCCL group takes no host tensors.
         self.name = name
         self.model = make_model(a["params"], a["width"]).to(collectives.communication_device())
-        self.onebit = name not in (FLOOR, "ddp+adam")
+        self.onebit = name not in (FLOOR,) + BASELINES
         net = self.model
-        if name == "ddp+adam":
+        group = None
+        if a.get("shards"):
+            group = _shard(self.model, name, a["shards"])
+        elif name == "ddp+adam":
             net = torch.nn.parallel.DistributedDataParallel(self.model)
         self.diloco = None
         if self.onebit and not name.startswith("diloco"):
-            self.opt = _onebit(name, self.model.parameters())
+            self.opt = _onebit(name, self.model.parameters(), group)
         else:
             self.opt = torch.optim.Adam(self.model.parameters(), lr=LR)
         if name.startswith("diloco"):
@@ -120,7 +153,7 @@ class _Setup:
             self.diloco = onebit.DiLoCo(
                 self.model, self.opt, sync_every=a["sync_every"],
                 fragments=a["fragments"] if streaming else 1,
-                overlap_steps=a["overlap_steps"] if streaming else 0)
+                overlap_steps=a["overlap_steps"] if streaming else 0, process_group=group)
         self.net, self.x, self.y = net, x, y
         self.tail: List[int] = []  # per timed round, the exchanges drain() waited for
 
@@ -186,9 +219,10 @@ def _interleaved(setup: _Setup, floor: _Setup, floor_before: float, a: dict) -> 
         chosen = getattr(getattr((setup.diloco or setup.opt).backend, "pipeline", None),
                          "chosen", {})
         row["pieces"] = ",".join(str(c) for c in sorted(set(chosen.values())))
-    elif setup.name == "ddp+adam":
-        world = dist.get_world_size()
-        n = sum(p.numel() for p in setup.model.parameters())
+    elif setup.name in BASELINES:  # a ring all-reduce of what a rank holds, over its replicas
+        world = dist.get_world_size() // (a.get("shards") or 1)
+        n = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                for p in setup.model.parameters())
         row["stage"], row["bytes_sent"] = "fp32", 2 * (world - 1) * 4 * n / world
     return row
 
@@ -199,7 +233,9 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
         n = sum(p.numel() for p in make_model(a["params"], a["width"]).parameters())
         print(f"# onebit.bench step: MLP {n / 1e6:.1f}M params (width {a['width']}), "
               f"batch={a['batch']}/rank, ranks={world}, threads/rank={torch.get_num_threads()}, "
-              f"{a['rounds']} rounds of {a['steps']} steps per setup, each round followed by "
+              + (f"FSDP2 {world // a['shards']} nodes x {a['shards']} shards, "
+                 if a.get("shards") else "")
+              + f"{a['rounds']} rounds of {a['steps']} steps per setup, each round followed by "
               f"{a['steps']} floor steps, after {a['untimed']} untimed "
               f"(+{FREEZE} warmup steps for the onebit optimizers; DiLoCo's untimed steps "
               "are whole outer rounds, then up to the schedule's quiet step)")
@@ -224,7 +260,7 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
     first = {"setup": FLOOR, "seconds": last, "floor_seconds": last, "stage": "",
              "bytes_sent": 0.0, "pieces": "", "tail": ""}
     show(first)
-    baselines = ["ddp+adam"] if a["ddp"] else []
+    baselines = [BASELINES[bool(a.get("shards"))]] if a["ddp"] else []
     for name in baselines + setups(a["optimizers"], a["overlap"]):
         setup = _Setup(name, a, x, y)
         warmup = FREEZE if setup.onebit and setup.diloco is None else 0  # DiLoCo has no freeze
@@ -243,7 +279,7 @@ def run(args: argparse.Namespace) -> bool:
     a = dict(params=args.params, width=args.width, batch=args.batch, steps=args.steps,
              rounds=args.rounds, untimed=args.untimed, optimizers=args.optimizers.split(","),
              overlap=args.overlap, ddp=args.ddp == "on", sync_every=args.sync_every,
-             fragments=args.fragments, overlap_steps=args.overlap_steps)
+             fragments=args.fragments, overlap_steps=args.overlap_steps, shards=args.shards)
     rank, rows = launch.run_everywhere(measure, args.nproc, a,
                                        backend=launch.local_backend(args.nproc))
     if rank == 0 and args.json:
@@ -253,6 +289,9 @@ def run(args: argparse.Namespace) -> bool:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
+    if args.shards and args.overlap != "off":
+        raise ValueError("--shards needs --overlap off: overlap_backward is not built for "
+                         "FSDP2-sharded params yet")
     unknown = [o for o in args.optimizers.split(",") if o not in CHOICES]
     if unknown:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {','.join(CHOICES)}")
@@ -282,5 +321,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="diloco+overlap: fragments synced at staggered steps")
     p.add_argument("--overlap-steps", dest="overlap_steps", type=int_arg(0), default=1,
                    help="diloco+overlap: inner steps each fragment's exchange runs behind")
+    p.add_argument("--shards", type=int_arg(1), default=None,
+                   help="FSDP2 shards per node (ranks / shards nodes; the module doc)")
     p.add_argument("--nproc", type=int_arg(1), default=4, help="local ranks when not launched")
     p.add_argument("--json", help="write results to this JSON file")
