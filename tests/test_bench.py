@@ -225,6 +225,29 @@ def test_step_bench_times_diloco_and_streaming_diloco(tmp_path):
     assert plain["tail"] == streaming["tail"] == "0", out
 
 
+def test_step_bench_on_shards_times_hsdp_and_onebit_over_the_replicas(tmp_path):
+    """--shards 2 on 4 ranks: 2 nodes of 2 FSDP2 shards. The baseline is
+    HSDP, and what a rank sends to the other node is its shard's: fp32 for
+    HSDP, 1 bit (>25x fewer bytes) for the optimizers, and half of what the
+    same optimizers send on whole params over 2 ranks."""
+    out = bench("step", "--nproc", "4", "--shards", "2", "--params", "300K", "--width", "128",
+                "--steps", "2", "--rounds", "1", "--untimed", "1", "--overlap", "off",
+                "--optimizers", "onebitadam,diloco", "--sync-every", "2",
+                "--json", str(tmp_path / "s.json"))
+    rows = {r["setup"]: r for r in json.loads((tmp_path / "s.json").read_text())["results"]}
+    assert list(rows) == ["floor", "hsdp+adam", "onebitadam", "diloco", "floor again"], out
+    assert "FSDP2 2 nodes x 2 shards" in out
+    assert rows["onebitadam"]["stage"] == "compression"
+    whole = bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "2",
+                  "--rounds", "1", "--untimed", "1", "--overlap", "off", "--ddp", "off",
+                  "--optimizers", "onebitadam", "--json", str(tmp_path / "w.json"))
+    whole_rows = {r["setup"]: r for r in json.loads((tmp_path / "w.json").read_text())["results"]}
+    sent = rows["onebitadam"]["bytes_sent"]
+    assert 0 < sent < rows["hsdp+adam"]["bytes_sent"] / 25, out
+    assert sent == pytest.approx(whole_rows["onebitadam"]["bytes_sent"] / 2, rel=0.05), whole
+    assert 0 < rows["diloco"]["bytes_sent"] < sent
+
+
 def test_step_bench_without_ddp_times_only_the_floor_and_the_optimizers(tmp_path):
     bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "1",
           "--rounds", "1", "--untimed", "0", "--optimizers", "diloco", "--sync-every", "2",
