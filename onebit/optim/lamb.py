@@ -142,7 +142,8 @@ class OnebitLamb(FreezeStepOptimizer):
         param at a time, counted from its first step; its last step keeps its
         variance as the fresh one, as freeze_step does for the rest."""
         for p, g in zip(params, grads):
-            self._warmup_step(key, group, [p], [g], LateJoiners.steps_done(self._local_state(), p) + 1)
+            done = LateJoiners.steps_done(self._local_state(), p)
+            self._warmup_step(key, group, [p], [g], done + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
         beta1, beta2 = group["betas"]
