@@ -59,14 +59,14 @@ def weights(rank, step):
     return [synthetic_grad(rank, step, i) for i in range(len(SHAPES))]
 
 
-def sharded(world, nodes, unused=()):
+def sharded(world, nodes, unused=(), device="cpu"):
     """A Synthetic model under fully_shard on the shard dim of a (nodes,
     world // nodes) mesh, and the replicate group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
-    model = Synthetic(unused)
+    mesh = init_device_mesh(device, (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
+    model = Synthetic(unused).to(device)
     fully_shard(model, mesh=mesh["shard"])
     return model, mesh
 
@@ -152,23 +152,31 @@ def simulate_sharded_onebit_adam(nodes, per_node, steps, freeze, lr, betas=(0.9,
     return out
 
 
-def _sharded_adam(rank, world, nodes, steps, kw):
-    model, mesh = sharded(world, nodes)
+def _sharded_adam(rank, world, nodes, steps, kw, device="cpu"):
+    model, mesh = sharded(world, nodes, device=device)
     opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"), **kw)
     for t in range(1, steps + 1):
-        model(weights(rank, t)).backward()
+        model([w.to(device) for w in weights(rank, t)]).backward()
         opt.step()
         opt.zero_grad()
         assert_replicas_identical(model, mesh.get_group("replicate"), f"after step {t}")
-    return mesh["shard"].get_local_rank(), [t.double().numpy() for t in local_flat(model)]
+    return mesh["shard"].get_local_rank(), [t.double().cpu().numpy() for t in local_flat(model)]
+
+
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                               reason="no CUDA device here")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2), (1, 3)])
-def test_onebit_adam_on_shards_matches_the_float64_simulation(nodes, per_node):
+@pytest.mark.parametrize("nodes,per_node,device", [
+    (2, 2, "cpu"), (3, 2, "cpu"), (1, 3, "cpu"), pytest.param(2, 2, "cuda", marks=ON_CUDA)])
+def test_onebit_adam_on_shards_matches_the_float64_simulation(nodes, per_node, device):
+    """On CUDA the ranks share one GPU through a cuda:gloo group (NCCL
+    refuses two ranks on one GPU)."""
     steps, freeze, lr = 10, 4, 1e-2
     got = run_workers(_sharded_adam, nodes * per_node, nodes, steps,
-                      dict(freeze_step=freeze, lr=lr), timeout=180)
+                      dict(freeze_step=freeze, lr=lr), device, timeout=180,
+                      backend="cuda:gloo" if device == "cuda" else "gloo")
     expected = simulate_sharded_onebit_adam(nodes, per_node, steps, freeze, lr)
     start = [p.double().numpy() for p in initial_params()]
     for shard, values in got:
@@ -448,17 +456,17 @@ def simulate_sharded_diloco(nodes, per_node, compression):
     return out
 
 
-def _sharded_diloco(rank, world, nodes, compression, fragments=1, overlap=0):
+def _sharded_diloco(rank, world, nodes, compression, fragments=1, overlap=0, device="cpu"):
     import onebit
 
-    model, mesh = sharded(world, nodes)
+    model, mesh = sharded(world, nodes, device=device)
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     diloco = onebit.DiLoCo(model, inner, sync_every=H, outer_lr=OUTER_LR, compression=compression,
                            fragments=fragments, overlap_steps=overlap,
                            process_group=mesh.get_group("replicate"))
     rounds = []
     for t in range(1, H * ROUNDS + 1):
-        model(weights(rank, t)).backward()
+        model([w.to(device) for w in weights(rank, t)]).backward()
         inner.step()
         inner.zero_grad()
         rounds.append(diloco.rounds)
@@ -466,15 +474,18 @@ def _sharded_diloco(rank, world, nodes, compression, fragments=1, overlap=0):
         diloco.sync()  # every fragment on a synced point
     diloco.close()
     assert_replicas_identical(model, mesh.get_group("replicate"), "after the last round")
-    return (mesh["shard"].get_local_rank(), [t.double().numpy() for t in local_flat(model)],
+    return (mesh["shard"].get_local_rank(), [t.double().cpu().numpy() for t in local_flat(model)],
             rounds, len(diloco.anchors[0]) == model.ps[0].to_local().shape[0])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression,nodes", [("1bit", 2), ("1bit", 3), ("none", 2)])
-def test_diloco_on_shards_matches_the_float64_simulation(compression, nodes):
+@pytest.mark.parametrize("compression,nodes,device", [
+    ("1bit", 2, "cpu"), ("1bit", 3, "cpu"), ("none", 2, "cpu"),
+    pytest.param("1bit", 2, "cuda", marks=ON_CUDA)])
+def test_diloco_on_shards_matches_the_float64_simulation(compression, nodes, device):
     per_node = 2
-    got = run_workers(_sharded_diloco, nodes * per_node, nodes, compression, timeout=180)
+    got = run_workers(_sharded_diloco, nodes * per_node, nodes, compression, 1, 0, device,
+                      timeout=180, backend="cuda:gloo" if device == "cuda" else "gloo")
     expected = simulate_sharded_diloco(nodes, per_node, compression)
     start = [p.double().numpy() for p in initial_params()]
     for shard, values, rounds, shard_sized in got:
