@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One run on a machine with a GPU, for whoever holds one: install the
+# checkout, run the GPU test tier, then the kernel and optimizer-step
+# benches, each under its own deadline (about 8 minutes in all), printing
+# every figure. Ranks share the GPU through cuda:gloo groups where NCCL
+# would refuse two ranks on one device.
+#
+#   bash benchmarks/gpu_check.sh 2>&1 | tee gpu_check.log
+set -u
+cd "$(dirname "$0")/.."
+step() {  # step SECONDS TITLE CMD...: run CMD with a deadline, report its status, go on
+  local limit=$1 title=$2; shift 2
+  echo "=== $title (limit ${limit}s) ==="
+  local t0=$SECONDS
+  timeout "$limit" "$@"
+  echo "=== $title: exit $? after $((SECONDS - t0)) s ==="
+}
+python -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
+step 300 "pytest -m gpu" python -m pytest -q -rs -m gpu tests -p no:cacheprovider
+step 60 "bench kernels" python -m onebit.bench kernels --min-exp 20 --max-exp 28
+step 45 "bench optim, 100M params in 50 tensors" python -m onebit.bench optim --params 100M --tensors 50
+step 45 "bench optim, 20M params in 2000 tensors" python -m onebit.bench optim --params 20M --tensors 2000
