@@ -14,6 +14,8 @@ import resource
 
 import torch
 
+from onebit.bench.table import int_arg
+
 
 def _state_bytes(opt) -> int:
     """The optimizer state and this rank's error buffers, in bytes."""
@@ -57,15 +59,17 @@ def _rank(rank, world, nodes, params, steps):
             stats["bytes_sent"], stats["fp32_bytes"], stats["stage"])
 
 
-def main(argv=None) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int_arg(1), default=2)
+    p.add_argument("--shards", type=int_arg(1), nargs="+", default=[1, 2, 4],
+                   help="ranks per node; 1: whole params (DDP's layout)")
+    p.add_argument("--params", type=int_arg(1), default=4_000_000)
+    p.add_argument("--steps", type=int_arg(3), default=4, help="steps, the last ones 1-bit")
+
+
+def run(a: argparse.Namespace) -> bool:
     from onebit.launch import spawn_local
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--params", type=int, default=4_000_000)
-    p.add_argument("--steps", type=int, default=4)
-    a = p.parse_args(argv)
     print(f"# benchmarks.sharded: OnebitAdam, nodes={a.nodes} params~{a.params} "
           f"torch={torch.__version__}; per rank, compression-stage step")
     print(f"{'shards':>6} {'ranks':>5} {'state+errors MB':>15} {'vs whole':>8} {'peak RSS MB':>11} "
@@ -82,7 +86,12 @@ def main(argv=None) -> None:
         print(f"{shards:>6} {a.nodes * shards:>5} {state / 2**20:>15.2f} {state / base:>8.3f} "
               f"{rss / 2**20:>11.0f} {sent / 1024:>12.1f} {fp32 / 1024:>12.1f} "
               f"{fp32 / sent:>6.1f}", flush=True)
+    return True
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from onebit.bench.command import main
+
+    sys.exit(main(sys.modules[__name__]))
