@@ -202,7 +202,8 @@ class DiLoCo:
             if compression == "1bit":
                 from .backends import get_backend
 
-                self.backend = get_backend(comm_backend_name, group=self._round_group,
+                self.backend = get_backend(self._shards.comm_backend(comm_backend_name),
+                                           group=self._round_group,
                                            check_finite=False, block_size=block_size,
                                            scale_dtype=self.scale_dtype, timeout_s=self.timeout_s)
         # The last synced point, kept in fp32 whatever the params' dtype: the

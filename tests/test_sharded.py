@@ -389,6 +389,19 @@ def _refusals(rank, world):
     messages["groups after"] = len(opt.param_groups)
     refused("overlap", lambda: make("OnebitAdam", model.parameters(), overlap_backward=True,
                                     process_group=mesh.get_group("replicate")))
+    refused("backend", lambda: make("OnebitAdam", model.parameters(),
+                                    comm_backend_name="hierarchical",
+                                    process_group=mesh.get_group("replicate")))
+    # A multi-node launch (2 ranks on each of 2 nodes) defaults to the
+    # hierarchical backend; over the replicate group shards get the flat one.
+    import os
+
+    from onebit.accelerator import get_accelerator
+    os.environ["ONEBIT_RANKS_PER_NODE"] = "2"
+    default = get_accelerator().onebit_backend()
+    chosen = make("OnebitAdam", model.parameters(),
+                  process_group=mesh.get_group("replicate")).comm_backend_name
+    messages["defaults"] = f"{default} {chosen}"
     hsdp = Synthetic()
     fully_shard(hsdp, mesh=mesh)  # HSDP: FSDP2 all-reduces across replicas itself
     refused("hsdp", lambda: make("OnebitLamb", hsdp.parameters(),
@@ -408,6 +421,8 @@ def test_unsupported_layouts_are_refused_naming_what_is_supported():
         assert "added to an optimizer" not in messages["added"]
         assert "plain tensor among" in messages["added"], messages["added"]
         assert "overlap_backward" in messages["overlap"], messages["overlap"]
+        assert "'hierarchical'" in messages["backend"] and "'compressed'" in messages["backend"]
+        assert messages.pop("defaults") == "hierarchical compressed"
         assert "2-D mesh" in messages["hsdp"] and "HSDP" in messages["hsdp"], messages["hsdp"]
         assert "Shard(dim=1)" in messages["dim"] and "Shard(dim=0)" in messages["dim"], \
             messages["dim"]

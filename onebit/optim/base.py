@@ -115,7 +115,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              "supported with FSDP2-sharded params yet; leave them False")
         from ..backends import backend_name, get_backend
 
-        self.comm_backend_name = backend_name(comm_backend_name)
+        self.comm_backend_name = backend_name(self._shards.comm_backend(comm_backend_name))
         self.backend = None
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
         self.comm_device = collectives.communication_device(process_group) \

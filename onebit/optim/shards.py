@@ -133,6 +133,23 @@ class ShardedParams:
                 f"(pipeline or tensor parallelism) is not supported ({SUPPORTED})")
         self.mesh_group = dist.group.WORLD
 
+    def comm_backend(self, name: Optional[str]) -> Optional[str]:
+        """The compressed backend to use, from the one asked for (None: the
+        default). Sharded, only the flat torch.distributed one fits: the
+        replicate group holds one rank per node already (the hierarchical
+        default of a multi-node launch would regroup it by node), and MPI's
+        communicator is the world, shards and all."""
+        if not self.sharded:
+            return name
+        if name is None:
+            return "compressed"
+        from ..backends import backend_name
+
+        if backend_name(name) != "compressed":
+            raise ValueError(f"{self.name}: comm_backend_name={name!r} with FSDP2-sharded params; "
+                             "supported: 'compressed' (the default here), over process_group")
+        return name
+
     def check_added(self, param_groups) -> None:
         """A group added later (add_param_group) keeps the layout: sharded
         like the rest, or plain like the rest."""
