@@ -187,7 +187,8 @@ class DiLoCo:
                 # a schedule by its values at the first rounds' landings
                 "outer optimizer": ([outer_lr(warmup_steps + k * sync_every) for k in range(65)]
                                     if callable(outer_lr) else outer_lr,
-                                    outer_momentum, nesterov)})
+                                    outer_momentum, nesterov),
+                **(self._shards.replica_fields() if self._shards.sharded else {})})
             collectives.broadcast_from_first_rank("DiLoCo: broadcast of rank 0's initial "
                                                   "parameters", self._locals(), process_group,
                                                   self.timeout_s)

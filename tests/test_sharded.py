@@ -366,6 +366,7 @@ def test_dcp_resume_on_the_same_mesh_is_bitwise_identical(tmp_path):
 
 # ----------------------------------------------------------- layouts --
 def _refusals(rank, world):
+    import onebit
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
@@ -389,6 +390,14 @@ def _refusals(rank, world):
     messages["groups after"] = len(opt.param_groups)
     refused("overlap", lambda: make("OnebitAdam", model.parameters(), overlap_backward=True,
                                     process_group=mesh.get_group("replicate")))
+    import torch.distributed as dist
+
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]  # shard 0 with shard 1
+    refused("crossed", lambda: make("OnebitAdam", model.parameters(),
+                                    process_group=crossed[rank in (1, 2)]))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    refused("crossed diloco", lambda: onebit.DiLoCo(model, inner, sync_every=2,
+                                                    process_group=crossed[rank in (1, 2)]))
     refused("backend", lambda: make("OnebitAdam", model.parameters(),
                                     comm_backend_name="hierarchical",
                                     process_group=mesh.get_group("replicate")))
@@ -422,6 +431,9 @@ def test_unsupported_layouts_are_refused_naming_what_is_supported():
         assert "plain tensor among" in messages["added"], messages["added"]
         assert "overlap_backward" in messages["overlap"], messages["overlap"]
         assert "'hierarchical'" in messages["backend"] and "'compressed'" in messages["backend"]
+        for key in ("crossed", "crossed diloco"):
+            assert "disagree on the shard each rank of process_group holds" in messages[key], \
+                messages[key]
         assert messages.pop("defaults") == "hierarchical compressed"
         assert "2-D mesh" in messages["hsdp"] and "HSDP" in messages["hsdp"], messages["hsdp"]
         assert "Shard(dim=1)" in messages["dim"] and "Shard(dim=0)" in messages["dim"], \

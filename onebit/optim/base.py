@@ -146,6 +146,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                        **kwargs)
             self._agreement.check_construction(self._settings, self.param_groups,
                                                self.comm_backend_name)
+            if self._shards.sharded:  # replicas of one shard, not of different ones
+                self._replicas.check_fields(self._shards.replica_fields())
             self._broadcast_parameters()
         self._constructed = True
         self._ef_exchange = ErrorFeedbackExchange(self.backend)

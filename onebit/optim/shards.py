@@ -160,6 +160,14 @@ class ShardedParams:
                              f"optimizer of whole params; build it with the sharded params "
                              f"from the start ({SUPPORTED})")
 
+    def replica_fields(self) -> dict:
+        """What every rank of process_group must share (compared in one
+        all-gather at construction): which shard of the mesh it holds. A
+        group that crosses shards (rank 0's shard 0 with rank 3's shard 1)
+        shares one rank with each shard group, as the replicate dim does."""
+        return {"the shard each rank of process_group holds (process_group must be the mesh's "
+                "replicate dim)": (self.shard_rank, self.shard_count)}
+
     def identity(self) -> dict:
         """What error buffers saved on this rank are valid for, besides the
         replicate rank: the shard they belong to (empty when not sharded)."""
