@@ -20,5 +20,5 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
 step 300 "pytest -m gpu" python -m pytest -q -rs -m gpu tests -p no:cacheprovider
 step 60 "bench kernels" python -m onebit.bench kernels --min-exp 20 --max-exp 28
-step 45 "bench optim, 100M params in 50 tensors" python -m onebit.bench optim --params 100M --tensors 50
-step 45 "bench optim, 20M params in 2000 tensors" python -m onebit.bench optim --params 20M --tensors 2000
+step 45 "bench optim, 100M params in 50 tensors" python -m onebit.bench optim --params 104857600 --tensors 50
+step 45 "bench optim, 20M params in 2000 tensors" python -m onebit.bench optim --params 20971520 --tensors 2000

@@ -1,8 +1,10 @@
 """`python -m onebit.bench optim`: the cost of one optimizer step.
 
 Times one step() of each onebit optimizer, in its warmup and its
-compression stage, against torch.optim.Adam(foreach=True) on the same
-parameters in the same run. At world size 1 (the default) nothing is
+compression stage, against torch's fastest Adam on the same parameters in
+the same run: Adam(fused=True) (the `x Adam` baseline, the first row) and
+AdamW(fused=True) where torch has a fused kernel for the device (the CPU
+included, since torch 2.4), and Adam(foreach=True). At world size 1 (the default) nothing is
 communicated, so this is the cost of the step's maths alone. With
 `--nproc N` (or under torchrun/mpirun) every rank steps on its own
 gradients and the time is the slowest rank's: the maths plus the exchange
@@ -67,6 +69,17 @@ def _time_steps(opt, iters: int, world: int) -> float:
     return min(times)  # the least-disturbed run: this machine is shared and noisy
 
 
+def has_fused_adam(device: str) -> bool:
+    """Whether this torch has a fused Adam kernel for `device`."""
+    p = torch.nn.Parameter(torch.zeros(2, device=device))
+    p.grad = torch.zeros_like(p)
+    try:
+        torch.optim.Adam([p], fused=True).step()
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def measure(total: int, tensors: int, iters: int, device: str = "cpu", rank: int = 0,
             world: int = 1) -> List[Dict]:
     import onebit
@@ -77,7 +90,9 @@ def measure(total: int, tensors: int, iters: int, device: str = "cpu", rank: int
     # steps are mostly local steps; with its defaults every step is a sync
     # (interval 1 for the first 32678). The best of `iters` steps is reported.
     local = dict(var_freeze_step=1, local_step_scaler=1, local_step_clipper=16)
-    cases = [
+    fused = [("torch.optim.Adam(fused)", lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True)),
+             ("torch.optim.AdamW(fused)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))]
+    cases = (fused if has_fused_adam(device) else []) + [
         ("torch.optim.Adam(foreach)", lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True)),
         ("OnebitAdam warmup", lambda ps: onebit.OnebitAdam(ps, freeze_step=10**9)),
         ("OnebitAdam compression", lambda ps: onebit.OnebitAdam(ps, freeze_step=1)),
