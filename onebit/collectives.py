@@ -181,16 +181,20 @@ def stream_ordered(group=None) -> bool:
         b in str(dist.get_backend(group)) for b in ("gloo", "mpi"))
 
 
-def communication_device(group=None) -> torch.device:
+def communication_device(group=None, data: Optional[torch.device] = None) -> torch.device:
     """The device every tensor onebit hands to `group`'s collectives lives on:
-    the accelerator's current device where the group serves it (an NCCL
-    group: the GPU, never the host), else the host where it serves that,
-    else the first device type it serves. The one place that decides it:
-    side collectives (agreement, the piece tuner, telemetry, setup) ask here
-    rather than use the host or the data's device."""
+    `data`'s (the params' device) when it is an accelerator the group serves,
+    so a rank that never called set_device still uses its own GPU rather
+    than GPU 0; else the accelerator's current device where the group serves
+    it (an NCCL group: the GPU, never the host), else the host where it
+    serves that, else the first device type it serves. The one place that
+    decides it: side collectives (agreement, the piece tuner, telemetry,
+    setup) ask here rather than use the host."""
     from .accelerator import get_accelerator
 
     served = served_device_types(group)
+    if data is not None and data.type != "cpu" and data.type in served:
+        return data
     acc = get_accelerator()
     if acc.name in served and acc.name != "cpu":
         return torch.device(acc.name, acc.current_device())

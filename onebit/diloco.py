@@ -176,7 +176,8 @@ class DiLoCo:
         self._round_group = self._agree_group = process_group
         self._thread: Optional[ThreadPoolExecutor] = None
         if self.world_size > 1:
-            self.comm_device = collectives.communication_device(process_group)
+            self.comm_device = collectives.communication_device(process_group,
+                                                                self.params[0].device)
             RankAgreement("DiLoCo", process_group, self.timeout_s).check_fields({
                 "sync_every and warmup_steps": (sync_every, warmup_steps),
                 "fragments and overlap_steps": (fragments, overlap_steps),

@@ -101,3 +101,19 @@ def _devices(rank, world):
 
 def test_communication_device_comes_from_the_groups_backend():
     assert run_workers(_devices, 2, timeout=60)[0] == ("cpu", ["cpu"])
+
+
+def _device_from_the_data(rank, world):
+    from onebit import collectives
+
+    # A rank whose params live on GPU 1 but that never called set_device:
+    # its side collectives go to GPU 1, not to the current device (GPU 0).
+    on_gpu1 = collectives.communication_device(None, torch.device("cuda", 1))
+    # Host params under a group that serves CUDA only: the group's device.
+    on_host = collectives.communication_device(None, torch.device("cpu"))
+    return str(on_gpu1), str(on_host)
+
+
+def test_the_communication_device_follows_the_params_where_the_group_serves_them():
+    for on_gpu1, on_host in run_workers(_device_from_the_data, 2, timeout=60, backend="cuda:gloo"):
+        assert on_gpu1 == "cuda:1" and on_host == "cuda", (on_gpu1, on_host)

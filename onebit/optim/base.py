@@ -118,7 +118,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.comm_backend_name = backend_name(self._shards.comm_backend(comm_backend_name))
         self.backend = None
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
-        self.comm_device = collectives.communication_device(process_group) \
+        self.comm_device = collectives.communication_device(process_group, self._device()) \
             if self.distributed else torch.device("cpu")
         # The decisions every rank must share (skipping a step, which params
         # have no gradient) span the shard group too: a shard that skipped
