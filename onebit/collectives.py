@@ -213,21 +213,45 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return on_device.copy_(host.pin_memory(), non_blocking=True)
 
 
+# The construction broadcast's buckets: a model is never copied whole.
+BROADCAST_BUCKET_BYTES = 64 << 20
+
+
 def broadcast_from_first_rank(phase: str, tensors: List[torch.Tensor], group=None,
-                              timeout_s: Optional[float] = None) -> None:
-    """Copy the group's first rank's values into `tensors` on every rank
-    (one bounded broadcast of them all, fused in fp32 on the group's
-    communication device)."""
+                              timeout_s: Optional[float] = None,
+                              bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Copy the group's first rank's values into `tensors` on every rank:
+    bounded broadcasts on the group's communication device, each of a bucket
+    of tensors of one dtype (in it, exactly) of at most `bucket_bytes` (a
+    larger tensor is a bucket of its own), so the copy in flight is a bucket,
+    not the model."""
     if not tensors:
         return
     src = dist.get_global_rank(group, 0) if group is not None else 0
+    device = communication_device(group)
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]).to(
-            communication_device(group))
-        run(phase, lambda: dist.broadcast(flat, src=src, group=group, async_op=True),
-            timeout_s, group)
-        for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
-            t.copy_(v.view_as(t))
+        for bucket in _buckets(tensors, bucket_bytes):
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket]).to(device)
+            run(phase, lambda: dist.broadcast(flat, src=src, group=group, async_op=True),
+                timeout_s, group)
+            for t, v in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(v.view_as(t))
+
+
+def _buckets(tensors: List[torch.Tensor], bucket_bytes: int) -> List[List[torch.Tensor]]:
+    """`tensors` in buckets of one dtype and at most `bucket_bytes`, in
+    their order within each dtype (the same buckets on every rank)."""
+    out: List[List[torch.Tensor]] = []
+    open_bucket = {}  # dtype -> (bucket, bytes so far)
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        bucket, used = open_bucket.get(t.dtype, (None, 0))
+        if bucket is None or used + size > bucket_bytes:
+            bucket, used = [], 0
+            out.append(bucket)
+        bucket.append(t)
+        open_bucket[t.dtype] = (bucket, used + size)
+    return out
 
 
 def gather_numbers(phase: str, values: list, dtype: torch.dtype, group=None,

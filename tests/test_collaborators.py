@@ -197,3 +197,41 @@ def test_a_subclass_must_say_its_stages_and_its_maths():
 
     with pytest.raises(TypeError, match="stage_at"):
         Incomplete([torch.nn.Parameter(torch.zeros(1))], {"lr": 0.1}, None, False)
+
+
+def _broadcast_in_buckets(rank, world):
+    import torch.distributed as dist
+
+    from onebit import collectives
+
+    g = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(300, generator=g, dtype=torch.float64),   # exactly, not via fp32
+               torch.randn(5, generator=g).to(torch.bfloat16),
+               torch.randn(2000, generator=g), torch.randn(0, generator=g),
+               torch.randn(7, 3, generator=g), torch.randn(100, generator=g).half()]
+    before = [t.clone() for t in tensors]
+    calls = []
+    real = dist.broadcast
+
+    def counting(t, *a, **k):
+        calls.append((t.dtype, t.numel()))
+        return real(t, *a, **k)
+    dist.broadcast = counting
+    try:  # 4 KB buckets: the 8 KB fp32 tensor alone, the fp64 one alone, ...
+        collectives.broadcast_from_first_rank("test", tensors, bucket_bytes=4096)
+    finally:
+        dist.broadcast = real
+    every = [None] * world
+    dist.all_gather_object(every, [t.tolist() for t in tensors])
+    kept = rank != 0 or all(torch.equal(a, b) for a, b in zip(before, tensors))
+    return calls, all(e == every[0] for e in every), kept
+
+
+def test_the_first_ranks_values_reach_every_rank_exactly_in_buckets_of_one_dtype():
+    """Rank 0's values, float64 ones too (the fused fp32 broadcast this
+    replaced rounded them, on rank 0 as well), in buckets of one dtype."""
+    for calls, same, kept in run_workers(_broadcast_in_buckets, 3, timeout=60):
+        assert same and kept
+        assert sorted(calls, key=str) == sorted([(torch.float64, 300), (torch.bfloat16, 5),
+                                                 (torch.float32, 2000), (torch.float32, 21),
+                                                 (torch.float16, 100)], key=str), calls
