@@ -49,24 +49,22 @@ def _to_cpu(obj):
     return obj
 
 
-def _group(optimizer):
-    return getattr(optimizer, "process_group", None)
-
-
-def _world(optimizer) -> int:
-    return getattr(optimizer, "world_size", 1)
+def _job_size() -> int:
+    # The whole job, not the optimizer's process_group: on sharded params
+    # that group holds one shard's replicas, and every shard's buffers must
+    # reach the checkpoint.
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def gather_error_feedback(optimizer) -> Optional[List[dict]]:
-    """Every rank's `error_feedback_state_dict()`, on CPU, in rank order, on
-    the group's first rank (None on the others). Every rank must call it,
+    """Every rank's `error_feedback_state_dict()`, on CPU, in global rank
+    order, on global rank 0 (None on the others). Every rank must call it,
     as trainers call their save hooks."""
     mine = _to_cpu(optimizer.error_feedback_state_dict())
-    if _world(optimizer) == 1:
+    if _job_size() == 1:
         return [mine]
-    group = _group(optimizer)
-    out = [None] * _world(optimizer) if dist.get_rank(group) == 0 else None
-    dist.gather_object(mine, out, group=group, group_dst=0)
+    out = [None] * _job_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, out, dst=0)
     return out
 
 
@@ -74,8 +72,8 @@ def restore_error_feedback(optimizer, states: Optional[List[dict]]) -> bool:
     """Load this rank's entry of what `gather_error_feedback` returned, after
     the trainer loaded the optimizer's state. False (the buffers restart from
     zero) when there is no entry for this rank or it does not fit here
-    (another world size, step or layout)."""
-    rank = dist.get_rank(_group(optimizer)) if _world(optimizer) > 1 else 0
+    (another world size, step, shard or layout: the optimizer checks)."""
+    rank = dist.get_rank() if _job_size() > 1 else 0
     if not states or rank >= len(states):
         return False
     return optimizer.load_error_feedback_state_dict(states[rank])
