@@ -108,23 +108,30 @@ def shard_rows(rows, s, shards):
 
 
 def simulate_sharded_onebit_adam(nodes, per_node, steps, freeze, lr, betas=(0.9, 0.999),
-                                 eps=1e-8):
+                                 eps=1e-8, groups=None, masks=None):
     """1-bit Adam on shards in float64: for each shard s, the tensors are the
     s-th row runs of every param; node n's gradient is the mean over its
     ranks of their gradients' rows (FSDP2's reduce-scatter); then the paper's
     1-bit Adam over the nodes (warmup: Adam on the exact mean; after the
     freeze: each node's momentum through reference.py's compressed
-    exchange). Returns {(s, i): final flat values of param i's shard s}."""
+    exchange, one exchange per param group). `masks` {param: whole-shaped
+    0/1 array}: DeepSpeed's exp_avg_mask, multiplied into the averaged
+    momentum after each exchange. Returns {(s, i): final flat values of
+    param i's shard s}."""
     p0 = [p.double().numpy() for p in initial_params()]
+    groups = groups or [list(range(len(p0)))]
+    masks = masks or {}
     out = {}
     for s in range(per_node):
         rows = [shard_rows(p.shape[0], s, per_node) for p in p0]
         params = [p[r].reshape(-1).copy() for p, r in zip(p0, rows)]
-        sizes = [len(x) for x in params]
-        _, n, _ = placement(sizes, BLOCK, nodes)
-        m = [np.zeros(k) for k in sizes]
-        v = [np.zeros(k) for k in sizes]
-        werrs, serrs = [np.zeros(n) for _ in range(nodes)], [np.zeros(n // nodes)] * nodes
+        cut = {i: mask[rows[i]].reshape(-1) for i, mask in masks.items()}
+        m = [np.zeros(len(x)) for x in params]
+        v = [np.zeros(len(x)) for x in params]
+        errors = []
+        for group in groups:
+            _, n, _ = placement([len(params[i]) for i in group], BLOCK, nodes)
+            errors.append(([np.zeros(n) for _ in range(nodes)], [np.zeros(n // nodes)] * nodes))
 
         def node_grads(node, t):
             ranks = range(node * per_node, (node + 1) * per_node)
@@ -142,8 +149,15 @@ def simulate_sharded_onebit_adam(nodes, per_node, steps, freeze, lr, betas=(0.9,
                          for gs in grads]
                 if nodes == 1:  # one replica: nothing to exchange, the momentum as it is
                     m = local[0]
-                else:
-                    m, werrs, serrs, _ = reference_round(local, werrs, serrs, BLOCK)
+                for k, group in enumerate(groups):
+                    if nodes > 1:
+                        avg, werrs, serrs, _ = reference_round(
+                            [[node_m[i] for i in group] for node_m in local], *errors[k], BLOCK)
+                        errors[k] = (werrs, serrs)
+                        for i, mi in zip(group, avg):
+                            m[i] = mi
+                for i, mask in cut.items():
+                    m[i] = m[i] * mask
             bc1, bc2 = 1 - betas[0] ** t, 1 - betas[1] ** min(t, freeze)
             params = [p - lr * (mi / bc1) / (np.sqrt(vi / bc2) + eps)
                       for p, mi, vi in zip(params, m, v)]
@@ -152,9 +166,15 @@ def simulate_sharded_onebit_adam(nodes, per_node, steps, freeze, lr, betas=(0.9,
     return out
 
 
-def _sharded_adam(rank, world, nodes, steps, kw, device="cpu"):
+def _sharded_adam(rank, world, nodes, steps, kw, device="cpu", masks=None):
     model, mesh = sharded(world, nodes, device=device)
-    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"), **kw)
+    params = model.parameters()
+    if masks:  # a group per masked param, then the rest (MASK_GROUPS)
+        ps = list(model.parameters())
+        params = [{"params": [ps[i]], "exp_avg_mask": torch.tensor(mask).to(device)}
+                  for i, mask in masks.items()]
+        params.append({"params": [p for i, p in enumerate(ps) if i not in masks]})
+    opt = make("OnebitAdam", params, process_group=mesh.get_group("replicate"), **kw)
     for t in range(1, steps + 1):
         model([w.to(device) for w in weights(rank, t)]).backward()
         opt.step()
@@ -187,6 +207,38 @@ def test_onebit_adam_on_shards_matches_the_float64_simulation(nodes, per_node, d
             assert want.size == 0 or moved.mean() > 1e-3, "the comparison must not stand still"
             np.testing.assert_allclose(v, want, rtol=0, atol=2e-4,
                                        err_msg=f"param {i}, shard {shard}")
+
+
+def whole_masks():
+    """exp_avg_mask for param 0 (7x5, whole-shaped: rows 1 and 5 off, one on
+    each shard of 2, and one element of row 3) and param 3 (4x3x2, a 3x2
+    mask that broadcasts along the sharded dim)."""
+    rows = np.ones(SHAPES[0])
+    rows[[1, 5]] = 0
+    rows[3, 2] = 0
+    plane = np.ones(SHAPES[3][1:])
+    plane[1, 0] = 0
+    return {0: rows, 3: plane}
+
+
+@pytest.mark.slow
+def test_exp_avg_mask_on_shards_matches_the_float64_simulation():
+    """Each shard takes its rows of a whole-shaped mask; a mask that
+    broadcasts along dim 0 applies to every shard as it is."""
+    steps, freeze, lr = 8, 3, 1e-2
+    masks = whole_masks()
+    got = run_workers(_sharded_adam, 4, 2, steps, dict(freeze_step=freeze, lr=lr), "cpu",
+                      masks, timeout=180)
+    whole = {0: masks[0], 3: np.broadcast_to(masks[3], SHAPES[3])}
+    expected = simulate_sharded_onebit_adam(2, 2, steps, freeze, lr, groups=[[0], [3], [1, 2, 4]],
+                                            masks=whole)
+    unmasked = simulate_sharded_onebit_adam(2, 2, steps, freeze, lr, groups=[[0], [3], [1, 2, 4]])
+    for shard, values in got:
+        for i, v in enumerate(values):
+            np.testing.assert_allclose(v, expected[(shard, i)], rtol=0, atol=2e-4,
+                                       err_msg=f"param {i}, shard {shard}")
+        for i in (0, 3):  # the masks changed what these shards did
+            assert np.abs(expected[(shard, i)] - unmasked[(shard, i)]).max() > 1e-3
 
 
 # ------------------------------------------- identical replicas, 3 nodes --

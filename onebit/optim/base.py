@@ -792,24 +792,25 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             return [True] * len(exp_avg_sqs), [None] * len(exp_avg_sqs)
         return self._zero_variance.check(index, exp_avg_sqs, version)
 
-    @staticmethod
-    def _mask_(group, tensors: List[torch.Tensor]) -> None:
+    def _mask_(self, group, tensors: List[torch.Tensor]) -> None:
         """Multiply each tensor by the group's exp_avg_mask (DeepSpeed semantics:
         1-bit signs cannot represent exact zeros, so positions known to stay 0
         are forced back to 0 after every compressed exchange)."""
         for t in tensors:
-            mask = OnebitOptimizer._group_mask(group, t.device)
+            mask = self._group_mask(group, t.device)
             if mask is None:
                 return
             t.mul_(mask)
 
-    @staticmethod
-    def _group_mask(group, device: torch.device) -> Optional[torch.Tensor]:
-        """The group's exp_avg_mask on `device` (moved there once), or None."""
+    def _group_mask(self, group, device: torch.device) -> Optional[torch.Tensor]:
+        """The group's exp_avg_mask on `device` (moved there once), or None;
+        on sharded params, the part of it this rank's shards take."""
         mask = group.get("exp_avg_mask")
-        if mask is not None and mask.device != device:
+        if mask is None:
+            return None
+        if mask.device != device:
             mask = group["exp_avg_mask"] = mask.to(device)
-        return mask
+        return self._shards.local_mask(mask, group["params"])
 
     def _denominators(self, index, group, exp_avg_sqs: List[torch.Tensor], bc2: float,
                       version: Optional[int]) -> List[torch.Tensor]:

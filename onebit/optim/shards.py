@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 try:  # torch 2.4 and later: a public DTensor
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 except ImportError:  # pragma: no cover - older torch has no FSDP2 either
-    DTensor, Shard = None, None
+    DTensor, Shard, distribute_tensor = None, None, None
 
 SUPPORTED = ("FSDP2 on a 1-D mesh of the GPUs (or processes) of one node: "
              "fully_shard(module, mesh=mesh['shard']) with the optimizer's "
@@ -74,6 +74,7 @@ class ShardedParams:
         self.shard_group = self.mesh_group = None
         self.shard_rank, self.shard_count = 0, 1
         self._owners: Dict[int, torch.Tensor] = {}  # id(local view) -> its parameter
+        self._cut_masks: Dict[int, tuple] = {}  # id(group's first param) -> (mask, its cut)
         if self.sharded:
             self._check_layout(param_groups)
 
@@ -81,11 +82,6 @@ class ShardedParams:
     def _check_layout(self, param_groups) -> None:
         """A ValueError naming what is supported for any layout that would
         average the wrong things together (the module docstring's)."""
-        for i, g in enumerate(param_groups):
-            if g.get("exp_avg_mask") is not None:
-                raise ValueError(f"{self.name}: group {i} has an exp_avg_mask, which is not "
-                                 "supported with FSDP2-sharded params yet (it has the whole "
-                                 "param's shape, the maths sees shards)")
         params = [p for g in param_groups for p in g["params"]]
         mesh = None
         for i, p in enumerate(params):
@@ -201,6 +197,28 @@ class ShardedParams:
         """The local shard of the gradient of the parameter `t` stands for."""
         g = self.owner(t).grad
         return local(g) if g is not None else None
+
+    def local_mask(self, mask: torch.Tensor, group_params: List[torch.Tensor]) -> torch.Tensor:
+        """The part of a group's `exp_avg_mask` this rank's shards take. A
+        mask of the whole param's shape is cut as FSDP2 cuts the params
+        (Shard(0)); one that broadcasts along dim 0 (fewer dims, or one row)
+        applies to every shard as it is. The cut is kept while the group
+        holds the same mask."""
+        if not self.sharded or mask.dim() < group_params[0].dim() or mask.shape[0] == 1:
+            return mask
+        kept = self._cut_masks.get(id(group_params[0]))
+        if kept is not None and kept[0] is mask:
+            return kept[1]
+        whole = group_params[0]
+        if tuple(mask.shape) != tuple(whole.shape):
+            raise ValueError(f"{self.name}: exp_avg_mask of shape {tuple(mask.shape)} neither has "
+                             f"the group's params' shape {tuple(whole.shape)} nor broadcasts "
+                             "along their sharded dim 0")
+        # src_data_rank=None: every rank holds the whole mask; no collective.
+        cut = distribute_tensor(mask, whole.device_mesh, whole.placements,
+                                src_data_rank=None).to_local()
+        self._cut_masks[id(whole)] = (mask, cut)  # holding `mask` keeps its id unique
+        return cut
 
     def state_view(self, state):
         """`state` (keyed by parameters) indexed by local shards as well."""
