@@ -111,7 +111,7 @@ class TinyGPT(torch.nn.Module):
         return self.ln(x) @ self.tok.weight.t()  # tied output head
 
 
-def _optimizer(name: str, params, a: dict, group=None):
+def make_optimizer(name: str, params, a: dict, group=None):
     import onebit
 
     steps, lr = a["steps"], a["lr"]
@@ -166,7 +166,7 @@ def lr_factor(a: dict):
     return factor
 
 
-def _batch(ids: torch.Tensor, gen: torch.Generator, batch: int, context: int) -> torch.Tensor:
+def sample_batch(ids: torch.Tensor, gen: torch.Generator, batch: int, context: int) -> torch.Tensor:
     starts = torch.randint(len(ids) - context - 1, (batch,), generator=gen)
     return torch.stack([ids[s:s + context + 1] for s in starts.tolist()])
 
@@ -194,7 +194,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         dist.broadcast(p.data, 0)
     shards = a.get("shards") or 1
     group = _shard(model, name, world, shards) if shards > 1 else None
-    opt = _optimizer(name, model.parameters(), a, group)
+    opt = make_optimizer(name, model.parameters(), a, group)
     diloco = None
     if name in DILOCO:  # the outer loop hangs off the inner optimizer's step
         import onebit
@@ -213,7 +213,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     numel = sum(p.to_local().numel() if shards > 1 else p.numel() for p in model.parameters())
     replicas = world // shards
     gen = torch.Generator().manual_seed(1000 * seed + rank)
-    held = _batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
+    held = sample_batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
     curve, finite, error_norms, sent_by_then = [], True, [], []
 
     def held_out_loss() -> float:
@@ -225,7 +225,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         return loss.item()
 
     for t in range(1, a["steps"] + 1):
-        x = _batch(train_ids, gen, a["batch"], a["context"])
+        x = sample_batch(train_ids, gen, a["batch"], a["context"])
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, vocab),
                                                  x[:, 1:].reshape(-1))

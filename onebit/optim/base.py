@@ -154,7 +154,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._late = LateJoiners(self._warmup_length())
         self._static = StaticBuffers()
         self._warned_scales_drift = False
-        self._restart_notice = checkpoints.ErrorFeedbackRestartNotice(type(self).__name__)
+        self._restart_notice = checkpoints.ErrorFeedbackRestartNotice(
+            type(self).__name__, " The momentum restarts from zero (see momentum_restart).")
+        self._momentum_restart = checkpoints.MomentumRestart()
         self._zero_variance = ZeroVarianceGuard(self._shards.whole_sums
                                                 if self._shards.sharded else None)
         self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
@@ -277,6 +279,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             with torch.enable_grad():
                 loss = closure()
         self._restart_notice.before_step()
+        if self._momentum_restart.due():
+            self._restart_momentum()
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
         t = stage.step
@@ -693,8 +697,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         later stage creates, so a fresh optimizer's state_dict has every key
         a trained one has: DCP loads only into keys the target already has."""
         sd = super().state_dict()
+        compressed = self._momentum_restart.pending or (
+            self.world_size > 1 and self._had_error_feedback(self.counters["step"]))
         for g in sd["param_groups"]:
-            g[COUNTERS_KEY] = copy.deepcopy(g[COUNTERS_KEY])
+            g[COUNTERS_KEY] = {**copy.deepcopy(g[COUNTERS_KEY]),
+                               checkpoints.MOMENTUM_KEY: compressed}
         params = [p for g in self.param_groups for p in g["params"]]
         checkpoints.add_placeholders(sd, params, self._all_staged_state())
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
@@ -719,10 +726,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         super().load_state_dict(checkpoints.keep_masks(state_dict, self.param_groups))
         self._shards.from_dtensors(self.state)
         counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
+        # Absent from checkpoints written before it: the stage decides.
+        compressed = counters.pop(checkpoints.MOMENTUM_KEY, self._had_error_feedback(counters["step"]))
         self._share_counters(counters)
         checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"])
         self._forget_layouts()
         self._restart_notice.loaded(self.world_size > 1 and self._had_error_feedback(counters["step"]))
+        self._momentum_restart.loaded(compressed)
 
     def _rank(self) -> int:
         return dist.get_rank(self.process_group) if self.world_size > 1 else 0
@@ -762,7 +772,26 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                                     self._error_identity())
         if loaded:
             self._restart_notice.restored()
+            self._momentum_restart.restored()
         return loaded
+
+    @property
+    def momentum_restart(self) -> bool:
+        """Whether the momentum restarts from zero at the first step after a
+        `load_state_dict` whose error-feedback buffers did not come back,
+        when the saved momentum is a compressed average (the default, True;
+        see checkpoints.MomentumRestart and docs/checkpoints.md)."""
+        return self._momentum_restart.enabled
+
+    @momentum_restart.setter
+    def momentum_restart(self, enabled: bool) -> None:
+        self._momentum_restart.enabled = bool(enabled)
+
+    def _restart_momentum(self) -> None:
+        for state in self.state.values():
+            m = state.get("exp_avg")
+            if isinstance(m, torch.Tensor):
+                m.zero_()
 
     def _error_layouts(self) -> dict:
         """Error-buffer key -> layout of every fused buffer this optimizer

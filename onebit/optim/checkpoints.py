@@ -28,6 +28,7 @@ import torch
 
 
 COUNTERS_KEY = "onebit"  # param_group[COUNTERS_KEY]: the counters that decide the stage
+MOMENTUM_KEY = "momentum_compressed"  # saved with them: see MomentumRestart
 STATE_KEY = "onebit"  # where checkpoints before DCP support kept them: state["onebit"]
 
 # Keys torch.optim.Adam/AdamW keep in a param group that onebit has no use for.
@@ -103,7 +104,8 @@ def _from_adam(optimizer, state_dict: dict, counters_at) -> dict:
             steps.append(int(step.item() if isinstance(step, torch.Tensor) else step))
         s.pop("max_exp_avg_sq", None)
         state[key] = s
-    counters = counters_at(max(steps, default=0))
+    # torch's Adam averaged exactly: its momentum has nothing to restart.
+    counters = {**counters_at(max(steps, default=0)), MOMENTUM_KEY: False}
     for g in groups:
         g[COUNTERS_KEY] = counters
     return {"state": state, "param_groups": groups}
@@ -172,6 +174,38 @@ def keep_masks(state_dict: dict, param_groups) -> dict:
     return {**state_dict, "param_groups": groups}
 
 
+class MomentumRestart:
+    """The momentum restarts from zero at the first step after a resume
+    whose error-feedback buffers did not come back (another world size, or
+    a checkpoint saved without them), when the saved momentum came through
+    compressed exchanges.
+
+    Why: in the compression stage the saved `exp_avg` is the 1-bit average
+    itself, a sign and one scale per block, and the error buffers held what
+    it left out; they would have put it back over the next steps. Without
+    them that bias stays in the momentum for the ~1/(1 - beta1) steps it
+    takes to decay, and with a frozen variance every entry moves by the
+    block's scale over its own sqrt(v): a held-out loss spike of 30-50% on a
+    small GPT-2 (docs/checkpoints.md). A momentum rebuilt from zero costs
+    about nothing there. `enabled` (the optimizer's `momentum_restart`)
+    turns it off."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.pending = False
+
+    def loaded(self, momentum_compressed: bool) -> None:
+        self.pending = momentum_compressed
+
+    def restored(self) -> None:
+        self.pending = False
+
+    def due(self) -> bool:
+        """Whether the coming step restarts the momentum (once per load)."""
+        due, self.pending = self.pending and self.enabled, False
+        return due
+
+
 class ErrorFeedbackRestartNotice:
     """Warns once, at the first step after a `load_state_dict` that left
     error feedback at zero where the saved run had some: trainers and most
@@ -181,8 +215,9 @@ class ErrorFeedbackRestartNotice:
     `load_state_dict` (`load_error_feedback_state_dict`, or a trainer
     callback), and a restored run has nothing to warn about."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, consequence: str = "") -> None:
         self.owner = owner
+        self.consequence = consequence  # a sentence on what the owner does about it
         self.pending = self.warned = False
 
     def loaded(self, errors_lost: bool) -> None:
@@ -198,7 +233,7 @@ class ErrorFeedbackRestartNotice:
         warnings.warn(
             f"{self.owner}: the error-feedback buffers restarted from zero after load_state_dict(). "
             "They differ on every rank, so state_dict() does not hold them: this resume is close "
-            "to the uninterrupted run, not bitwise equal. To keep them, save "
+            f"to the uninterrupted run, not bitwise equal.{self.consequence} To keep them, save "
             "error_feedback_state_dict() on every rank and load it with "
             "load_error_feedback_state_dict() after load_state_dict(), or add "
             "onebit.callbacks.hf.ErrorFeedbackCallback (Hugging Face Trainer) or "
