@@ -26,23 +26,29 @@ torch.distributed.checkpoint saves and reshards them as it does the params.
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-
-try:  # torch 2.4 and later: a public DTensor
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-except ImportError:  # pragma: no cover - older torch has no FSDP2 either
-    DTensor, Shard, distribute_tensor = None, None, None
 
 SUPPORTED = ("FSDP2 on a 1-D mesh of the GPUs (or processes) of one node: "
              "fully_shard(module, mesh=mesh['shard']) with the optimizer's "
              "process_group=mesh.get_group('replicate')")
 
 
+def _dtensor_api():
+    """torch.distributed.tensor once something has imported it, else None.
+    A DTensor exists only then, and importing it here would cost every
+    process about 1 s (it pulls in sympy), sharded or not. The functions
+    below that need more of it run on DTensors only, so their imports of it
+    find it loaded."""
+    return sys.modules.get("torch.distributed.tensor")
+
+
 def is_sharded(p: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(p, DTensor)
+    api = _dtensor_api()
+    return api is not None and isinstance(p, api.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +62,8 @@ def placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     of `p`'s placement (what DCP saves and reshards); else `t` itself."""
     if not is_sharded(p) or is_sharded(t) or t.shape != p.to_local().shape:
         return t
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                               stride=p.stride())
 
@@ -96,7 +104,7 @@ class ShardedParams:
                     "would all-reduce the gradients across replicas itself, in full precision, "
                     "and onebit would average them again; a tensor-parallel dim is not "
                     f"supported. Use {SUPPORTED}")
-            if tuple(p.placements) != (Shard(0),):
+            if tuple(p.placements) != (_dtensor_api().Shard(0),):
                 raise ValueError(f"{where} has placements {tuple(p.placements)}; supported: "
                                  f"(Shard(dim=0),), FSDP2's default ({SUPPORTED})")
             if mesh is None:
@@ -215,7 +223,7 @@ class ShardedParams:
                              f"the group's params' shape {tuple(whole.shape)} nor broadcasts "
                              "along their sharded dim 0")
         # src_data_rank=None: every rank holds the whole mask; no collective.
-        cut = distribute_tensor(mask, whole.device_mesh, whole.placements,
+        cut = _dtensor_api().distribute_tensor(mask, whole.device_mesh, whole.placements,
                                 src_data_rank=None).to_local()
         self._cut_masks[id(whole)] = (mask, cut)  # holding `mask` keeps its id unique
         return cut
