@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import hashlib
 import math
 import numbers
 import os
@@ -272,3 +273,10 @@ def gather_numbers(phase: str, values: list, dtype: torch.dtype, group=None,
     every = torch.empty(dist.get_world_size(group) * len(values), dtype=dtype, device=device)
     run(phase, lambda: all_gather_flat(every, mine, group=group, async_op=True), timeout_s, group)
     return every.view(-1, len(values)).tolist() if values else []
+
+
+def stable_digest(value) -> int:
+    """A non-negative int64 digest of repr(value), the same in every process
+    (Python's own hash of a str is salted per process): what ranks compare
+    to agree on a layout or a setting in one int64."""
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little")

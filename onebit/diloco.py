@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .backends import get_backend
 from .backends.stats import TrafficStats, fp32_allreduce_bytes
 from .optim.agreement import RankAgreement, nonfinite_flag
 from .optim.checkpoints import (ErrorFeedbackRestartNotice, error_feedback_state,
@@ -202,8 +203,6 @@ class DiLoCo:
                 self._agree_group = (exchange_group(self._shards.mesh_group) if overlap_steps
                                      else self._shards.mesh_group)
             if compression == "1bit":
-                from .backends import get_backend
-
                 self.backend = get_backend(self._shards.comm_backend(comm_backend_name),
                                            group=self._round_group,
                                            check_finite=False, block_size=block_size,

@@ -41,6 +41,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .. import ops
+from ..collectives import stable_digest
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_block_size
 from .layout import BlockLayout
 from .pipeline import PieceTuner, piece_ranges
@@ -375,11 +376,3 @@ class CompressedAllreduceBase:
                        took - comm_s)
         self.pipeline.record(layout.key, count, took, self.share)
         return buffer_m
-
-
-def stable_digest(value) -> int:
-    """A non-negative int64 digest of repr(value), the same in every process
-    (Python's own hash of a str is salted per process)."""
-    import hashlib
-
-    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little")

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..accelerator.placement import RANKS_PER_NODE_ENV, local_world_size
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE
-from .base import CompressedAllreduceBase, stable_digest
+from .base import CompressedAllreduceBase
 from .layout import BlockLayout
 from .node import MpiNode, TorchNode
 from .shm import ShmNode
@@ -272,15 +272,15 @@ class HierarchicalBackend:
         node (the cross-node group) compares the nodes' verdicts."""
         if layout.key in self._agreed:
             return
-        mine = torch.tensor([layout.padded, stable_digest(layout.key)], dtype=torch.int64,
-                            device=device)
+        mine = torch.tensor([layout.padded, collectives.stable_digest(layout.key)],
+                            dtype=torch.int64, device=device)
         every = mine.view(1, 2)
         if self.ranks_per_node > 1:
             every = torch.empty(self.ranks_per_node, 2, dtype=torch.int64, device=device)
             self.node.all_gather(mine.view(torch.uint8), every.view(torch.uint8).view(-1))
         node_agrees = int(len({tuple(r) for r in every.tolist()}) == 1)
-        verdicts = torch.tensor([node_agrees, stable_digest(every.tolist())], dtype=torch.int64,
-                                device=device)
+        verdicts = torch.tensor([node_agrees, collectives.stable_digest(every.tolist())],
+                                dtype=torch.int64, device=device)
         if self.node_count > 1:
             verdicts = self.net.share(verdicts)
         verdicts = verdicts.view(-1, 2).tolist()

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..backends.base import stable_digest
 from ..wire import WIRE_FORMAT_VERSION
 from .untouched import flags_on_every_rank, pack_flags
 
@@ -115,7 +114,7 @@ class RankAgreement:
         """Every rank must hold the same value under each name of `fields`
         (compared by digest, in one all-gather): else a ValueError on every
         rank naming the fields that differ and this rank's values."""
-        digest = [stable_digest(v) for v in fields.values()]
+        digest = [collectives.stable_digest(v) for v in fields.values()]
         table = self.gather("construction fingerprint", digest)
         bad = [name for j, name in enumerate(fields) if len({row[j] for row in table}) > 1]
         if bad:

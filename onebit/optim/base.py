@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..amp import AGREEING_SCALER_ATTRIBUTE
-from ..backends.base import stable_digest
+from ..backends import backend_name, get_backend
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from . import checkpoints
 from . import functional as F
@@ -113,8 +113,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if self._shards.sharded and (graph_capture or overlap_backward):
             raise ValueError(f"{type(self).__name__}: graph_capture and overlap_backward are not "
                              "supported with FSDP2-sharded params yet; leave them False")
-        from ..backends import backend_name, get_backend
-
         self.comm_backend_name = backend_name(self._shards.comm_backend(comm_backend_name))
         self.backend = None
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
@@ -496,7 +494,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if self._trainable_signature is not None:
             self._forget_layouts()
         self._trainable_signature = signature
-        self._trainable_digest = stable_digest(signature)
+        self._trainable_digest = collectives.stable_digest(signature)
 
     def _local_state(self):
         """`self.state`, which a sharded param's local shard (what the maths

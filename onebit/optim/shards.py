@@ -32,6 +32,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..backends import backend_name
+
 SUPPORTED = ("FSDP2 on a 1-D mesh of the GPUs (or processes) of one node: "
              "fully_shard(module, mesh=mesh['shard']) with the optimizer's "
              "process_group=mesh.get_group('replicate')")
@@ -147,8 +149,6 @@ class ShardedParams:
             return name
         if name is None:
             return "compressed"
-        from ..backends import backend_name
-
         if backend_name(name) != "compressed":
             raise ValueError(f"{self.name}: comm_backend_name={name!r} with FSDP2-sharded params; "
                              "supported: 'compressed' (the default here), over process_group")
