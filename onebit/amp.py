@@ -16,6 +16,16 @@ NaN since the last update is gathered across the process group (one
 bounded all-gather of one number per update), and every rank's scaler
 backs off, or grows, on that answer.
 
+For an optimizer that does not check found-inf itself (torch's, such as
+DiLoCo's inner optimizer), the agreement comes earlier, in `step()`, so
+that every rank skips the step when any rank found an inf: local steps
+(DiLoCo's inner steps) then stay counted alike on every rank, and the
+rounds run at the same iterations everywhere. A rank skipping alone would
+start each later round one step after the others, and a loop of fixed
+length would end with the ranks a round apart. The healthy ranks lose that
+step; under DDP the found-infs already agree, and nothing changes. The
+onebit optimizers take found-inf into their own step and agree there.
+
     scaler = onebit.amp.GradScaler("cuda")
     with torch.autocast("cuda", dtype=torch.float16):
         loss = model(x)
@@ -27,6 +37,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
 from . import collectives
 
@@ -34,6 +45,9 @@ from . import collectives
 # optimizer whose ranks disagree on found-inf then knows the scales will
 # agree anyway, and does not warn.
 AGREEING_SCALER_ATTRIBUTE = "scaler_agrees_across_ranks"
+# In a per-optimizer state of the parent (reset at every update()): its
+# found-inf flags were agreed at step(), update() need not gather again.
+_AGREED = "onebit_found_inf_agreed"
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -52,6 +66,13 @@ class GradScaler(torch.amp.GradScaler):
         self.timeout_s = collectives.check_timeout(timeout_s)
 
     def step(self, optimizer, *args, **kwargs):
+        if self.is_enabled() and self._distributed() and \
+                not getattr(optimizer, "_step_supports_amp_scaling", False):
+            # torch's step() skips on this rank's found-inf alone: unscale
+            # (what its step() would do first) and agree before it looks.
+            if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            self._agree_on_found_inf([optimizer])
         setattr(optimizer, AGREEING_SCALER_ATTRIBUTE, True)
         try:
             return super().step(optimizer, *args, **kwargs)
@@ -60,19 +81,22 @@ class GradScaler(torch.amp.GradScaler):
 
     def update(self, new_scale=None) -> None:
         if new_scale is None and self.is_enabled() and self._distributed():
-            self._agree_on_found_inf()
+            self._agree_on_found_inf(None)
         super().update(new_scale)
 
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and \
             dist.get_world_size(self.process_group) > 1
 
-    def _agree_on_found_inf(self) -> None:
-        # The parent keeps what each optimizer's step found per device, and
-        # update() reads it from there: the agreed answer is written back in
-        # place, so the parent's own update logic decides the new scale.
-        found = [flag for state in self._per_optimizer_states.values()
-                 for flag in state["found_inf_per_device"].values()]
+    def _agree_on_found_inf(self, optimizers) -> None:
+        """Whether any rank found an inf: gathered, and written back into
+        each flag in place, so the parent's own logic (step's skip, update's
+        new scale) decides on the agreed answer. `optimizers`: those whose
+        flags to agree now (step), or None for every one not agreed yet
+        (update)."""
+        states = [self._per_optimizer_states[id(o)] for o in optimizers] if optimizers else \
+            [st for st in self._per_optimizer_states.values() if not st.get(_AGREED)]
+        found = [flag for state in states for flag in state["found_inf_per_device"].values()]
         if not found:  # the parent's update() says what is wrong
             return
         here = sum(flag.detach().to(torch.float64).sum() for flag in found)
@@ -82,3 +106,5 @@ class GradScaler(torch.amp.GradScaler):
         anywhere = float(any(row[0] > 0 for row in table))
         for flag in found:
             flag.fill_(anywhere)
+        for state in states:
+            state[_AGREED] = True

@@ -114,3 +114,48 @@ def test_ddp_hook_zero_one_adam_replicas_stay_identical_with_one_rank_infs():
     # full-precision average (step 4) mixes the two scales.
     drifted = run_workers(_ddp_zero_one_adam, 2, "torch", timeout=120)
     assert drifted[0] is not None and drifted[0] == drifted[1]
+
+
+# ------------------------------- DiLoCo with fp16 (issue 46 item 1) --
+DILOCO_INFS = {2: [1], 6: [2], 7: [0], 11: [1, 2], 13: [2]}  # iteration -> ranks with an inf
+
+
+def _diloco_with_scaler(rank, world, fragments):
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=fragments,
+                           overlap_steps=1 if fragments > 1 else 0, timeout_s=30)
+    scaler = _scaler("onebit")
+    seen = []
+    for t in range(1, 17):  # a loop of fixed length, as scripts are written
+        g = torch.Generator().manual_seed(100 * t + rank)
+        inner.zero_grad()
+        scaler.scale(model(torch.randn(8, 6, generator=g)).pow(2).mean()).backward()
+        if rank in DILOCO_INFS.get(t, []):
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(inner)
+        scaler.update()
+        seen.append((diloco.inner_steps, diloco.rounds, scaler.get_scale(),
+                     [a.tolist() for a in diloco.anchors]))
+    diloco.close()
+    return seen, diloco.rounds, [a.tolist() for a in diloco.anchors]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_diloco_with_the_scaler_and_one_rank_infs_runs_a_fixed_loop_to_the_end(fragments):
+    """Every rank skips the inner step where any rank found an inf, so the
+    rounds come at the same iterations everywhere and every landing is the
+    same point, bit for bit; before, the ranks' collectives crossed (a gloo
+    abort, or garbage round numbers) two iterations after the first inf."""
+    out = run_workers(_diloco_with_scaler, 3, fragments, timeout=120)
+    steps_taken = 16 - len(DILOCO_INFS)
+    for seen, rounds, anchors in out:
+        assert seen == out[0][0]  # inner steps, rounds, scale and the landed point, every iteration
+        assert seen[-1][0] == steps_taken and rounds == out[0][1] and anchors == out[0][2]
+    assert out[0][1] >= steps_taken // 4 - 1  # the rounds did run
+    scales = [s[2] for s in out[0][0]]
+    assert scales[-1] == INIT_SCALE * 0.5 ** len(DILOCO_INFS)
