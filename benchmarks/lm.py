@@ -171,6 +171,16 @@ def sample_batch(ids: torch.Tensor, gen: torch.Generator, batch: int, context: i
     return torch.stack([ids[s:s + context + 1] for s in starts.tolist()])
 
 
+def held_out_loss(model: torch.nn.Module, held: torch.Tensor, vocab: int) -> float:
+    """The model's next-token cross-entropy on the held-out sequences `held`."""
+    model.eval()
+    with torch.no_grad():
+        out = model(held[:, :-1])
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, vocab), held[:, 1:].reshape(-1))
+    model.train()
+    return loss.item()
+
+
 def _shard(model: torch.nn.Module, name: str, world: int, shards: int):
     """FSDP2 on a (world / shards) x shards mesh (the module doc's
     --shards); returns the replicate group the onebit rows average over."""
@@ -216,14 +226,6 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     held = sample_batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
     curve, finite, error_norms, sent_by_then = [], True, [], []
 
-    def held_out_loss() -> float:
-        model.eval()
-        with torch.no_grad():
-            out = model(held[:, :-1])
-            loss = torch.nn.functional.cross_entropy(out.reshape(-1, vocab), held[:, 1:].reshape(-1))
-        model.train()
-        return loss.item()
-
     for t in range(1, a["steps"] + 1):
         x = sample_batch(train_ids, gen, a["batch"], a["context"])
         opt.zero_grad()
@@ -243,7 +245,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         if hasattr(opt, "comm_stats"):  # the error-feedback residual, step by step
             error_norms.append((t, opt.comm_stats()["worker_error_norm"]))
         if t % a["every"] == 0 or t == a["steps"]:
-            curve.append((t, held_out_loss()))
+            curve.append((t, held_out_loss(model, held, vocab)))
             sent_by_then.append(_bytes_sent(diloco or opt, numel, replicas, t))
     if diloco is not None:
         sent = diloco.comm_stats()["bytes_per_inner_step"] * a["steps"]  # the rounds'

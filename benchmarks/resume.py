@@ -100,12 +100,7 @@ def _segment(rank: int, world: int, name: str, a: dict, start: Optional[bytes],
         opt.step()
         finite = finite and math.isfinite(loss.item())
         if t % a["every"] == 0 or t == a["steps"]:
-            model.eval()
-            with torch.no_grad():
-                out = model(held[:, :-1])
-                held_loss = torch.nn.functional.cross_entropy(out.reshape(-1, vocab),
-                                                              held[:, 1:].reshape(-1)).item()
-            model.train()
+            held_loss = lm.held_out_loss(model, held, vocab)
             curve.append((t, held_loss))
             finite = finite and math.isfinite(held_loss)
         if t == save_at and rank == 0:

@@ -724,12 +724,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         super().load_state_dict(checkpoints.keep_masks(state_dict, self.param_groups))
         self._shards.from_dtensors(self.state)
         counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
+        had_error_feedback = self._had_error_feedback(counters["step"])
         # Absent from checkpoints written before it: the stage decides.
-        compressed = counters.pop(checkpoints.MOMENTUM_KEY, self._had_error_feedback(counters["step"]))
+        compressed = counters.pop(checkpoints.MOMENTUM_KEY, had_error_feedback)
         self._share_counters(counters)
         checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"])
         self._forget_layouts()
-        self._restart_notice.loaded(self.world_size > 1 and self._had_error_feedback(counters["step"]))
+        self._restart_notice.loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
 
     def _rank(self) -> int:

@@ -42,9 +42,8 @@ SUPPORTED = ("FSDP2 on a 1-D mesh of the GPUs (or processes) of one node: "
 def _dtensor_api():
     """torch.distributed.tensor once something has imported it, else None.
     A DTensor exists only then, and importing it here would cost every
-    process about 1 s (it pulls in sympy), sharded or not. The functions
-    below that need more of it run on DTensors only, so their imports of it
-    find it loaded."""
+    process about 1 s (it pulls in sympy), sharded or not. What below needs
+    more of it runs on DTensors only, so it is loaded by then."""
     return sys.modules.get("torch.distributed.tensor")
 
 
@@ -64,10 +63,8 @@ def placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     of `p`'s placement (what DCP saves and reshards); else `t` itself."""
     if not is_sharded(p) or is_sharded(t) or t.shape != p.to_local().shape:
         return t
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                              stride=p.stride())
+    return _dtensor_api().DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                             shape=p.shape, stride=p.stride())
 
 
 class ShardedParams:
@@ -212,19 +209,19 @@ class ShardedParams:
         (Shard(0)); one that broadcasts along dim 0 (fewer dims, or one row)
         applies to every shard as it is. The cut is kept while the group
         holds the same mask."""
-        if not self.sharded or mask.dim() < group_params[0].dim() or mask.shape[0] == 1:
+        whole = group_params[0]
+        if not self.sharded or mask.dim() < whole.dim() or mask.shape[0] == 1:
             return mask
-        kept = self._cut_masks.get(id(group_params[0]))
+        kept = self._cut_masks.get(id(whole))
         if kept is not None and kept[0] is mask:
             return kept[1]
-        whole = group_params[0]
         if tuple(mask.shape) != tuple(whole.shape):
             raise ValueError(f"{self.name}: exp_avg_mask of shape {tuple(mask.shape)} neither has "
                              f"the group's params' shape {tuple(whole.shape)} nor broadcasts "
                              "along their sharded dim 0")
         # src_data_rank=None: every rank holds the whole mask; no collective.
         cut = _dtensor_api().distribute_tensor(mask, whole.device_mesh, whole.placements,
-                                src_data_rank=None).to_local()
+                                               src_data_rank=None).to_local()
         self._cut_masks[id(whole)] = (mask, cut)  # holding `mask` keeps its id unique
         return cut
 
