@@ -106,7 +106,12 @@ out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8); k.pack(x, out)
 dec = torch.empty(x.numel()); k.decode(out.view(1, -1), torch.ones(1), (x.numel() + 7) // 8 * 8, x.numel(), dec)
 blocks = torch.rand(3, (x.numel() + 63) // 64) + 0.5
 dec3 = torch.empty(x.numel()); k.decode(out.view(1, -1).expand(3, -1), blocks, 64, x.numel(), dec3)
-np.save("{path}", np.concatenate([out.numpy().astype(np.float32), dec.numpy(), dec3.numpy()]))
+n = 256 * 3 * 67; buf = torch.randn(n - 269) * torch.logspace(-6, 3, n - 269); err = torch.randn(n) * 0.3
+counts = torch.full((n // 256,), 256.0, dtype=torch.float64); counts[-2:] = 243.0
+scales, bits = torch.empty(4 * (n // 256), dtype=torch.uint8), torch.empty(n // 8, dtype=torch.uint8)
+k.compress(buf, err, counts, 256, scales, bits)
+np.save("{path}", np.concatenate([out.numpy().astype(np.float32), dec.numpy(), dec3.numpy(),
+                                 err.numpy(), scales.view(torch.float32).numpy(), bits.numpy().astype(np.float32)]))
 """
 
 
@@ -148,6 +153,40 @@ def test_block_compensate_and_pack_error_match_numpy(block):
         # Each block within float32 rounding of its own scale.
         assert np.all(np.abs(err.double().numpy() - e_ref) <= 1e-6 * (s_ref + np.abs(x))), k.name
         assert not err[block:2 * block].any(), "an all-zero block keeps zero error"
+
+
+def canonical_sumsq(x: np.ndarray, block: int) -> np.ndarray:
+    """The wire format's sum of squares of each block, written apart from the
+    kernels: eight partial sums, partial j over elements j, j + 8, ... in
+    turn, then ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))."""
+    squares = x.astype(np.float64).reshape(-1, block // 8, 8) ** 2
+    part = np.zeros((squares.shape[0], 8))
+    for i in range(block // 8):
+        part = part + squares[:, i, :]
+    return ((part[:, 0] + part[:, 4]) + (part[:, 1] + part[:, 5])) + \
+        ((part[:, 2] + part[:, 6]) + (part[:, 3] + part[:, 7]))
+
+
+@pytest.mark.parametrize("block", [8, 64, 256, 1024])
+def test_every_kernel_sums_a_block_in_the_one_order(block):
+    """A block's sum of squares has one set of bits, whichever kernel sums it
+    (so the scales match across devices): the native kernel's and the torch
+    fallback's equal the canonical order bit for bit. The data make a naive
+    sequential sum differ from it, so the test would see another order."""
+    g = torch.Generator().manual_seed(block)
+    n = block * 2 * 301
+    n_buf = n - 13 - block  # a block straddles the end of buf
+    buf = torch.randn(n_buf, generator=g) * torch.logspace(-6, 3, n_buf)
+    err0 = torch.randn(n, generator=g) * 0.3
+    x = np.concatenate([buf.numpy(), np.zeros(n - n_buf, np.float32)]) + err0.numpy()  # float32 adds
+    want = canonical_sumsq(x, block)
+    naive = np.array([sum(float(v) ** 2 for v in row) for row in x.astype(np.float64).reshape(-1, block)])
+    assert not np.array_equal(naive, want), "the data cannot tell the orders apart"
+    for k in (native_kernels(), TorchKernels()):
+        err, sumsq = err0.clone(), torch.empty(n // block, dtype=torch.float64)
+        k.compensate(buf, err, sumsq, block)
+        assert np.array_equal(err.numpy(), x), k.name
+        assert np.array_equal(sumsq.numpy(), want), k.name
 
 
 COMPRESS_CASE = """

@@ -1,6 +1,13 @@
-"""`python -m onebit.bench kernels`: sign-bit kernel throughput on this host.
+"""`python -m onebit.bench kernels`: sign-bit kernel throughput.
 
-Baselines measured in the same run:
+`--device cpu` (the default) prints the host table below, then the shares
+table; `--device cuda` (or any accelerator) the shares table alone:
+each kernel's time and its share of the device's copy bandwidth, measured in
+the same run (y.copy_(x), 8 bytes per element), for the bytes the kernel
+must move at the least. Device times are event timings (no host clock
+around queued work).
+
+Host table, with baselines measured in the same run:
   numpy   numpy.packbits(x >= 0, bitorder="little")  (already SIMD)
   clone   torch.clone(x): 8 bytes moved per element, plus fresh pages
   copy    y.copy_(x) into a preallocated y: the same bytes without page
@@ -35,6 +42,86 @@ def timeit(fn: Callable[[], object], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def device_timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    """timeit for `device`: the host clock on the CPU, elsewhere the median of
+    per-call device events (after one warm-up call)."""
+    if device.type == "cpu":
+        return timeit
+    api = getattr(torch, device.type)
+
+    def timed(fn: Callable[[], object], repeat: int) -> float:
+        fn()
+        events = [(api.Event(enable_timing=True), api.Event(enable_timing=True))
+                  for _ in range(repeat)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        api.synchronize(device)
+        return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+    return timed
+
+
+# Bytes per element each kernel must move at the least (fp32 input, the
+# default block of 256 with fp32 scales): what its share of the copy
+# bandwidth is computed from.
+BLOCK = 256
+
+
+def least_bytes(kernel: str, rows: int = 1) -> float:
+    scale = 4 / BLOCK
+    return {
+        "copy": 8.0,
+        "pack": 4 + 1 / 8,
+        "compensate": 12 + 8 / BLOCK,            # read buf, err; write err; the sums
+        "pack_error": 8 + 1 / 8 + scale,          # read and write err; the bits
+        "compress": 12 + 1 / 8 + 2 * scale,       # both in one pass, the counts read
+        "decode": rows * (1 / 8 + scale) + 4,     # every row's bits and scales; one output
+    }[kernel]
+
+
+def measure_shares(n: int, device: torch.device, repeat: int) -> Dict[str, Dict[str, float]]:
+    """{kernel: {"ms", "share"}} for n fp32 elements on `device`, every
+    kernel's share of the copy bandwidth measured in this call."""
+    kernels, timed = kernels_for(device), device_timer(device)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g).to(device)
+    y = torch.empty_like(x)
+    err = (torch.randn(n, generator=g) * 0.1).to(device)
+    bits = torch.empty(n // 8, dtype=torch.uint8, device=device)
+    counts = torch.full((n // BLOCK,), float(BLOCK), dtype=torch.float64, device=device)
+    sumsq = torch.empty(n // BLOCK, dtype=torch.float64, device=device)
+    scales = torch.rand(n // BLOCK, generator=g).to(device) + 0.5
+    scale_bytes = torch.empty(4 * (n // BLOCK), dtype=torch.uint8, device=device)
+    out = torch.empty(n, device=device)
+
+    def fused():  # what ops.compress runs: the kernel's one pass, or the composed three
+        if hasattr(kernels, "compress"):
+            kernels.compress(x, err, counts, BLOCK, scale_bytes, bits)
+        else:
+            composed_compress(kernels, x, err, counts, BLOCK, torch.float32, scale_bytes, bits)
+
+    seconds = {
+        "copy": timed(lambda: y.copy_(x), repeat),
+        "pack": timed(lambda: kernels.pack(x, bits), repeat),
+        # Error feedback keeps err bounded, so repeated calls stay representative.
+        "compensate": timed(lambda: kernels.compensate(x, err, sumsq, BLOCK), repeat),
+        "pack_error": timed(lambda: kernels.pack_error(err, scales, BLOCK, bits), repeat),
+        "compress": timed(fused, repeat),
+    }
+    copy_rate = least_bytes("copy") * n / seconds["copy"]
+    result = {k: {"ms": t * 1e3, "share": least_bytes(k) * n / t / copy_rate}
+              for k, t in seconds.items()}
+    for rows in (1, 2, 8, 32):
+        cols = max(8, n // rows)  # n bits in all: rows chunks of a message, decoded at once
+        row_bits = torch.randint(0, 256, (rows, cols // 8), generator=g, dtype=torch.uint8).to(device)
+        row_scales = (torch.rand(rows * -(-cols // BLOCK), generator=g) + 0.5).to(device)
+        t = timed(lambda: kernels.decode(row_bits, row_scales, BLOCK, cols, out[:cols]), repeat)
+        result[f"decode x{rows}"] = {
+            "ms": t * 1e3, "share": least_bytes("decode", rows) * cols / t / copy_rate}
+    return result
 
 
 def measure(n: int, repeat: int) -> Dict[str, float]:
@@ -88,6 +175,34 @@ COLUMNS = [("count", 10, "d"), ("kernel", 12, "s"), ("numpy", 7, ".2f"), ("pack"
 
 
 def run(args: argparse.Namespace) -> List[Dict]:
+    device = torch.device(args.device)
+    results = run_host(args) if device.type == "cpu" else []
+    shares = run_shares(args, device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "kernels", "device": str(device), "results": results,
+                       "shares": shares}, f, indent=1)
+    return results
+
+
+def run_shares(args: argparse.Namespace, device: torch.device) -> List[Dict]:
+    kernels = kernels_for(device)
+    print(f"# {device} ({kernels.name}): each kernel's ms and its share of the copy bandwidth "
+          f"measured in the same run, for the least bytes it must move (fp32, block {BLOCK}); "
+          "decode xR: R rows of n/R columns")
+    names = ["copy", "pack", "compensate", "pack_error", "compress",
+             "decode x1", "decode x2", "decode x8", "decode x32"]
+    table = Table([("count", 10, "d")] + [(f"{k}", 11, "s") for k in names])
+    table.header()
+    out = []
+    for e in range(args.min_exp, args.max_exp + 1):
+        r = measure_shares(1 << e, device, args.iters)
+        out.append({"n": 1 << e, **r})
+        table.row(count=1 << e, **{k: f"{r[k]['ms']:.3f}/{100 * r[k]['share']:.0f}%" for k in names})
+    return out
+
+
+def run_host(args: argparse.Namespace) -> List[Dict]:
     print(f"# onebit kernel benchmark: threads={torch.get_num_threads()} repeat={args.iters}")
     print("# numpy/pack/unpack/clone/copy in GB/s of fp32 input; xnumpy = pack speed / numpy;")
     print("# bytes/clone, bytes/copy = pack's byte rate (4.125 B/elem) / theirs (8 B/elem);")
@@ -104,9 +219,6 @@ def run(args: argparse.Namespace) -> List[Dict]:
                   **{"bytes/clone": r["pack_bytes_vs_clone"], "bytes/copy": r["pack_bytes_vs_copy"],
                      "fused(ms)": r["fused_ms"],
                      "torch(ms)": r["fused_torch_ms"]}, xtorch=r["fused_speedup"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "kernels", "results": results}, f, indent=1)
     return results
 
 
@@ -119,4 +231,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-exp", type=int_arg(3), default=20, help="smallest size, 2^k elements")
     p.add_argument("--max-exp", type=int_arg(3), default=26, help="largest size, 2^k elements")
     p.add_argument("-n", "--iters", type=int_arg(1), default=10, help="timed repeats (median)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (the host table, then the shares table) or an accelerator's "
+                        "device (cuda, cuda:1, xpu): the shares table")
     p.add_argument("--json", help="also write results to this JSON file")

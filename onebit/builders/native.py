@@ -63,6 +63,18 @@ class LauncherKernels:
         self._decode = self._fn(lib, f"{prefix}_decode", s + [_P, _I64, _I, _P, _I64, _I64, _P] + e)
         self._compensate = self._fn(lib, f"{prefix}_compensate", s + [_P, _I64, _P, _I64, _I64, _P] + e)
         self._pack_error = self._fn(lib, f"{prefix}_pack_error", s + [_P, _I64, _P, _I64, _P] + e)
+        fused = getattr(lib, f"{prefix}_compress", None)
+        if fused is not None:  # ops.compress takes the one-pass kernel where there is one
+            fused = self._fn(lib, f"{prefix}_compress",
+                             s + [_P, _I64, _P, _I64, _I64, _P, _I, _P, _P] + e)
+
+            def compress(buf, err, counts, block, scales_out, bits_out) -> None:
+                self._call(fused, err.device, buf.data_ptr(), buf.numel(), err.data_ptr(),
+                           err.numel(), block, counts.data_ptr(),
+                           scales_out.numel() // counts.numel(), scales_out.data_ptr(),
+                           bits_out.data_ptr())
+
+            self.compress = compress
 
     @staticmethod
     def _fn(lib, name, argtypes):

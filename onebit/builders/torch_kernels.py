@@ -32,6 +32,19 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     return w
 
 
+def block_sumsq(x: torch.Tensor, block: int) -> torch.Tensor:
+    """float64 sum of squares of each block of `x`, in the one order every
+    kernel sums (so a scale has the same bits on any device): eight partial
+    sums, partial j over elements j, j + 8, j + 16, ... in turn, then
+    ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))."""
+    squares = x.view(-1, block // 8, 8).double().square()
+    part = squares[:, 0].clone()
+    for i in range(1, block // 8):  # in turn: torch's sum has no fixed order
+        part += squares[:, i]
+    pairs = part[:, :4] + part[:, 4:]
+    return (pairs[:, 0] + pairs[:, 1]) + (pairs[:, 2] + pairs[:, 3])
+
+
 class TorchKernels:
     name = "torch"
 
@@ -58,7 +71,7 @@ class TorchKernels:
     def compensate(self, buf: torch.Tensor, err: torch.Tensor, sumsq: torch.Tensor,
                    block: int) -> None:
         err[: buf.numel()].add_(buf.reshape(-1))
-        sumsq.copy_(err.view(-1, block).double().square().sum(1))
+        sumsq.copy_(block_sumsq(err, block))
 
     def pack_error(self, err: torch.Tensor, scales: torch.Tensor, block: int,
                    out: torch.Tensor) -> None:

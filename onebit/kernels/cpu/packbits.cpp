@@ -223,14 +223,23 @@ void decode(uintptr_t src, int64_t row_bytes, int rows, uintptr_t scales_ptr, in
 // the threading and wherever the block sits in the buffer: the same block
 // gives the same scale in a fused buffer, a bucket or a pipelined piece.
 
+// The one order of a block's sum of squares, shared by every kernel (the
+// CUDA kernel and the torch fallback sum the same way, so a scale has the
+// same bits wherever it is computed): eight partial sums, partial j over
+// elements j, j + 8, j + 16, ... in turn, combined as
+// ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)). It is the AVX2 loop's
+// natural order (two 4-lane accumulators). A float's square is exact in
+// double, so a fused multiply-add rounds as a multiply and an add do.
 double block_sumsq_portable(const float* buf, int64_t n_buf, float* err, int64_t b, int64_t e) {
-  double sum = 0.0;
-  for (int64_t i = b; i < e; ++i) {
-    float x = i < n_buf ? buf[i] + err[i] : err[i];
-    err[i] = x;
-    sum += double(x) * double(x);
+  double part[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  for (int64_t i = b; i < e; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      float x = i + j < n_buf ? buf[i + j] + err[i + j] : err[i + j];
+      err[i + j] = x;
+      part[j] += double(x) * double(x);
+    }
   }
-  return sum;
+  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
 }
 
 void pack_error_portable(float* err, float s, int64_t b, int64_t e, uint8_t* out) {
@@ -265,7 +274,7 @@ __attribute__((target("avx2,fma"))) double block_sumsq_avx2(const float* buf, in
     acc0 = _mm256_fmadd_pd(lo, lo, acc0);
     acc1 = _mm256_fmadd_pd(hi, hi, acc1);
   }
-  double lanes[4];
+  double lanes[4];  // lane j: s_j + s_(j+4), the order of block_sumsq_portable
   _mm256_storeu_pd(lanes, _mm256_add_pd(acc0, acc1));
   return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }

@@ -16,7 +16,6 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 1024;
 
 __device__ __forceinline__ bool nonneg(float x) { return x >= 0.0f; }
 __device__ __forceinline__ bool nonneg(double x) { return x >= 0.0; }
@@ -31,94 +30,237 @@ __device__ __forceinline__ bool nonneg(BFloat h) {
   return mag <= 0x7f80 && (!(h.bits & 0x8000) || mag == 0);
 }
 
-// Lanes 0..3 of each warp store the four bytes of the ballot word, skipping
-// bytes past the end so a tail never writes out of bounds.
-__device__ __forceinline__ void store_word(uint32_t word, int64_t base, int64_t nbytes,
-                                           uint8_t* out) {
-  int lane = threadIdx.x & 31;
-  if (lane < 4) {
-    int64_t byte = base / 8 + lane;
-    if (byte < nbytes) out[byte] = uint8_t(word >> (8 * lane));
+// A grid with a thread for each unit of work (a byte of output, or an octet
+// per onebit block), up to 2^20 blocks: no grid-stride loop keeps one
+// thread's loads in series at any size a buffer has in practice.
+constexpr int64_t kMaxGrid = int64_t(1) << 20;
+
+int grid_for(int64_t threads) {
+  int64_t b = (threads + kThreads - 1) / kThreads;
+  return int(b < 1 ? 1 : (b > kMaxGrid ? kMaxGrid : b));
+}
+
+// The eight elements of output byte q, loaded as 16-byte vectors where the
+// input is aligned and the byte is whole (the caller says which).
+template <typename T>
+__device__ __forceinline__ void load8(const T* __restrict__ x, int64_t q, int64_t n, bool vec,
+                                      T (&v)[8]) {
+  const int64_t j0 = q * 8;
+  if (vec && j0 + 8 <= n) {
+    constexpr int kVectors = int(sizeof(T) * 8 / 16);
+    const uint4* src = reinterpret_cast<const uint4*>(x + j0);
+    uint4 raw[kVectors];
+#pragma unroll
+    for (int t = 0; t < kVectors; ++t) raw[t] = src[t];
+    const T* e = reinterpret_cast<const T*>(raw);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] = e[t];
+  } else {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] = j0 + t < n ? x[j0 + t] : T{};
   }
 }
 
-int blocks_for(int64_t n) {
-  int64_t b = (n + kThreads - 1) / kThreads;
-  return int(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
-}
-
+// One thread per output byte: eight consecutive elements in, one byte out,
+// so a warp reads 32 whole 8-element runs and writes 32 consecutive bytes.
 template <typename T>
-__global__ void pack_kernel(const T* __restrict__ x, int64_t n, uint8_t* __restrict__ out) {
+__global__ void pack_kernel(const T* __restrict__ x, int64_t n, bool vec,
+                            uint8_t* __restrict__ out) {
   const int64_t nbytes = (n + 7) / 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  // Every lane of a warp runs the same number of iterations, so the ballot
-  // always has the full warp (elements past n vote 0, which is the padding).
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i - (threadIdx.x & 31) < n;
-       i += stride) {
-    bool bit = i < n && nonneg(x[i]);
-    uint32_t word = __ballot_sync(0xffffffffu, bit);
-    store_word(word, i - (threadIdx.x & 31), nbytes, out);
+  for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < nbytes; q += stride) {
+    T v[8];
+    load8(x, q, n, vec, v);
+    uint32_t byte = 0;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) byte |= uint32_t(q * 8 + t < n && nonneg(v[t])) << t;
+    out[q] = uint8_t(byte);
   }
 }
 
 // out[j] = (1/rows) * sum_r (bit(r, j) ? s : -s), s = scales[r, j / block], j < cols.
+// One thread per byte of a row: its eight elements share one scale per row
+// (block is a multiple of 8), so there is one division per eight elements,
+// and they go out as two 16-byte stores where `out` allows. Each element
+// sums its rows in turn from 0, as every kernel does.
 __global__ void decode_kernel(const uint8_t* __restrict__ bits, int64_t row_bytes, int rows,
                               const float* __restrict__ scales, int64_t block, int64_t cols,
-                              float* __restrict__ out) {
+                              bool vec, float* __restrict__ out) {
   const float inv = 1.0f / float(rows);
   const int64_t nblocks = (cols + block - 1) / block;
+  const int64_t nbytes = (cols + 7) / 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < cols; j += stride) {
-    float acc = 0.0f;
+  for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < nbytes; q += stride) {
+    const int64_t j0 = q * 8, k = j0 / block;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < rows; ++r) {
-      bool one = (bits[r * row_bytes + j / 8] >> (j % 8)) & 1;
-      float s = scales[r * nblocks + j / block];
-      acc += one ? s : -s;
+      const uint32_t byte = bits[r * row_bytes + q];
+      const float s = scales[r * nblocks + k];
+#pragma unroll
+      for (int t = 0; t < 8; ++t) acc[t] += ((byte >> t) & 1) ? s : -s;
     }
-    out[j] = acc * inv;
+    if (vec && j0 + 8 <= cols) {
+      float4* dst = reinterpret_cast<float4*>(out + j0);
+      dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+      dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+    } else {
+#pragma unroll
+      for (int t = 0; t < 8; ++t)
+        if (j0 + t < cols) out[j0 + t] = acc[t] * inv;
+    }
   }
+}
+
+// A block's sum of squares in the order every kernel uses (the CPU kernel's
+// block_sumsq_portable): eight partial sums, partial j over elements j,
+// j + 8, ... in turn, then ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)).
+// Here an octet (8 lanes) owns a block and lane j of it holds partial j;
+// these shuffles combine the partials in that order, leaving the sum in the
+// octet's first lane, from which every lane of the octet takes it. All 32
+// lanes must call it.
+__device__ __forceinline__ double octet_sum(double part) {
+  const unsigned all = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  double pairs = part + __shfl_down_sync(all, part, 4);    // lane j < 4: s_j + s_(j+4)
+  double quads = pairs + __shfl_down_sync(all, pairs, 1);  // lanes 0, 2: the two halves
+  double total = quads + __shfl_down_sync(all, quads, 2);  // lane 0: the sum
+  return __shfl_sync(all, total, lane & ~7);
 }
 
 // Pass 1: err <- buf (zero past n_buf) + err, and the sum of squares of each
-// onebit block, in double. One warp per onebit block: lane l adds elements
-// l, l + 32, ... and the warp reduces in a fixed order, so a block's sum
-// never depends on the launch shape or on where the block sits.
+// onebit block, in double, in the one order (octet_sum). A warp serves four
+// blocks, one per octet; a lane reads every eighth element of its block, so
+// each load instruction reads four whole 32-byte sectors.
 __global__ void compensate_kernel(const float* __restrict__ buf, int64_t n_buf,
                                   float* __restrict__ err, int64_t n, int64_t block,
                                   double* __restrict__ sumsq) {
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, part_of = lane & 7;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const int64_t nblocks = n / block;
-  for (int64_t k = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; k < nblocks;
-       k += warps) {
-    double sum = 0.0;
-    for (int64_t i = k * block + lane; i < (k + 1) * block; i += 32) {
-      float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
-      err[i] = x;
-      sum += double(x) * double(x);
+  for (int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; w * 4 < nblocks;
+       w += warps) {
+    const int64_t k = w * 4 + lane / 8;
+    double part = 0.0;
+    if (k < nblocks) {
+      for (int64_t i = k * block + part_of; i < (k + 1) * block; i += 8) {
+        float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
+        err[i] = x;
+        part += double(x) * double(x);
+      }
     }
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, off);
-    if (lane == 0) sumsq[k] = sum;
+    double sum = octet_sum(part);
+    if (k < nblocks && part_of == 0) sumsq[k] = sum;
   }
 }
 
-// Pass 2: pack sign(x) with a ballot and leave err = x - s * sign(x), s the
-// scale of x's block.
+// Pass 2: pack sign(x) and leave err = x - s * sign(x), s the scale of x's
+// block. One thread per byte, as pack_kernel.
 __global__ void pack_error_kernel(float* __restrict__ err, int64_t n,
                                   const float* __restrict__ scales, int64_t block,
                                   uint8_t* __restrict__ out) {
-  const int64_t nbytes = (n + 7) / 8;
+  const int64_t nbytes = n / 8;  // n is a multiple of block, so of 8
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i - (threadIdx.x & 31) < n;
-       i += stride) {
-    bool bit = false;
-    if (i < n) {
-      float x = err[i], s = scales[i / block];
-      bit = x >= 0.0f;
-      err[i] = bit ? x - s : x + s;
+  for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < nbytes; q += stride) {
+    const float s = scales[q * 8 / block];
+    uint32_t byte = 0;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      float x = err[q * 8 + t];
+      bool one = x >= 0.0f;
+      byte |= uint32_t(one) << t;
+      err[q * 8 + t] = one ? x - s : x + s;
     }
-    uint32_t word = __ballot_sync(0xffffffffu, bit);
-    store_word(word, i - (threadIdx.x & 31), nbytes, out);
+    out[q] = uint8_t(byte);
+  }
+}
+
+// The fp32 scale rounded to nearest-even bf16 (NaN stays NaN), as the CPU
+// kernel's round_bf16: the bf16 bits go into *bits, the value comes back.
+__device__ __forceinline__ float round_bf16(float s, uint16_t* bits) {
+  uint32_t u = __float_as_uint(s);
+  *bits = isnan(s) ? uint16_t(0x7fc0) : uint16_t((u + (((u >> 16) & 1) + 0x7fff)) >> 16);
+  return __uint_as_float(uint32_t(*bits) << 16);
+}
+
+// One element of compress_kernel's output: its sign into the block's byte
+// (written by the octet's first lane) and err = x - s * sign(x).
+__device__ __forceinline__ void sign_out(bool live, float x, float s, int64_t e,
+                                         float* __restrict__ err, uint8_t* __restrict__ bits,
+                                         int64_t byte) {
+  const bool one = live && x >= 0.0f;
+  const uint32_t word = __ballot_sync(0xffffffffu, one);
+  if (live) {
+    err[e] = one ? x - s : x + s;
+    if ((threadIdx.x & 7) == 0) bits[byte] = uint8_t(word >> (8 * ((threadIdx.x & 31) / 8)));
+  }
+}
+
+// compensate, each block's scale and pack_error in one pass over memory.
+// An octet owns a block, as in compensate_kernel; with at most kHeld
+// elements per lane (blocks of up to 8 * kHeld) x stays in registers
+// between the sum and the packing, else it is recomputed from buf and err,
+// which the octet has just read (so from cache). The scale is the CPU
+// kernel's: sqrt(sum / count) in double, rounded to fp32 and, for 2-byte
+// scales, to bf16, written little-endian; the error uses the rounded value.
+template <int kHeld>
+__global__ void compress_kernel(const float* __restrict__ buf, int64_t n_buf,
+                                float* __restrict__ err, int64_t n, int64_t block,
+                                const double* __restrict__ counts, int scale_bytes,
+                                uint8_t* __restrict__ scales, uint8_t* __restrict__ bits) {
+  const int lane = threadIdx.x & 31, part_of = lane & 7, octet = lane / 8;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int64_t nblocks = n / block, per_lane = block / 8;
+  for (int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; w * 4 < nblocks;
+       w += warps) {
+    const int64_t k = w * 4 + octet;
+    const bool live = k < nblocks;
+    const int64_t first = k * block + part_of;  // this lane's elements: first + 8 i
+    float held[kHeld > 0 ? kHeld : 1];
+    double part = 0.0;
+    if (kHeld > 0) {
+#pragma unroll
+      for (int i = 0; i < (kHeld > 0 ? kHeld : 1); ++i) {
+        if (live && i < per_lane) {
+          const int64_t e = first + 8 * int64_t(i);
+          held[i] = (e < n_buf ? buf[e] : 0.0f) + err[e];
+          part += double(held[i]) * double(held[i]);
+        }
+      }
+    } else if (live) {
+      for (int64_t e = first; e < (k + 1) * block; e += 8) {
+        float x = (e < n_buf ? buf[e] : 0.0f) + err[e];
+        part += double(x) * double(x);
+      }
+    }
+    const double sum = octet_sum(part);
+    float s = 0.0f;
+    if (live) {
+      s = float(sqrt(sum / counts[k]));
+      uint8_t raw[4];
+      if (scale_bytes == 2) {
+        uint16_t h;
+        s = round_bf16(s, &h);
+        raw[0] = uint8_t(h), raw[1] = uint8_t(h >> 8);
+      } else {
+        uint32_t u = __float_as_uint(s);
+        for (int t = 0; t < 4; ++t) raw[t] = uint8_t(u >> (8 * t));
+      }
+      if (part_of < scale_bytes) scales[k * scale_bytes + part_of] = raw[part_of];
+    }
+    // Byte i of the block is element 8 i + j in lane j of the octet: the
+    // ballot's byte `octet` holds it. per_lane is the same in every lane, so
+    // the whole warp takes each ballot.
+    if (kHeld > 0) {
+#pragma unroll
+      for (int i = 0; i < (kHeld > 0 ? kHeld : 1); ++i)
+        if (i < per_lane) sign_out(live, held[i], s, first + 8 * int64_t(i), err, bits, k * per_lane + i);
+    } else {
+      for (int64_t i = 0; i < per_lane; ++i) {
+        const int64_t e = first + 8 * i;
+        const float x = live ? (e < n_buf ? buf[e] : 0.0f) + err[e] : 0.0f;
+        sign_out(live, x, s, e, err, bits, k * per_lane + i);
+      }
+    }
   }
 }
 
@@ -126,15 +268,22 @@ __global__ void pack_error_kernel(float* __restrict__ err, int64_t n,
 
 extern "C" {
 
+namespace {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// Warps of four octets each: one octet per onebit block.
+int octet_grid(int64_t nblocks) { return grid_for((nblocks + 3) / 4 * 32); }
+}  // namespace
+
 // dtype codes match builders/cpu.py: 0 fp32, 1 fp64, 2 fp16, 3 bf16.
 int onebit_cuda_pack(int dtype, const void* x, int64_t n, uint8_t* out, cudaStream_t stream) {
   if (n == 0) return 0;
-  int blocks = blocks_for(n);
+  const int blocks = grid_for((n + 7) / 8);
+  const bool vec = aligned16(x);
   switch (dtype) {
-    case 0: pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x), n, out); break;
-    case 1: pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const double*>(x), n, out); break;
-    case 2: pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const Half*>(x), n, out); break;
-    case 3: pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const BFloat*>(x), n, out); break;
+    case 0: pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x), n, vec, out); break;
+    case 1: pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const double*>(x), n, vec, out); break;
+    case 2: pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const Half*>(x), n, vec, out); break;
+    case 3: pack_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const BFloat*>(x), n, vec, out); break;
     default: return int(cudaErrorInvalidValue);
   }
   return int(cudaGetLastError());
@@ -144,8 +293,8 @@ int onebit_cuda_decode(const uint8_t* bits, int64_t row_bytes, int rows, const f
                        int64_t block, int64_t cols, float* out, cudaStream_t stream) {
   if (cols == 0) return 0;
   if (block <= 0 || block % 8) return int(cudaErrorInvalidValue);
-  decode_kernel<<<blocks_for(cols), kThreads, 0, stream>>>(bits, row_bytes, rows, scales, block,
-                                                           cols, out);
+  decode_kernel<<<grid_for((cols + 7) / 8), kThreads, 0, stream>>>(
+      bits, row_bytes, rows, scales, block, cols, aligned16(out), out);
   return int(cudaGetLastError());
 }
 
@@ -154,8 +303,8 @@ int onebit_cuda_compensate(const float* buf, int64_t n_buf, float* err, int64_t 
                            double* sumsq, cudaStream_t stream) {
   if (block <= 0 || block % 8 || n % block) return int(cudaErrorInvalidValue);
   if (n == 0) return 0;
-  compensate_kernel<<<blocks_for(n / block * 32), kThreads, 0, stream>>>(buf, n_buf, err, n, block,
-                                                                         sumsq);
+  compensate_kernel<<<octet_grid(n / block), kThreads, 0, stream>>>(buf, n_buf, err, n, block,
+                                                                    sumsq);
   return int(cudaGetLastError());
 }
 
@@ -163,7 +312,26 @@ int onebit_cuda_pack_error(float* err, int64_t n, const float* scales, int64_t b
                            uint8_t* out, cudaStream_t stream) {
   if (block <= 0 || block % 8 || n % block) return int(cudaErrorInvalidValue);
   if (n == 0) return 0;
-  pack_error_kernel<<<blocks_for(n), kThreads, 0, stream>>>(err, n, scales, block, out);
+  pack_error_kernel<<<grid_for(n / 8), kThreads, 0, stream>>>(err, n, scales, block, out);
+  return int(cudaGetLastError());
+}
+
+// compensate + scales + pack_error in one launch and one pass (the CPU
+// kernel's `compress`): counts holds n / block doubles, scales_out n / block
+// scales of scale_bytes (4: fp32, 2: bf16) each, bits_out n / 8 bytes.
+int onebit_cuda_compress(const float* buf, int64_t n_buf, float* err, int64_t n, int64_t block,
+                         const double* counts, int scale_bytes, uint8_t* scales_out,
+                         uint8_t* bits_out, cudaStream_t stream) {
+  if (block <= 0 || block % 8 || n % block || (scale_bytes != 4 && scale_bytes != 2))
+    return int(cudaErrorInvalidValue);
+  if (n == 0) return 0;
+  const int grid = octet_grid(n / block);
+  if (block <= 8 * 32)  // the default 256 and below: x held in registers
+    compress_kernel<32><<<grid, kThreads, 0, stream>>>(buf, n_buf, err, n, block, counts,
+                                                       scale_bytes, scales_out, bits_out);
+  else
+    compress_kernel<0><<<grid, kThreads, 0, stream>>>(buf, n_buf, err, n, block, counts,
+                                                      scale_bytes, scales_out, bits_out);
   return int(cudaGetLastError());
 }
 
