@@ -188,3 +188,20 @@ def test_bits_match_the_committed_fixture():
         f"{len(differ)} hashes differ from the committed fixture ({key}), first: {differ[:8]}. "
         "If the change means to alter bits, rerun with ONEBIT_WRITE_FIXTURE=1 and commit the "
         "fixture diff with the reason")
+
+
+def test_the_foreach_forms_of_many_small_tensors_keep_the_bits():
+    """On an accelerator, lists of many small tensors take the foreach forms
+    (functional.foreach_pays: a copy, then the op in place) instead of an
+    out= launch per tensor. ONEBIT_FOREACH_BELOW forces them here: the three
+    optimizers, fused and overlapped, give the fixture's bits."""
+    fixture = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+    if _key() not in fixture:
+        pytest.skip(f"the fixture has no entry for {_key()!r}")
+    flat = [(f"{c} {m} p3", c, dict(overlap_backward=m == "overlap"))
+            for c in OPTIMIZERS for m in ("fused", "overlap")]
+    now = run_workers(_run, 3, flat, timeout=240, env={"ONEBIT_FOREACH_BELOW": str(1 << 40)})
+    want = fixture[_key()]
+    for r in range(3):
+        for run, _, _ in flat:
+            assert now[r][run] == want[f"rank {r}"][run], (r, run)

@@ -13,6 +13,7 @@ correction.
 from __future__ import annotations
 
 import math
+import os
 from typing import List, Optional, Sequence
 
 import torch
@@ -25,11 +26,91 @@ def update_momentum_(exp_avgs: Tensors, grads: Tensors, beta1: float) -> None:
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
 
 
+# Where one launch per tensor costs more than a pass over memory: many
+# small tensors on an accelerator. There the `..._into` functions below copy
+# their first operand into `out` and apply the op in place with one
+# multi-tensor (foreach) launch per chunk of tensors, instead of an `out=`
+# launch per tensor. The bits are the same either way: the copy is exact
+# and the element-wise op is the same. On the CPU nothing is launched, so
+# the one-pass `out=` form stays. $ONEBIT_FOREACH_BELOW (elements per
+# tensor on average) overrides the threshold on every device, the CPU
+# included, which is how the tests run the foreach forms here.
+FOREACH_BELOW = 1 << 16
+
+
+def foreach_pays(tensors: Tensors) -> bool:
+    """Whether `tensors` are many and small enough for the foreach forms."""
+    if len(tensors) < 2:
+        return False
+    below = os.environ.get("ONEBIT_FOREACH_BELOW")
+    if below is None:
+        if tensors[0].device.type == "cpu":
+            return False
+        below = FOREACH_BELOW
+    return sum(t.numel() for t in tensors) < int(below) * len(tensors)
+
+
+def _same(a: Tensors, b: Tensors) -> bool:
+    return all(x is y for x, y in zip(a, b))
+
+
+def copy_unless_same_(out: Tensors, src: Tensors) -> None:
+    if not _same(out, src):
+        torch._foreach_copy_(out, src)
+
+
 def momentum_into(out: Tensors, exp_avgs: Tensors, grads: Tensors, beta1: float) -> None:
-    """out <- beta1 * m + (1 - beta1) * g, m unchanged: one pass, and the
-    same kernel (so the same bits) as update_momentum_."""
+    """out <- beta1 * m + (1 - beta1) * g, m unchanged unless it is `out`:
+    one pass, and the same kernel (so the same bits) as update_momentum_."""
+    if _same(out, exp_avgs) or foreach_pays(out):
+        copy_unless_same_(out, exp_avgs)
+        torch._foreach_lerp_(out, grads, 1.0 - beta1)
+        return
     for o, m, g in zip(out, exp_avgs, grads):
         torch.lerp(m, g, 1.0 - beta1, out=o)
+
+
+def div_into(out: Tensors, numerators: Tensors, denominators: Tensors) -> None:
+    """out <- a / b for each pair (see foreach_pays for the two forms)."""
+    if foreach_pays(out):
+        copy_unless_same_(out, numerators)
+        torch._foreach_div_(out, denominators)
+        return
+    for o, a, b in zip(out, numerators, denominators):
+        torch.div(a, b, out=o)
+
+
+def mul_into(out: Tensors, src: Tensors, factors) -> None:
+    """out <- a * k for each a of `src`; `factors`: one number for all, or a
+    list of tensors (see foreach_pays for the two forms)."""
+    each = factors if isinstance(factors, (list, tuple)) else [factors] * len(out)
+    if foreach_pays(out):
+        copy_unless_same_(out, src)
+        torch._foreach_mul_(out, factors)
+        return
+    for o, a, k in zip(out, src, each):
+        torch.mul(a, k, out=o)
+
+
+def add_into(out: Tensors, starts: Tensors, updates: Tensors) -> None:
+    """out <- a + u for each pair (see foreach_pays for the two forms)."""
+    if foreach_pays(out):
+        copy_unless_same_(out, starts)
+        torch._foreach_add_(out, updates)
+        return
+    for o, a, u in zip(out, starts, updates):
+        torch.add(a, u, out=o)
+
+
+def addcdiv_into(out: Tensors, starts: Tensors, numerators: Tensors, denominators: Tensors,
+                 value: float) -> None:
+    """out <- a + value * n / d for each (see foreach_pays for the two forms)."""
+    if foreach_pays(out):
+        copy_unless_same_(out, starts)
+        torch._foreach_addcdiv_(out, numerators, denominators, value=value)
+        return
+    for o, a, n, d in zip(out, starts, numerators, denominators):
+        torch.addcdiv(a, n, d, value=value, out=o)
 
 
 def update_variance_(exp_avg_sqs: Tensors, grads: Tensors, beta2: float) -> None:
@@ -76,8 +157,7 @@ def adam_updates(exp_avgs: Tensors, denoms: Tensors, params: Tensors, weight_dec
         u = torch._foreach_div(exp_avgs, denoms)
     else:  # m / denom straight into the buffers: one pass, not a copy and a divide
         u = out
-        for ui, mi, di in zip(u, exp_avgs, denoms):
-            torch.div(mi, di, out=ui)
+        div_into(u, exp_avgs, denoms)
     if bc1 != 1.0:
         torch._foreach_div_(u, bc1)
     if weight_decay:

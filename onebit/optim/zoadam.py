@@ -243,10 +243,10 @@ class ZeroOneAdam(OnebitOptimizer):
             torch._foreach_add_(us, [p.float() for p in ps], alpha=-lr * wd)
         torch._foreach_addcdiv_(us, ms, ds, value=-lr / bc1)
         if not sync:
+            fp32 = [j for j, p in enumerate(ps) if p.dtype == torch.float32]
+            F.add_into([ps[j] for j in fp32], [anchors[j] for j in fp32], [us[j] for j in fp32])
             for p, a, u in zip(ps, anchors, us):
-                if p.dtype == torch.float32:
-                    torch.add(a, u, out=p)
-                else:  # in fp32, rounded once
+                if p.dtype != torch.float32:  # in fp32, rounded once
                     p.copy_(a.float() + u)
 
     def _graphed_local_step(self, t, groups, grads) -> None:
@@ -323,9 +323,8 @@ class ZeroOneAdam(OnebitOptimizer):
         # u * denom / lrs goes straight into the fused buffer, and the average
         # is read from there: no pass to scale u, none to copy it back.
         def mean_direction_into(views):
-            for ui, di, out in zip(u, denom, views):
-                torch.mul(ui, di, out=out)
-                out.div_(lrs)
+            F.mul_into(views, u, denom)
+            torch._foreach_div_(views, lrs)
 
         if self.world_size > 1 and self._overlap is None:
             avg = self._ef_exchange.exchange(GroupKey(i), u, mean_direction_into)
@@ -336,8 +335,7 @@ class ZeroOneAdam(OnebitOptimizer):
             self._compressed_average_(i, avg)
         self._mask_(group, avg)
         mask_unseen_(avg, masks, seen)
-        for mi, ai in zip(m, avg):
-            torch.mul(ai, -bc1, out=mi)
+        F.mul_into(m, avg, -bc1)
         self._land_(params, anchors, avg, denom, seen, lrs)
         torch._foreach_zero_(u)
 
@@ -345,10 +343,11 @@ class ZeroOneAdam(OnebitOptimizer):
     def _land_(params, starts, avg, denom, seen, lrs: float) -> None:
         """Every rank lands on the same point: start + lrs * avg / denom
         (tensors v never saw stay where they are)."""
-        for p, a, ai, di in zip(*only_seen(seen, params, starts, avg, denom)):
-            if p.dtype == torch.float32:
-                torch.addcdiv(a, ai, di, value=lrs, out=p)
-            else:  # divide in fp32, round once
+        ps, as_, ais, ds = only_seen(seen, params, starts, avg, denom)
+        fp32 = [j for j, p in enumerate(ps) if p.dtype == torch.float32]
+        F.addcdiv_into(*([xs[j] for j in fp32] for xs in (ps, as_, ais, ds)), value=lrs)
+        for p, a, ai, di in zip(ps, as_, ais, ds):
+            if p.dtype != torch.float32:  # divide in fp32, round once
                 p.copy_(torch.addcdiv(a, ai, di, value=lrs).to(p.dtype))
 
     def _sync_single_(self, i, t, group, params, grads, m, v) -> None:
