@@ -133,10 +133,12 @@ def _entry(fn, rank, world_size, port, args, results, env, timeout_s, threads, b
 
         if threads:
             torch.set_num_threads(threads)
-        if backend != "gloo":  # one device per rank, chosen by local rank
+        if backend != "gloo":  # a device per rank where there are enough (cuda:gloo
+            # on one GPU: the ranks share it)
             from .accelerator import get_accelerator
 
-            get_accelerator().set_device(rank)
+            acc = get_accelerator()
+            acc.set_device(rank % max(1, acc.device_count()))
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         ok = False
@@ -160,7 +162,8 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
     rank's torch threads (default: cores shared out, at least 1). Ranks in
     `may_die` (fault-injection tests) may exit without reporting; their
     result is None. `backend`: gloo (host tensors), or a device backend
-    (see local_backend), in which case rank r uses device r.
+    (see local_backend), in which case rank r uses device r (modulo the
+    devices there are: ranks of a cuda:gloo group may share one GPU).
     `start_method` "forkserver" forks each rank from a server that has
     imported torch once, and torch._dynamo, which torch imports at the first
     optimizer's construction (together about 6 s per rank less than "spawn"

@@ -1,0 +1,243 @@
+"""The GPU tier's multi-rank tests (`pytest -m gpu tests`).
+
+On one GPU, 2 or 3 ranks share it through a cuda:gloo group: NCCL refuses
+two ranks on one GPU, and gloo's CUDA path moves device tensors as NCCL
+would ask for them (every collective on the device). With as many GPUs as
+ranks the same bodies run over nccl, a GPU per rank. Skipped (with the
+reason) where there is no CUDA device.
+
+What they hold the GPU path to:
+  - compressed_allreduce on device tensors is bitwise the same as on host
+    tensors (the kernels are bit-exact and the pipeline the same);
+  - the optimizers, fused and overlapped, keep bitwise identical replicas
+    and land within 1% of their movement of the same run on the host (the
+    host's elementwise ops may round differently: torch's CUDA kernels
+    contract multiply-adds);
+  - DiLoCo, plain and streaming, likewise;
+  - onebit's GradScaler under fp16 autocast with an inf on one rank: every
+    rank skips that step and all scales and replicas stay identical;
+  - bf16 autocast with 0/1 Adam overlapped: identical replicas.
+"""
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_workers
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="no CUDA device here")]
+
+SHAPES = [(300, 12), (40, 12), (40,), (1000003,), (7, 5, 3)]
+
+
+def backend_for(world: int) -> str:
+    return "nccl" if torch.cuda.device_count() >= world else "cuda:gloo"
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _identical_everywhere(tensors, group=None) -> bool:
+    """Whether every rank holds these tensors bit for bit."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(copies, flat, group=group)
+    return all(torch.equal(copies[0].view(torch.int32), c.view(torch.int32)) for c in copies)
+
+
+# ------------------------------------------------------------------ backend --
+def _backend_on_both(rank, world, sizes):
+    import torch.distributed as dist
+
+    from onebit.backends import CompressedBackend
+
+    on_device = CompressedBackend(block_size=64)
+    on_host = CompressedBackend(group=dist.new_group(backend="gloo"), block_size=64)
+    for n in sizes:
+        big, small = on_device.error_sizes(n)
+        errors = {d: (torch.zeros(big, device=d), torch.zeros(small, device=d))
+                  for d in (_device(), torch.device("cpu"))}
+        for r in range(3):  # error feedback carries from round to round
+            g = torch.Generator().manual_seed(1000 * r + 10 * rank + n)
+            x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
+            got = on_device.compressed_allreduce(x.to(_device()), *errors[_device()])
+            want = on_host.compressed_allreduce(x.clone(), *errors[torch.device("cpu")])
+            assert torch.equal(got.cpu(), want), (n, r)
+            for a, b in zip(errors[_device()], errors[torch.device("cpu")]):
+                assert torch.equal(a.cpu(), b), (n, r, "errors")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compressed_allreduce_on_the_gpu_is_bitwise_the_host_run(world):
+    sizes = [5, 1000, 64 * world * 8 + 3, 2 ** 20 + 7]
+    assert all(run_workers(_backend_on_both, world, sizes, timeout=240,
+                           backend=backend_for(world)))
+
+
+# --------------------------------------------------------------- optimizers --
+def _params(device):
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s).to(device) * 10.0 ** (i - 2))
+            for i, s in enumerate(SHAPES)]
+
+
+def _targets(rank, t, device):
+    """Each rank's quadratic pulls toward its own point; embedding rows
+    0..99 never get a gradient (rows absent from every batch)."""
+    g = torch.Generator().manual_seed(100 * t + rank)
+    out = [torch.randn(s, generator=g) for s in SHAPES]
+    return [x.to(device) for x in out]
+
+
+def _loss(params, targets):
+    # The gradient 2 (p - target) rounds the same on any device (one IEEE
+    # subtract and exact scalings), so host and device see the same bits.
+    rows = params[0][100:]
+    terms = [((rows - targets[0][100:]) ** 2).sum()]
+    terms += [((p - q) ** 2).sum() for p, q in zip(params[1:], targets[1:])]
+    return sum(terms)
+
+
+def _optimize(rank, world, name, kw, device_type, steps=16):
+    import onebit
+
+    device = _device() if device_type == "cuda" else torch.device("cpu")
+    group = None
+    if device_type == "cpu":
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo")
+    params = _params(device)
+    start = [p.detach().cpu().numpy().copy() for p in params]
+    freeze = {"var_freeze_step": 4, "var_update_scaler": 1} if name == "ZeroOneAdam" else {
+        "freeze_step": 4}
+    opt = getattr(onebit, name)(params, lr=1e-2, process_group=group, **freeze, **kw)
+    same = []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        _loss(params, _targets(rank, t, device)).backward()
+        opt.step()
+        same.append(_identical_everywhere(params, group))
+    # numpy, not tensors: a returned tensor travels as a shared-memory handle
+    # that dies with the rank
+    return same, start, [p.detach().cpu().numpy() for p in params]
+
+
+def _both_devices(rank, world, name, kw):
+    on_gpu = _optimize(rank, world, name, kw, "cuda")
+    on_host = _optimize(rank, world, name, kw, "cpu")
+    return on_gpu, on_host
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["fused", "overlap"])
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_optimizers_on_the_gpu_keep_replicas_and_follow_the_host_run(name, overlap):
+    kw = dict(overlap_backward=True, bucket_cap_mb=1.0) if overlap else {}
+    for (same, start, gpu), (host_same, _, host) in run_workers(
+            _both_devices, 2, name, kw, timeout=300, backend=backend_for(2)):
+        assert all(same) and all(host_same), "replicas differ after some step"
+        for i, (s, a, b) in enumerate(zip(start, gpu, host)):
+            moved = np.linalg.norm(b - s)
+            assert moved > 0, f"param {i} did not move on the host"
+            assert np.linalg.norm(a - b) <= 0.01 * moved, f"param {i}: GPU strays from the host run"
+        assert np.array_equal(gpu[0][:100], start[0][:100]), "rows without a gradient moved"
+
+
+# ------------------------------------------------------------------- DiLoCo --
+class Quadratic(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.ps = torch.nn.ParameterList(_params(device))
+
+    def forward(self, targets):
+        return _loss(list(self.ps), targets)
+
+
+def _diloco(rank, world, kw, device_type):
+    import onebit
+
+    device = _device() if device_type == "cuda" else torch.device("cpu")
+    group = None
+    if device_type == "cpu":
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo")
+    model = Quadratic(device)
+    start = [p.detach().cpu().numpy().copy() for p in model.parameters()]
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = onebit.DiLoCo(model, inner, process_group=group, **kw)
+    for t in range(1, 17):
+        inner.zero_grad()
+        model(_targets(rank, t, device)).backward()
+        inner.step()
+    diloco.drain()
+    return _identical_everywhere(list(model.parameters()), group), start, [
+        p.detach().cpu().numpy() for p in model.parameters()]
+
+
+def _diloco_both(rank, world, kw):
+    return _diloco(rank, world, kw, "cuda"), _diloco(rank, world, kw, "cpu")
+
+
+@pytest.mark.parametrize("kw", [dict(sync_every=4),
+                                dict(sync_every=6, fragments=3, overlap_steps=2)],
+                         ids=["plain", "streaming"])
+def test_diloco_on_the_gpu_keeps_replicas_and_follows_the_host_run(kw):
+    for (same, start, gpu), (host_same, _, host) in run_workers(
+            _diloco_both, 2, kw, timeout=300, backend=backend_for(2)):
+        if "fragments" not in kw:  # 16 inner steps end on a round: one point everywhere
+            assert same and host_same
+        for i, (s, a, b) in enumerate(zip(start, gpu, host)):
+            assert np.linalg.norm(a - b) <= 0.01 * np.linalg.norm(b - s), f"param {i}"
+
+
+# ---------------------------------------------------------------- precision --
+def _autocast_run(rank, world, dtype_name):
+    import onebit
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).to(_device())
+    if dtype == torch.float16:
+        opt = onebit.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=3)
+        scaler = onebit.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=10_000)
+    else:
+        opt = onebit.ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=3,
+                                 var_update_scaler=1, overlap_backward=True)
+        scaler = None
+    scales, same, losses = [], [], []
+    for t in range(1, 13):
+        g = torch.Generator().manual_seed(100 * t + rank)
+        x, y = torch.randn(16, 32, generator=g).to(_device()), torch.randn(16, 8, generator=g).to(_device())
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=dtype):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        losses.append(float(loss))
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            if t == 5 and rank == 1:  # an overflow on one rank only
+                model[0].weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        same.append(_identical_everywhere(list(model.parameters())))
+    return scales, same, losses
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_autocast_on_the_gpu_keeps_replicas_and_scales_together(dtype):
+    out = run_workers(_autocast_run, 2, dtype, timeout=240, backend=backend_for(2))
+    for scales, same, losses in out:
+        assert all(same), "replicas differ after some step"
+        assert all(torch.isfinite(torch.tensor(losses)))
+        if dtype == "float16":  # the inf halves every rank's scale at step 5, once
+            assert scales == [2.0 ** 12] * 4 + [2.0 ** 11] * 8, scales
+    assert out[0][0] == out[1][0]
