@@ -345,8 +345,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         no_grad = [p.grad is None for p in every]
         if self._agreeing:
             stale = self._overlap is not None and self._overlap.stale
-            verdict = self._agreement.before_step(t, flag, self._trainable_digest, stale,
-                                                  self.param_groups, no_grad)
+            verdict = self._in_order(lambda: self._agreement.before_step(
+                t, flag, self._trainable_digest, stale, self.param_groups, no_grad))
             if self._overlap is not None:  # every rank redoes its buckets, or none
                 self._overlap.stale = verdict.redo_buckets
             bad, no_grad = verdict.nonfinite, verdict.gradless
@@ -360,6 +360,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              "skip such steps)")
         return bad, self._shards.locals(
             [p for p, none in zip(every, no_grad) if none and p.requires_grad])
+
+    def _in_order(self, collective):
+        """A collective of step() on this optimizer's group: behind the
+        exchanges that backward queued, on their thread (overlap.in_order),
+        so that every rank issues the two groups' collectives in one order."""
+        if self._overlap is None:
+            return collective()
+        return self._overlap.in_order(self.comm_device, collective)
 
     def _keep_untouched(self, gradless: List[torch.Tensor],
                         trained: List[List[torch.Tensor]]) -> UntouchedParams:

@@ -26,7 +26,10 @@ the last step is not waited for (it counts as zero, as in step()); a bucket
 still waiting when backward ends is launched by step(), still in order. The
 exchanges run on one thread, over a process group of their own, so a
 collective that the main thread (or DDP) issues on its group cannot
-interleave with them differently on different ranks.
+interleave with them differently on different ranks within a group; and
+step()'s own collective (the agreement) goes through the same thread after
+the queued exchanges (`in_order`), so the two groups' collectives leave
+every rank in one order too, as NCCL needs across communicators.
 
 When a launched bucket's gradients change (a param thought unused gets a
 gradient after all, or a second backward before step()), the bucket is
@@ -290,6 +293,30 @@ class BackwardOverlap:
         except BaseException as exc:
             self.failure = exc
             raise
+
+    def in_order(self, device: torch.device, work: Callable[[], object]) -> object:
+        """`work()`, a collective of step() over another process group, run
+        on the communication thread after every exchange queued so far, and
+        its result. So the collectives of a step leave every rank in one
+        order across the two communicators: NCCL can deadlock when ranks
+        issue operations of two communicators in different orders (a GPU
+        busy in one rank's kernel while its peer waits in the other). Run
+        straight away when this step queued nothing. The cost: step() learns
+        the agreement's verdict, and can land buckets, only once the
+        exchanges queued in backward are done."""
+        if not self.launched:
+            return work()
+        results = []
+
+        def in_turn() -> None:
+            if self.failure is not None:  # a bucket failed: its peers are gone
+                raise self.failure
+            results.append(work())
+
+        done = self._thread.submit(self.handoff.run_on_comm_thread, device,
+                                   self.handoff.produced(device), in_turn).result()
+        self.handoff.consume(device, done)
+        return results[0]
 
     def settle(self, trained: List[List[torch.Tensor]], grads: List[List[torch.Tensor]],
                relaunch: bool) -> None:
