@@ -52,9 +52,9 @@ def _side_collectives(rank, world):
     tuner = PieceTuner(None)
     key = ("layout",)
     for call in range(TUNING_CALLS - 1):  # the trials gather nothing
-        tuner.record(key, tuner.count(key, 1 << 23, world), 0.1, backend.share)
+        tuner.record(key, tuner.count(key, 1 << 23, world), lambda: 0.1, backend.share)
     _asks_for_the_gpu("the piece tuner's decision", lambda: tuner.record(
-        key, tuner.count(key, 1 << 23, world), 0.1, backend.share))
+        key, tuner.count(key, 1 << 23, world), lambda: 0.1, backend.share))
     m = torch.randn(100)
     n, ns = backend.error_sizes(100)
     _asks_for_the_gpu("compressed_allreduce's agreement", lambda: backend.compressed_allreduce(
@@ -117,3 +117,50 @@ def _device_from_the_data(rank, world):
 def test_the_communication_device_follows_the_params_where_the_group_serves_them():
     for on_gpu1, on_host in run_workers(_device_from_the_data, 2, timeout=60, backend="cuda:gloo"):
         assert on_gpu1 == "cuda:1" and on_host == "cuda", (on_gpu1, on_host)
+
+
+def test_the_tuners_clock_is_the_devices_events():
+    """CallTimer records on the data's device's current stream through the
+    accelerator's events (a host clock around NCCL's stream-ordered waits
+    would time the launches only); on the host those events are the host
+    clock, and seconds() measures the call."""
+    import time
+
+    from onebit.accelerator import CpuAccelerator, set_accelerator
+    from onebit.backends.pipeline import CallTimer
+
+    timer = CallTimer(torch.device("cpu"))
+    time.sleep(0.05)
+    assert 0.05 <= timer.stop().seconds() < 1.0
+
+    recorded = []
+
+    class Accounted(CpuAccelerator):
+        def current_stream(self, index=None):
+            return ("stream of", index)
+
+        @property
+        def Event(self):  # noqa: N802
+            class E:
+                def __init__(e, enable_timing=False):
+                    assert enable_timing
+                    e.at = None
+
+                def record(e, stream=None):
+                    recorded.append(stream)
+                    e.at = len(recorded)
+
+                def synchronize(e):
+                    recorded.append("synchronized")
+
+                def elapsed_time(e, end):
+                    return 250.0 * (end.at - e.at)
+            return E
+
+    set_accelerator(Accounted())
+    try:
+        timer = CallTimer(torch.device("cpu"))
+        assert timer.stop().seconds() == 0.25
+        assert recorded == [("stream of", None)] * 2 + ["synchronized"]
+    finally:
+        set_accelerator(None)

@@ -45,6 +45,13 @@ def get_accelerator() -> Accelerator:
     return _current
 
 
+def accelerator_for(device) -> Accelerator:
+    """The accelerator that owns `device` (a torch.device): the one in use
+    where its type matches, else the CPU's (host tensors, host events)."""
+    acc = get_accelerator()
+    return acc if device.type == acc.name else CpuAccelerator()
+
+
 def set_accelerator(accelerator: Optional[Accelerator]) -> None:
     """Use `accelerator` from now on (None: choose again on next use)."""
     global _current
@@ -55,4 +62,4 @@ def set_accelerator(accelerator: Optional[Accelerator]) -> None:
 
 
 __all__ = ["Accelerator", "EagerGraph", "CpuAccelerator", "CudaAccelerator", "XpuAccelerator",
-           "get_accelerator", "set_accelerator", "ACCELERATORS"]
+           "accelerator_for", "get_accelerator", "set_accelerator", "ACCELERATORS"]

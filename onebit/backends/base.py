@@ -44,7 +44,7 @@ from .. import ops
 from ..collectives import stable_digest
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_block_size
 from .layout import BlockLayout
-from .pipeline import PieceTuner, piece_ranges
+from .pipeline import CallTimer, PieceTuner, piece_ranges
 from .stats import TrafficStats, fp32_allreduce_bytes
 
 def padded_size(numel: int, world_size: int, block: int = DEFAULT_BLOCK_SIZE) -> int:
@@ -279,6 +279,7 @@ class CompressedAllreduceBase:
         device is the one buffer_m lives on.
         """
         started = time.perf_counter()
+        timer = CallTimer(buffer_m.device)  # the tuner's clock: device events
         self._validate(buffer_m, worker_error, server_error, layout)
         if buffer_m.numel() == 0:
             worker_error.zero_()
@@ -374,5 +375,5 @@ class CompressedAllreduceBase:
         took = time.perf_counter() - started
         self.stats.add(moved, moved, fp32_allreduce_bytes(sum(layout.sizes), p), comm_s,
                        took - comm_s)
-        self.pipeline.record(layout.key, count, took, self.share)
+        self.pipeline.record(layout.key, count, timer.stop().seconds, self.share)
         return buffer_m

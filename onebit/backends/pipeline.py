@@ -47,6 +47,31 @@ def check_piece_size(piece_size) -> None:
                          f"elements per piece, got {piece_size!r}")
 
 
+class CallTimer:
+    """How long a call took to finish on its device, for the tuner: between
+    two events on the device's current stream. A host clock around
+    stream-ordered waits (NCCL's, XCCL's) would measure the launches only:
+    the transfer is still running when the wait returns. On the host the
+    events are the host clock. `seconds()` waits for the end event, so the
+    tuner reads it only on the calls it times."""
+
+    def __init__(self, device: torch.device) -> None:
+        from ..accelerator import accelerator_for
+
+        acc = accelerator_for(device)
+        self._stream = acc.current_stream(device.index)  # the data's device, from any thread
+        self._start, self._end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
+        self._start.record(self._stream)
+
+    def stop(self) -> "CallTimer":
+        self._end.record(self._stream)
+        return self
+
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
+
+
 class PieceTuner:
     """The piece count for each call of a compressed allreduce.
 
@@ -75,16 +100,18 @@ class PieceTuner:
         # Call 0 and 1 warm both schedules up (buffers, connections); then they alternate.
         return (pieces, 1)[trial["calls"] % 2]
 
-    def record(self, key: tuple, count: int, seconds: float,
+    def record(self, key: tuple, count: int, seconds: Callable[[], float],
                share: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Note a call's wall time; after the trials, agree on the faster
-        schedule. share(t) returns every rank's t stacked (an all-gather)."""
+        """Note a call's time (`seconds()`, asked only on a timed trial: a
+        CallTimer's waits for the device); after the trials, agree on the
+        faster schedule. share(t) returns every rank's t stacked (an
+        all-gather)."""
         trial = self._trial.get(key)
         if trial is None or key in self.chosen:
             return
         trial["calls"] += 1
         if trial["calls"] > 2:
-            trial["times"][count].append(seconds)
+            trial["times"][count].append(seconds())
         if trial["calls"] < TUNING_CALLS:
             return
         counts = sorted(trial["times"])

@@ -5,8 +5,11 @@ share of the collective: an all-to-all or all-gather of rows of R bytes
 sends (p - 1) * R and receives as much (a rank's own row never leaves it).
 Next to them, `fp32_bytes`: what a ring all-reduce of the same elements in
 fp32 sends per rank, 2 (p - 1) / p * 4 bytes each -- the baseline a
-compression ratio is against. Seconds are host wall time: on a GPU they
-include waiting for the kernels the transport needs finished.
+compression ratio is against. Seconds are host wall time around the calls:
+where the waits are stream-ordered (NCCL, XCCL) they count the launches, not
+the transfers, which finish later on the device. The piece tuner, which
+must know the transfer's time, takes it from device events instead
+(pipeline.CallTimer).
 """
 from __future__ import annotations
 

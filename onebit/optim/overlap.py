@@ -72,10 +72,9 @@ class StreamHandoff:
 
     @staticmethod
     def _accelerator(device: torch.device):
-        from ..accelerator import CpuAccelerator, get_accelerator
+        from ..accelerator import accelerator_for
 
-        acc = get_accelerator()
-        return acc if device.type == acc.name else CpuAccelerator()
+        return accelerator_for(device)
 
     def produced(self, device: torch.device):
         """An event after what the calling thread's stream queued so far."""
