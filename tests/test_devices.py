@@ -164,3 +164,30 @@ def test_the_tuners_clock_is_the_devices_events():
         assert recorded == [("stream of", None)] * 2 + ["synchronized"]
     finally:
         set_accelerator(None)
+
+
+def _host_group_in_a_device_world(rank, world):
+    """A gloo group for host params inside a cuda:gloo world: the overlap's
+    and DiLoCo's own exchange groups take its backends, not the world's
+    (which refuses host tensors)."""
+    import torch.distributed as dist
+
+    import onebit
+    from onebit.optim.overlap import exchange_group
+
+    host = dist.new_group(backend="gloo")
+    x = torch.ones(4)
+    dist.all_reduce(x, group=exchange_group(host))
+    model = torch.nn.Linear(8, 4)
+    opt = onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=1, process_group=host,
+                            overlap_backward=True, bucket_cap_mb=0.0001)
+    for t in range(3):
+        opt.zero_grad()
+        model(torch.randn(2, 8, generator=torch.Generator().manual_seed(t + 10 * rank))).sum().backward()
+        opt.step()
+    return float(x[0]), opt.overlap_stats()["launched_in_backward"]
+
+
+def test_a_host_group_in_a_device_world_keeps_its_backend():
+    out = run_workers(_host_group_in_a_device_world, 2, timeout=90, backend="cuda:gloo")
+    assert all(total == 2.0 and launched > 0 for total, launched in out), out

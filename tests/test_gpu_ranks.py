@@ -10,9 +10,8 @@ What they hold the GPU path to:
   - compressed_allreduce on device tensors is bitwise the same as on host
     tensors (the kernels are bit-exact and the pipeline the same);
   - the optimizers, fused and overlapped, keep bitwise identical replicas
-    and land within 1% of their movement of the same run on the host (the
-    host's elementwise ops may round differently: torch's CUDA kernels
-    contract multiply-adds);
+    and land within 1% (LAMB: 5%) of their movement of the same run on the
+    host (STRAY says why not bitwise);
   - DiLoCo, plain and streaming, likewise;
   - onebit's GradScaler under fp16 autocast with an inf on one rank: every
     rank skips that step and all scales and replicas stay identical;
@@ -133,6 +132,16 @@ def _both_devices(rank, world, name, kw):
     return on_gpu, on_host
 
 
+# How far the GPU run may land from the host run, as a share of the host
+# run's movement. Not bitwise: torch's CUDA kernels round some element-wise
+# ops differently (contracted multiply-adds), and a flipped sign near zero in
+# the 1-bit exchange moves an element by a block scale that error feedback
+# then carries. 1-bit LAMB also takes a trust ratio per tensor from norms
+# that a GPU sums in another order: 1.9% on the first H200 run, so 5%.
+# A broken kernel or exchange lands O(1) away.
+STRAY = {"OnebitAdam": 0.01, "ZeroOneAdam": 0.01, "OnebitLamb": 0.05}
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["fused", "overlap"])
 @pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
 def test_optimizers_on_the_gpu_keep_replicas_and_follow_the_host_run(name, overlap):
@@ -143,7 +152,8 @@ def test_optimizers_on_the_gpu_keep_replicas_and_follow_the_host_run(name, overl
         for i, (s, a, b) in enumerate(zip(start, gpu, host)):
             moved = np.linalg.norm(b - s)
             assert moved > 0, f"param {i} did not move on the host"
-            assert np.linalg.norm(a - b) <= 0.01 * moved, f"param {i}: GPU strays from the host run"
+            assert np.linalg.norm(a - b) <= STRAY[name] * moved, (
+                f"param {i}: GPU strays from the host run", np.linalg.norm(a - b) / moved)
         assert np.array_equal(gpu[0][:100], start[0][:100]), "rows without a gradient moved"
 
 

@@ -422,10 +422,14 @@ class BackwardOverlap:
 
 
 def exchange_group(process_group):
-    """A process group of the same ranks as `process_group` (None: the
-    world), for the exchanges of the communication thread alone."""
+    """A process group of the same ranks and backends as `process_group`
+    (None: the world), for the exchanges of the communication thread alone.
+    The same backends, not the world's: a gloo group for host tensors in a
+    job whose world is cuda:gloo or nccl must stay one."""
     import torch.distributed as dist
 
-    ranks = dist.get_process_group_ranks(process_group if process_group is not None
-                                         else dist.group.WORLD)
-    return dist.new_group(ranks, use_local_synchronization=True)
+    group = process_group if process_group is not None else dist.group.WORLD
+    backend = (dist.get_backend_config(group) if hasattr(dist, "get_backend_config")
+               else dist.get_backend(group))
+    return dist.new_group(dist.get_process_group_ranks(group), backend=backend,
+                          use_local_synchronization=True)
