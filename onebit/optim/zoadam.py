@@ -382,8 +382,12 @@ class ZeroOneAdam(OnebitOptimizer):
         where v == 0 (in the same pass where the mask is dense); 0 for the
         tensors v never saw (they do not move)."""
         wd = group["weight_decay"]
+        plain = [j for j, (ok, k) in enumerate(zip(seen, masks)) if ok and k is None]
+        F.mul_into([out[j] for j in plain], [m[j] for j in plain], -1.0 / bc1)
         for mi, o, ok, k in zip(m, out, seen, masks):
-            if ok and k is not None and k.is_floating_point():
+            if ok and k is None:
+                continue  # done above
+            if ok and k.is_floating_point():
                 torch.addcmul(torch.zeros((), device=o.device), mi, k, value=-1.0 / bc1, out=o)
             elif ok:
                 torch.mul(mi, -1.0 / bc1, out=o)

@@ -79,33 +79,36 @@ __global__ void pack_kernel(const T* __restrict__ x, int64_t n, bool vec,
 }
 
 // out[j] = (1/rows) * sum_r (bit(r, j) ? s : -s), s = scales[r, j / block], j < cols.
-// One thread per byte of a row: its eight elements share one scale per row
-// (block is a multiple of 8), so there is one division per eight elements,
-// and they go out as two 16-byte stores where `out` allows. Each element
-// sums its rows in turn from 0, as every kernel does.
+// One thread per four elements (half a byte of each row): they share one
+// scale per row (block is a multiple of 8), so there is one division per
+// four elements, and they go out as one 16-byte store where `out` allows,
+// a warp's store covering 512 contiguous bytes. The rows are read four at
+// a time so that their loads are in flight together. Each element sums its
+// rows in turn from 0, as every kernel does.
 __global__ void decode_kernel(const uint8_t* __restrict__ bits, int64_t row_bytes, int rows,
                               const float* __restrict__ scales, int64_t block, int64_t cols,
                               bool vec, float* __restrict__ out) {
   const float inv = 1.0f / float(rows);
   const int64_t nblocks = (cols + block - 1) / block;
-  const int64_t nbytes = (cols + 7) / 8;
+  const int64_t quads = (cols + 3) / 4;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < nbytes; q += stride) {
-    const int64_t j0 = q * 8, k = j0 / block;
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < quads; q += stride) {
+    const int64_t j0 = q * 4, byte = q / 2, k = j0 / block;
+    const int shift = int(q & 1) * 4;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
     for (int r = 0; r < rows; ++r) {
-      const uint32_t byte = bits[r * row_bytes + q];
+      const uint32_t nibble = uint32_t(bits[r * row_bytes + byte]) >> shift;
       const float s = scales[r * nblocks + k];
 #pragma unroll
-      for (int t = 0; t < 8; ++t) acc[t] += ((byte >> t) & 1) ? s : -s;
+      for (int t = 0; t < 4; ++t) acc[t] += ((nibble >> t) & 1) ? s : -s;
     }
-    if (vec && j0 + 8 <= cols) {
-      float4* dst = reinterpret_cast<float4*>(out + j0);
-      dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
-      dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+    if (vec && j0 + 4 <= cols) {
+      *reinterpret_cast<float4*>(out + j0) =
+          make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
     } else {
 #pragma unroll
-      for (int t = 0; t < 8; ++t)
+      for (int t = 0; t < 4; ++t)
         if (j0 + t < cols) out[j0 + t] = acc[t] * inv;
     }
   }
@@ -130,26 +133,45 @@ __device__ __forceinline__ double octet_sum(double part) {
 // Pass 1: err <- buf (zero past n_buf) + err, and the sum of squares of each
 // onebit block, in double, in the one order (octet_sum). A warp serves four
 // blocks, one per octet; a lane reads every eighth element of its block, so
-// each load instruction reads four whole 32-byte sectors.
+// each load instruction reads four whole 32-byte sectors. Up to kHeld
+// elements per lane, all of a lane's loads are issued before the first is
+// used (the loop is unrolled into registers).
+template <int kHeld>
 __global__ void compensate_kernel(const float* __restrict__ buf, int64_t n_buf,
                                   float* __restrict__ err, int64_t n, int64_t block,
                                   double* __restrict__ sumsq) {
   const int lane = threadIdx.x & 31, part_of = lane & 7;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  const int64_t nblocks = n / block;
+  const int64_t nblocks = n / block, per_lane = block / 8;
   for (int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; w * 4 < nblocks;
        w += warps) {
     const int64_t k = w * 4 + lane / 8;
+    const bool live = k < nblocks;
+    const int64_t first = k * block + part_of;
     double part = 0.0;
-    if (k < nblocks) {
-      for (int64_t i = k * block + part_of; i < (k + 1) * block; i += 8) {
-        float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
-        err[i] = x;
+    if (kHeld > 0) {
+      float held[kHeld > 0 ? kHeld : 1];
+#pragma unroll
+      for (int i = 0; i < (kHeld > 0 ? kHeld : 1); ++i) {
+        const int64_t e = first + 8 * int64_t(i);
+        if (live && i < per_lane) held[i] = (e < n_buf ? buf[e] : 0.0f) + err[e];
+      }
+#pragma unroll
+      for (int i = 0; i < (kHeld > 0 ? kHeld : 1); ++i) {
+        if (live && i < per_lane) {
+          err[first + 8 * int64_t(i)] = held[i];
+          part += double(held[i]) * double(held[i]);
+        }
+      }
+    } else if (live) {
+      for (int64_t e = first; e < (k + 1) * block; e += 8) {
+        float x = (e < n_buf ? buf[e] : 0.0f) + err[e];
+        err[e] = x;
         part += double(x) * double(x);
       }
     }
     double sum = octet_sum(part);
-    if (k < nblocks && part_of == 0) sumsq[k] = sum;
+    if (live && part_of == 0) sumsq[k] = sum;
   }
 }
 
@@ -182,8 +204,9 @@ __device__ __forceinline__ float round_bf16(float s, uint16_t* bits) {
   return __uint_as_float(uint32_t(*bits) << 16);
 }
 
-// One element of compress_kernel's output: its sign into the block's byte
-// (written by the octet's first lane) and err = x - s * sign(x).
+// One element of compress_kernel's output where blocks are too long for
+// registers: its sign into the block's byte (written by the octet's first
+// lane) and err = x - s * sign(x).
 __device__ __forceinline__ void sign_out(bool live, float x, float s, int64_t e,
                                          float* __restrict__ err, uint8_t* __restrict__ bits,
                                          int64_t byte) {
@@ -251,9 +274,29 @@ __global__ void compress_kernel(const float* __restrict__ buf, int64_t n_buf,
     // ballot's byte `octet` holds it. per_lane is the same in every lane, so
     // the whole warp takes each ballot.
     if (kHeld > 0) {
+      // Lane j of the octet keeps bytes 4 j .. 4 j + 3 of the block (the
+      // ballot gives every lane every byte) and stores them as one word:
+      // a warp's store then covers whole sectors, not 128 single bytes.
+      uint32_t mine = 0;
 #pragma unroll
-      for (int i = 0; i < (kHeld > 0 ? kHeld : 1); ++i)
-        if (i < per_lane) sign_out(live, held[i], s, first + 8 * int64_t(i), err, bits, k * per_lane + i);
+      for (int i = 0; i < (kHeld > 0 ? kHeld : 1); ++i) {
+        if (i < per_lane) {
+          const float x = held[i];
+          const bool one = live && x >= 0.0f;
+          const uint32_t byte = (__ballot_sync(0xffffffffu, one) >> (8 * octet)) & 0xffu;
+          if (live) err[first + 8 * int64_t(i)] = one ? x - s : x + s;
+          if (i / 4 == part_of) mine |= byte << (8 * (i % 4));
+        }
+      }
+      const int64_t at = k * per_lane + 4 * int64_t(part_of);  // this lane's first byte
+      if (live && 4 * int64_t(part_of) < per_lane) {
+        if (4 * int64_t(part_of) + 4 <= per_lane && reinterpret_cast<uintptr_t>(bits + at) % 4 == 0) {
+          *reinterpret_cast<uint32_t*>(bits + at) = mine;
+        } else {
+          for (int t = 0; t < 4 && 4 * int64_t(part_of) + t < per_lane; ++t)
+            bits[at + t] = uint8_t(mine >> (8 * t));
+        }
+      }
     } else {
       for (int64_t i = 0; i < per_lane; ++i) {
         const int64_t e = first + 8 * i;
@@ -293,7 +336,7 @@ int onebit_cuda_decode(const uint8_t* bits, int64_t row_bytes, int rows, const f
                        int64_t block, int64_t cols, float* out, cudaStream_t stream) {
   if (cols == 0) return 0;
   if (block <= 0 || block % 8) return int(cudaErrorInvalidValue);
-  decode_kernel<<<grid_for((cols + 7) / 8), kThreads, 0, stream>>>(
+  decode_kernel<<<grid_for((cols + 3) / 4), kThreads, 0, stream>>>(
       bits, row_bytes, rows, scales, block, cols, aligned16(out), out);
   return int(cudaGetLastError());
 }
@@ -303,8 +346,12 @@ int onebit_cuda_compensate(const float* buf, int64_t n_buf, float* err, int64_t 
                            double* sumsq, cudaStream_t stream) {
   if (block <= 0 || block % 8 || n % block) return int(cudaErrorInvalidValue);
   if (n == 0) return 0;
-  compensate_kernel<<<octet_grid(n / block), kThreads, 0, stream>>>(buf, n_buf, err, n, block,
-                                                                    sumsq);
+  if (block <= 8 * 32)
+    compensate_kernel<32><<<octet_grid(n / block), kThreads, 0, stream>>>(buf, n_buf, err, n,
+                                                                          block, sumsq);
+  else
+    compensate_kernel<0><<<octet_grid(n / block), kThreads, 0, stream>>>(buf, n_buf, err, n,
+                                                                         block, sumsq);
   return int(cudaGetLastError());
 }
 
