@@ -184,9 +184,9 @@ def stream_ordered(group=None) -> bool:
 
 def communication_device(group=None, data: Optional[torch.device] = None) -> torch.device:
     """The device every tensor onebit hands to `group`'s collectives lives on:
-    `data`'s (the params' device) when it is an accelerator the group serves,
-    so a rank that never called set_device still uses its own GPU rather
-    than GPU 0; else the accelerator's current device where the group serves
+    `data`'s (the params' device) when the group serves it, so a rank that
+    never called set_device still uses its own GPU rather than GPU 0, and
+    host params over a gloo group in a GPU job stay on the host; else the accelerator's current device where the group serves
     it (an NCCL group: the GPU, never the host), else the host where it
     serves that, else the first device type it serves. The one place that
     decides it: side collectives (agreement, the piece tuner, telemetry,
@@ -194,7 +194,7 @@ def communication_device(group=None, data: Optional[torch.device] = None) -> tor
     from .accelerator import get_accelerator
 
     served = served_device_types(group)
-    if data is not None and data.type != "cpu" and data.type in served:
+    if data is not None and data.type in served:
         return data
     acc = get_accelerator()
     if acc.name in served and acc.name != "cpu":

@@ -367,7 +367,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         so that every rank issues the two groups' collectives in one order."""
         if self._overlap is None:
             return collective()
-        return self._overlap.in_order(self.comm_device, collective)
+        return self._overlap.in_order(collective)
 
     def _keep_untouched(self, gradless: List[torch.Tensor],
                         trained: List[List[torch.Tensor]]) -> UntouchedParams:

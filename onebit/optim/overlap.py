@@ -293,7 +293,7 @@ class BackwardOverlap:
             self.failure = exc
             raise
 
-    def in_order(self, device: torch.device, work: Callable[[], object]) -> object:
+    def in_order(self, work: Callable[[], object]) -> object:
         """`work()`, a collective of step() over another process group, run
         on the communication thread after every exchange queued so far, and
         its result. So the collectives of a step leave every rank in one
@@ -305,6 +305,7 @@ class BackwardOverlap:
         exchanges queued in backward are done."""
         if not self.launched:
             return work()
+        device = self.buckets[0].ready_device  # the handoff's device: the exchanges' own
         results = []
 
         def in_turn() -> None:
