@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.allreduce_checks import ROUNDS, SIZES, check_fused_rounds, check_rounds, make_inputs
+from tests.allreduce_checks import SIZES, check_fused_rounds, check_rounds, make_inputs
 from tests.distributed import run_workers
 from tests.reference import reference_round
 

@@ -43,29 +43,9 @@ def test_static_buffers_keep_their_addresses_until_the_shapes_change():
     resized = buffers.scratch("update", 0, [torch.ones(4)])
     assert resized[0].shape == (4,) and len(resized) == 1
 
-    grads = [torch.randn(3, 2, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
-    copies = buffers.copy(0, grads)
-    assert all(c.dtype == torch.float32 for c in copies)
-    assert all(torch.equal(c, g.float()) for c, g in zip(copies, grads))
-
-    s = buffers.scalars(0, CPU, (0.5, -2.0))
-    again = buffers.scalars(0, CPU, (0.25, 3.0))
-    assert again.data_ptr() == s.data_ptr() and again.tolist() == [0.25, 3.0]
-
     resized_again = buffers.scratch("update", 0, like)
     buffers.clear()  # `first` is still alive, so fresh buffers cannot reuse its memory
     assert buffers.scratch("update", 0, like)[0].data_ptr() != resized_again[0].data_ptr()
-
-
-def test_graphed_region_runs_eagerly_on_the_cpu_and_counts():
-    buffers, runs = StaticBuffers(), []
-    for _ in range(3):
-        buffers.graphed("momentum", ("key",), lambda: runs.append(1))
-    assert len(runs) == 3  # no graphs on the CPU: every call runs the body
-    assert buffers.stats()["momentum"]["eager_runs"] == 3
-    assert buffers.stats()["momentum"]["replays"] == 0
-    buffers.clear()
-    assert buffers.stats() == {}
 
 
 # ------------------------------------------------------------ telemetry --

@@ -4,7 +4,6 @@ backend over nccl matches the float64 reference. Skipped (with the reason)
 where the device or compiler is absent."""
 import shutil
 
-import numpy as np
 import pytest
 import torch
 

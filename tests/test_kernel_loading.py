@@ -3,7 +3,6 @@ fallback it triggers, the compiler's own error, and launches that follow the
 data's device from any thread. All of it runs without a GPU: the launchers
 below are fakes that record what they were handed."""
 import contextlib
-import os
 import stat
 import threading
 import warnings

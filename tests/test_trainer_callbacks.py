@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 
-from tests.distributed import run_workers
 
 COMMON = """
 import os, sys, warnings

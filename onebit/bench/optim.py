@@ -12,10 +12,8 @@ gradients and the time is the slowest rank's: the maths plus the exchange
 stays local, so the ratio is what a step costs over Adam's with the
 gradient averaging paid by the optimizer.
 
-The `graph_capture` rows replay the step's element-wise work as one graph
-(CUDA, XPU); on the CPU they run the same code eagerly, so there they show
-what the option costs where it cannot help. `--tensors` sets how many
-tensors the parameters are split into: graphs pay off with many small ones.
+`--tensors` sets how many tensors the parameters are split into: with
+many small ones a step pays per tensor (launches, Python).
 """
 from __future__ import annotations
 
@@ -30,8 +28,8 @@ from .. import collectives, launch
 from .table import Table, int_arg
 
 
-# Untimed steps first: state allocation, 0/1 Adam's sync interval growing to
-# 16, and a graph's warm-up runs and capture all happen outside the timing.
+# Untimed steps first: state allocation and 0/1 Adam's sync interval growing
+# to 16 happen outside the timing.
 UNTIMED_STEPS = 8
 
 
@@ -96,7 +94,6 @@ def measure(total: int, tensors: int, iters: int, device: str = "cpu", rank: int
         ("torch.optim.Adam(foreach)", lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True)),
         ("OnebitAdam warmup", lambda ps: onebit.OnebitAdam(ps, freeze_step=10**9)),
         ("OnebitAdam compression", lambda ps: onebit.OnebitAdam(ps, freeze_step=1)),
-        ("  with graph_capture", lambda ps: onebit.OnebitAdam(ps, freeze_step=1, graph_capture=True)),
         ("OnebitLamb warmup", lambda ps: onebit.OnebitLamb(ps, freeze_step=10**9)),
         ("OnebitLamb compression", lambda ps: onebit.OnebitLamb(ps, freeze_step=1)),
         ("  trust_ratio=frozen", lambda ps: onebit.OnebitLamb(ps, freeze_step=1, trust_ratio="frozen")),
@@ -104,7 +101,6 @@ def measure(total: int, tensors: int, iters: int, device: str = "cpu", rank: int
                                                                    var_update_scaler=1)),
         ("ZeroOneAdam syncs", lambda ps: onebit.ZeroOneAdam(ps, var_freeze_step=1)),
         ("ZeroOneAdam local steps", lambda ps: onebit.ZeroOneAdam(ps, **local)),
-        ("  with graph_capture", lambda ps: onebit.ZeroOneAdam(ps, graph_capture=True, **local)),
     ]
     rows, base = [], None
     for name, make in cases:

@@ -1,18 +1,13 @@
 """1-bit Adam (Tang et al., 2021, arXiv 2102.02888)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional
 
-import torch
-
-from ..graphs import tensor_key
 from . import functional as F
-from .guards import mask_unseen_, only_seen
+from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from .checks import adam_defaults, check_positive_int
-from .exchange import GroupKey
 
 
 class OnebitAdam(FreezeStepOptimizer):
@@ -52,15 +47,6 @@ class OnebitAdam(FreezeStepOptimizer):
       check_replicas_every: every K steps, compare checksums of all params and
         state across ranks and raise ReplicaDivergenceError naming the first
         tensor that differs (0: off; costs one small all-gather).
-      graph_capture: in the compression stage, capture the element-wise work
-        before and after the compressed allreduce (momentum, flatten,
-        unflatten, mask, update) into two graphs and replay them each step
-        (CUDA graphs; XPU graphs where torch has them). Worth it when a step
-        is many small tensors. lr and weight_decay may change freely (read
-        from a device tensor each step); changing betas or eps, turning
-        weight decay on or off, or loading a checkpoint re-captures. On the
-        CPU the same code runs eagerly (and only costs). All ranks must agree
-        on this flag: it changes the rounding of the update slightly.
       block_size: elements per scale in the compressed exchange (a multiple
         of 8; default 256). Each tensor starts on its own blocks. Smaller
         blocks follow the data more closely and send more scale bytes.
@@ -90,7 +76,6 @@ class OnebitAdam(FreezeStepOptimizer):
                  max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, process_group=None,
                  timeout_s: Optional[float] = None, check_replicas_every: int = 0,
-                 graph_capture: bool = False,
                  block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
                  overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
@@ -98,15 +83,12 @@ class OnebitAdam(FreezeStepOptimizer):
         check_positive_int("freeze_step", freeze_step, minimum=0)
         self.freeze_step = freeze_step
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every, graph_capture,
+                         timeout_s, check_replicas_every,
                          block_size=block_size, scale_dtype=scale_dtype,
                          overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
 
     def _update(self, stage, groups, grads) -> None:
         t, compress, version = stage.step, stage.compressed, stage.variance_version
-        if compress and self.graph_capture:
-            self._graphed_compression_step(stage, groups, grads)
-            return
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
@@ -128,60 +110,3 @@ class OnebitAdam(FreezeStepOptimizer):
                 if compress:
                     self._mask_(group, ms)
                 F.adam_step_(*only_seen(ss, ps, ms, ds), group["lr"], group["weight_decay"], bc1)
-
-    def _graphed_compression_step(self, stage, groups, grads) -> None:
-        """The compression-stage step as two graphed regions around the
-        allreduce. Host-side work stays outside them: clipping (it needs the
-        norm on the host), copying the gradients to fixed addresses, the
-        cached denominators, and this step's lr-dependent scalars."""
-        plan = []
-        for i, ((group, params), gs) in enumerate(zip(groups, grads)):
-            if not params:
-                continue
-            m, v = self._moments(group, params, gs)
-            bc1, bc2 = self._bias_corrections(group, stage.step, stage.variance_updates)
-            lr, wd = group["lr"], group["weight_decay"]
-            seen, masks = self._seen(i, group, v, stage.variance_version)
-            plan.append(SimpleNamespace(seen=seen, masks=masks,
-                index=i, group=group, params=params, m=m, grads=self._static.copy(i, gs),
-                denom=self._denominators(i, group, v, bc2, stage.variance_version),
-                scalars=self._static.scalars(i, params[0].device, (-lr / bc1, 1.0 - lr * wd)),
-                flat=[self._ef_exchange.buffer(GroupKey(i), m)] if self.world_size > 1 else [],
-                mask=[self._group_mask(group, params[0].device)] if "exp_avg_mask" in group else []))
-
-        def momentum():
-            for s in plan:
-                F.update_momentum_(s.m, s.grads, s.group["betas"][0])
-                for f in s.flat:
-                    self._ef_exchange.flatten_into(GroupKey(s.index), s.m)
-
-        def update():
-            for s in plan:
-                # A copy of m for the step to scale in place: the flat buffer
-                # (it holds the averaged m), else the gradients' buffer (the
-                # momentum region is done with it).
-                if s.flat:
-                    scratch = self._ef_exchange.views(GroupKey(s.index), s.m)
-                    self._mask_(s.group, scratch)
-                    mask_unseen_(scratch, s.masks, s.seen)
-                    torch._foreach_copy_(s.m, scratch)
-                else:
-                    scratch = s.grads
-                    self._mask_(s.group, s.m)
-                    mask_unseen_(s.m, s.masks, s.seen)
-                    torch._foreach_copy_(scratch, s.m)
-                decay = s.scalars[1] if s.group["weight_decay"] else None
-                F.adam_step_from_tensors_(*only_seen(s.seen, s.params, scratch, s.denom),
-                                          s.scalars[0], decay)
-
-        # The keys name what each graph baked in: addresses, and Python floats.
-        betas = tuple(s.group["betas"][0] for s in plan)
-        self._static.graphed("momentum", (betas, tensor_key(*(x for s in plan for x in (s.m, s.grads, s.flat)))),
-                      momentum)
-        for s in plan:
-            if s.flat:
-                self._ef_exchange.allreduce(GroupKey(s.index))
-        decays = tuple((bool(s.group["weight_decay"]), tuple(s.seen)) for s in plan)
-        self._static.graphed("update", (decays, tensor_key(*(x for s in plan for x in (
-            s.params, s.m, s.grads, s.denom, s.flat, s.mask, [k for k in s.masks if k is not None],
-            [s.scalars])))), update)

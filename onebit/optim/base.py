@@ -12,7 +12,7 @@ from explicit inputs and testable without an optimizer:
   and the error feedback of every 1-bit exchange;
 - `BackwardOverlap` (overlap.py): the exchange started during backward;
 - `LateJoiners` (late.py): params that start training after v froze;
-- `StaticBuffers` (capture.py): fixed-address buffers and CUDA graphs;
+- `StaticBuffers` (capture.py): scratch buffers kept from step to step;
 - `StepTelemetry` (telemetry.py): `comm_stats()`;
 - `ZeroVarianceGuard` (guards.py): what an exchange must not move.
 
@@ -82,23 +82,21 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def __init__(self, params, defaults: dict, comm_backend_name: Optional[str], cuda_aware: bool,
                  process_group=None, timeout_s: Optional[float] = None,
-                 check_replicas_every: int = 0, graph_capture: bool = False,
+                 check_replicas_every: int = 0,
                  block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
                  overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
         check_positive_int("check_replicas_every", check_replicas_every, minimum=0)
-        check_flag("graph_capture", graph_capture)
         check_flag("cuda_aware", cuda_aware)
         collectives.check_timeout(timeout_s)
         check_block_size(block_size)
         check_flag("overlap_backward", overlap_backward)
         check_number("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True)
-        self.graph_capture, self.block_size = graph_capture, block_size
+        self.block_size = block_size
         self.scale_dtype = scale_dtype_from(scale_dtype)
         # What every rank must share besides the param groups: the subclass's
-        # stage settings; graph capture (it changes the rounding of the
-        # update); the wire format; and what decides the bucket plan.
+        # stage settings; the wire format; and what decides the bucket plan.
         self._settings = {name: getattr(self, name) for name in self.rank_agreed_settings}
-        self._settings.update(graph_capture=graph_capture, block_size=block_size,
+        self._settings.update(block_size=block_size,
                               scale_dtype=str(self.scale_dtype), overlap_backward=overlap_backward,
                               bucket_cap_mb=bucket_cap_mb)
         self._constructed = False
@@ -110,9 +108,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.cuda_aware = cuda_aware
         self._shards = ShardedParams(type(self).__name__, self.param_groups, process_group)
-        if self._shards.sharded and (graph_capture or overlap_backward):
-            raise ValueError(f"{type(self).__name__}: graph_capture and overlap_backward are not "
-                             "supported with FSDP2-sharded params yet; leave them False")
+        if self._shards.sharded and overlap_backward:
+            raise ValueError(f"{type(self).__name__}: overlap_backward is not supported with "
+                             "FSDP2-sharded params yet; leave it False")
         self.comm_backend_name = backend_name(self._shards.comm_backend(comm_backend_name))
         self.backend = None
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
@@ -472,10 +470,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._telemetry.report(self.counters["step"], self.world_size,
                                       self._ef_exchange.error_buffers().values())
 
-    def graph_stats(self) -> Dict[str, dict]:
-        """Per graphed region: how many eager runs, captures and replays so far."""
-        return self._static.stats()
-
     # ------------------------------------------------------------- tensors --
     def _trainable(self, group) -> List[torch.Tensor]:
         """The params this optimizer trains with its own stages: those that
@@ -493,7 +487,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         it changes (layers frozen or unfrozen, a param group added), forget
         everything laid out for the old set: flat buffers, error-feedback
         buffers (they restart from zero), cached denominators and guards,
-        graphs."""
+        scratch buffers."""
         # 0: frozen, 1: trained, 2: a late joiner in its own warmup (late.py)
         signature = [[p.requires_grad + (p.requires_grad and self._late.is_late(self.state, p))
                       for p in g["params"]] for g in self.param_groups]
@@ -658,9 +652,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _setup_overlap(self, overlap_backward: bool, bucket_cap_mb: float) -> None:
         if not overlap_backward or self.world_size == 1:
             return
-        if self.graph_capture:
-            raise ValueError("overlap_backward=True and graph_capture=True cannot be combined: "
-                             "a graph replays the whole exchange at step()")
         # Late-bound: a subclass (or a test) may replace these methods.
         callbacks = OverlapCallbacks(
             active=lambda: self._exchange_during_backward(),

@@ -95,8 +95,8 @@ class ErrorFeedbackExchange:
     (`backend`: the optimizer's compressed backend; None at world size 1,
     where nothing is exchanged).
 
-    A buffer keeps its storage while the sizes it holds do not change: CUDA
-    graphs (adam.py, graphs.py) bake its address in. The errors of a buffer
+    A buffer keeps its storage while the sizes it holds do not change (no
+    allocation per step; the overlap's views stay valid). The errors of a buffer
     may be created on the overlap's communication thread (`errors` inside
     its stream), so everything that reads or writes them there goes through
     `backup`, `allreduce` and `restore`.
@@ -258,7 +258,7 @@ class ErrorFeedbackExchange:
         return put_back
 
     def reset(self) -> None:
-        """The errors restart from zero; the buffers stay (graphs hold their addresses)."""
+        """The errors restart from zero; the buffers stay."""
         self._errors.clear()
 
     def forget_layouts(self) -> None:

@@ -192,52 +192,7 @@ def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
         apply_updates_(pick(params), upd, lr, pick(scales))
 
 
-# For a captured graph (onebit.graphs): every number that changes from step
-# to step (lr, bias corrections) is a 0-dim device tensor, because a Python
-# float would be frozen into the graph at capture. They round differently
-# from the eager functions above (no fused addcdiv), identically on every rank.
-
-def adam_step_from_tensors_(params: Tensors, scratch: Tensors, denoms: Tensors,
-                            step: torch.Tensor, decay: Optional[torch.Tensor]) -> None:
-    """p <- p * decay + (step * m) / denom, with step = -lr / bc1 and
-    decay = 1 - lr * weight_decay (None: no weight decay). `scratch` holds a
-    copy of m and is overwritten: scaling it in place keeps the fused
-    addcdiv and allocates nothing."""
-    if not params:
-        return
-    torch._foreach_mul_(scratch, step)
-    fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
-    if fp32:
-        ps = [params[i] for i in fp32]
-        if decay is not None:
-            torch._foreach_mul_(ps, decay)
-        torch._foreach_addcdiv_(ps, [scratch[i] for i in fp32], [denoms[i] for i in fp32])
-    for p, s, d in zip(params, scratch, denoms):
-        if p.dtype != torch.float32:  # low precision: compute in fp32, round once
-            w = p.float()
-            if decay is not None:
-                w.mul_(decay)
-            p.copy_(w.addcdiv_(s, d))
-
-
-def local_step_from_tensors_(params: Tensors, accumulators: Tensors, scratch: Tensors,
-                             denoms: Tensors, weight_decay: float, inv_bc1: torch.Tensor,
-                             neg_lr: torch.Tensor) -> None:
-    """0/1 Adam's local step: d = -lr * ((m / denom) / bc1 + weight_decay * p);
-    accumulator += d; p += d. `scratch` holds a copy of m and becomes d, so
-    nothing is allocated."""
-    if not params:
-        return
-    torch._foreach_div_(scratch, denoms)
-    torch._foreach_mul_(scratch, inv_bc1)
-    if weight_decay:
-        torch._foreach_add_(scratch, [p.float() for p in params], alpha=weight_decay)
-    torch._foreach_mul_(scratch, neg_lr)
-    torch._foreach_add_(accumulators, scratch)
-    add_updates_(params, scratch)
-
-
-# Both the eager and the graphed steps land their updates through these.
+# The steps land their updates through these.
 
 def add_updates_(params: Tensors, updates: Tensors) -> None:
     """p <- p + u for fp32 updates; low-precision params are computed in fp32

@@ -43,7 +43,8 @@ def flags_on_every_rank(rows: Sequence[Sequence[int]], count: int) -> List[bool]
 
 class UntouchedParams:
     """What a step must leave as it was, kept before the step and put back
-    after it (in place: CUDA graphs hold the state tensors' addresses)."""
+    after it (in place: the state tensors keep their addresses, which the
+    optimizer's cached lists and views hold)."""
 
     def __init__(self) -> None:
         self._put_back: List[Callable[[], None]] = []

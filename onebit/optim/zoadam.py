@@ -1,12 +1,10 @@
 """0/1 Adam (Lu et al., 2022, arXiv 2202.06009)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-from ..graphs import tensor_key
 from . import functional as F
 from .guards import mask_unseen_, only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
@@ -34,10 +32,6 @@ class ZeroOneAdam(OnebitOptimizer):
     Choosing var_freeze_step: the end of the learning-rate warmup (the paper's
     T_v); it needs no other tuning. Hyper-parameters otherwise as OnebitAdam.
 
-    graph_capture: capture the local steps between syncs (momentum, update,
-    accumulator: no communication at all) into one graph and replay it; see
-    OnebitAdam. The sync steps and the steps before var_freeze_step run eagerly.
-
     overlap_backward: see OnebitAdam; here it starts during backward the
     1-bit gradient exchanges (before var_freeze_step) and the syncs that
     follow a sync (interval 1: every step for the first local_step_scaler
@@ -58,7 +52,6 @@ class ZeroOneAdam(OnebitOptimizer):
                  amsgrad: bool = False, cuda_aware: bool = False,
                  comm_backend_name: Optional[str] = None, process_group=None,
                  timeout_s: Optional[float] = None, check_replicas_every: int = 0,
-                 graph_capture: bool = False,
                  block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
                  overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("ZeroOneAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
@@ -72,7 +65,7 @@ class ZeroOneAdam(OnebitOptimizer):
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
         super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every, graph_capture,
+                         timeout_s, check_replicas_every,
                          block_size=block_size, scale_dtype=scale_dtype,
                          overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
 
@@ -183,10 +176,6 @@ class ZeroOneAdam(OnebitOptimizer):
         if full:
             c["var_updates"] += 1
         sync = frozen and t % c["local_step_interval"] == 0
-        if frozen and not sync and self.graph_capture:
-            self._graphed_local_step(t, groups, grads)
-            self._advance_intervals(t, frozen)
-            return
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
@@ -248,41 +237,6 @@ class ZeroOneAdam(OnebitOptimizer):
             for p, a, u in zip(ps, anchors, us):
                 if p.dtype != torch.float32:  # in fp32, rounded once
                     p.copy_(a.float() + u)
-
-    def _graphed_local_step(self, t, groups, grads) -> None:
-        """A local step (frozen, not a sync) as one graphed region. It has no
-        communication, so once the host-side work is done (clipping,
-        fixed-address gradients, the cached denominators, the anchors, this
-        step's scalars) the whole step is element-wise."""
-        c = self.counters
-        plan = []
-        for i, ((group, params), gs) in enumerate(zip(groups, grads)):
-            if not params:
-                continue
-            m, v = self._moments(group, params, gs)
-            bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
-            self._anchors(params, c["lrs"][i] == 0.0)
-            seen, masks = self._seen(i, group, v, c["var_updates"])
-            plan.append(SimpleNamespace(seen=seen, masks=masks,
-                group=group, params=params, m=m, grads=self._static.copy(i, gs),
-                u=[self._state_tensor(p, "momentum_accumulator") for p in params],
-                denom=self._denominators(i, group, v, bc2, c["var_updates"]),
-                scalars=self._static.scalars(i, params[0].device, (1.0 / bc1, -group["lr"]))))
-            c["lrs"][i] += group["lr"]
-
-        def local_step():
-            for s in plan:
-                mask_unseen_(s.grads, s.masks, s.seen)
-                F.update_momentum_(s.m, s.grads, s.group["betas"][0])
-                torch._foreach_copy_(s.grads, s.m)  # the gradients' buffer is free now
-                F.local_step_from_tensors_(*only_seen(s.seen, s.params, s.u, s.grads, s.denom),
-                                           s.group["weight_decay"], s.scalars[0], s.scalars[1])
-
-        # The key names what the graph baked in: addresses, and Python floats.
-        floats = tuple((s.group["betas"][0], s.group["weight_decay"], tuple(s.seen)) for s in plan)
-        self._static.graphed("local step", (floats, tensor_key(*(x for s in plan for x in (
-            s.params, s.m, s.grads, s.u, s.denom, [k for k in s.masks if k is not None],
-            [s.scalars])))), local_step)
 
     def _anchors(self, params, first: bool):
         """The last synced point of each param, kept exactly: recomputing it

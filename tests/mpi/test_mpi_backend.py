@@ -3,7 +3,6 @@
 Every rank runs these tests; a failure on any rank fails mpirun."""
 import pytest
 import torch
-import torch.distributed as dist
 from mpi4py import MPI
 
 from tests.allreduce_checks import SIZES, check_fused_rounds, check_rounds, make_inputs
