@@ -518,8 +518,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Clip this group's gradients (max_grad_norm) and return its fp32
         (exp_avg, exp_avg_sq) state tensors, created on first use."""
         self._clip_(grads, group["max_grad_norm"])
-        return ([self._state_tensor(p, "exp_avg") for p in params],
-                [self._state_tensor(p, "exp_avg_sq") for p in params])
+        m, v = [], []
+        for p in params:  # one state lookup per param (a step pays this per tensor)
+            st = self._state_of(p)
+            m.append(st.get("exp_avg"))
+            v.append(st.get("exp_avg_sq"))
+            if m[-1] is None or v[-1] is None:
+                m[-1], v[-1] = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
+        return m, v
 
     def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
         """fp32 gradients, unscaled when a GradScaler handed us its scale."""

@@ -196,10 +196,13 @@ class ShardedParams:
 
     def owner(self, t: torch.Tensor) -> torch.Tensor:
         """The parameter whose local shard `t` is (from `locals`), or `t`."""
-        return self._owners.get(id(t), t)
+        # Called per param several times a step: no lookup when nothing is sharded.
+        return self._owners.get(id(t), t) if self._owners else t
 
     def grad(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """The local shard of the gradient of the parameter `t` stands for."""
+        if not self._owners:
+            return t.grad
         g = self.owner(t).grad
         return local(g) if g is not None else None
 
