@@ -161,13 +161,20 @@ def is_distributed(name: str) -> bool:
 _BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "ccl": "xpu", "gloo": "cpu", "mpi": "cpu"}
 
 
+def backend_config(group=None) -> str:
+    """`group`'s backends by device type ("cpu:gloo,cuda:nccl"; older torch:
+    its one backend's name): what a group made from it (dist.new_group's
+    `backend`) must take, or it gets the world's."""
+    return str(dist.get_backend_config(group) if hasattr(dist, "get_backend_config")
+               else dist.get_backend(group))
+
+
 def served_device_types(group=None) -> List[str]:
     """The device types whose tensors `group`'s collectives accept, from its
     backend config: "nccl" serves cuda alone, plain "gloo" both cpu and cuda,
     "cuda:gloo" cuda alone (which is how a CPU-only machine reproduces an
     NCCL group's refusal of host tensors)."""
-    config = str(dist.get_backend_config(group) if hasattr(dist, "get_backend_config")
-                 else dist.get_backend(group))
+    config = backend_config(group)
     types = []
     for entry in config.split(","):
         device, sep, backend = entry.strip().partition(":")

@@ -191,3 +191,24 @@ def _host_group_in_a_device_world(rank, world):
 def test_a_host_group_in_a_device_world_keeps_its_backend():
     out = run_workers(_host_group_in_a_device_world, 2, timeout=90, backend="cuda:gloo")
     assert all(total == 2.0 and launched > 0 for total, launched in out), out
+
+
+def _hierarchical_over_a_host_group(rank, world):
+    """The hierarchical backend's node and cross groups take the backends of
+    the group it regroups: over a gloo group in a cuda:gloo world they take
+    host tensors (with the world's backend they refused them)."""
+    import torch.distributed as dist
+
+    from onebit.backends.hierarchical import torch_hierarchical
+
+    host = dist.new_group(backend="gloo")
+    backend = torch_hierarchical(group=host, node_of_rank=[0, 0, 1, 1], shared_memory=False)
+    x = torch.full((1000,), float(rank + 1))
+    big, small = backend.error_sizes(x.numel())
+    out = backend.compressed_allreduce(x, torch.zeros(big), torch.zeros(small))
+    return float(out.mean())
+
+
+def test_the_hierarchical_backend_keeps_its_groups_backends():
+    out = run_workers(_hierarchical_over_a_host_group, 4, timeout=120, backend="cuda:gloo")
+    assert all(abs(m - 2.5) < 1e-5 for m in out), out  # the mean of 1..4, sign and scale exact

@@ -317,9 +317,12 @@ def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
 
     nodes = node_map(size, rank, node_of_rank, gather_ints)
     world = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    # Every rank creates every group, in the same order (torch's rule).
-    node_groups = [dist.new_group([world(r) for r in ranks]) for ranks in nodes]
-    cross_groups = [dist.new_group([world(n[s]) for n in nodes]) for s in range(len(nodes[0]))]
+    # Every rank creates every group, in the same order (torch's rule), with
+    # `group`'s backends (a gloo group in an nccl world stays gloo).
+    backend = collectives.backend_config(group)
+    node_groups = [dist.new_group([world(r) for r in ranks], backend=backend) for ranks in nodes]
+    cross_groups = [dist.new_group([world(n[s]) for n in nodes], backend=backend)
+                    for s in range(len(nodes[0]))]
     mine = next(i for i, n in enumerate(nodes) if rank in n)
     local = nodes[mine].index(rank)
     net = CompressedBackend(group=cross_groups[local], check_finite=False, timeout_s=timeout_s,

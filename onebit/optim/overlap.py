@@ -53,6 +53,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import collectives
 from .exchange import BucketKey, ErrorFeedbackExchange
 from .guards import copy_masked_
 
@@ -430,7 +431,6 @@ def exchange_group(process_group):
     import torch.distributed as dist
 
     group = process_group if process_group is not None else dist.group.WORLD
-    backend = (dist.get_backend_config(group) if hasattr(dist, "get_backend_config")
-               else dist.get_backend(group))
-    return dist.new_group(dist.get_process_group_ranks(group), backend=backend,
+    return dist.new_group(dist.get_process_group_ranks(group),
+                          backend=collectives.backend_config(group),
                           use_local_synchronization=True)
