@@ -59,58 +59,55 @@ def copy_unless_same_(out: Tensors, src: Tensors) -> None:
         torch._foreach_copy_(out, src)
 
 
+def _either_form(out: Tensors, first: Tensors, in_place, one) -> None:
+    """out[i] <- op(first[i], ...), in one of foreach_pays's two forms:
+    `first` copied into `out`, then `in_place(out)` (the foreach op); or
+    `one(i, out[i])` (the per-tensor out= op) for each tensor. Where `out`
+    is `first` the foreach op runs in place on any device: nothing to copy."""
+    if not out:  # (a foreach op refuses an empty list)
+        return
+    if _same(out, first) or foreach_pays(out):
+        copy_unless_same_(out, first)
+        in_place(out)
+        return
+    for i, o in enumerate(out):
+        one(i, o)
+
+
 def momentum_into(out: Tensors, exp_avgs: Tensors, grads: Tensors, beta1: float) -> None:
     """out <- beta1 * m + (1 - beta1) * g, m unchanged unless it is `out`:
     one pass, and the same kernel (so the same bits) as update_momentum_."""
-    if _same(out, exp_avgs) or foreach_pays(out):
-        copy_unless_same_(out, exp_avgs)
-        torch._foreach_lerp_(out, grads, 1.0 - beta1)
-        return
-    for o, m, g in zip(out, exp_avgs, grads):
-        torch.lerp(m, g, 1.0 - beta1, out=o)
+    _either_form(out, exp_avgs, lambda o: torch._foreach_lerp_(o, grads, 1.0 - beta1),
+          lambda i, o: torch.lerp(exp_avgs[i], grads[i], 1.0 - beta1, out=o))
 
 
 def div_into(out: Tensors, numerators: Tensors, denominators: Tensors) -> None:
-    """out <- a / b for each pair (see foreach_pays for the two forms)."""
-    if foreach_pays(out):
-        copy_unless_same_(out, numerators)
-        torch._foreach_div_(out, denominators)
-        return
-    for o, a, b in zip(out, numerators, denominators):
-        torch.div(a, b, out=o)
+    """out <- a / b for each pair."""
+    _either_form(out, numerators, lambda o: torch._foreach_div_(o, denominators),
+          lambda i, o: torch.div(numerators[i], denominators[i], out=o))
 
 
 def mul_into(out: Tensors, src: Tensors, factors) -> None:
     """out <- a * k for each a of `src`; `factors`: one number for all, or a
-    list of tensors (see foreach_pays for the two forms)."""
+    list of tensors."""
     each = factors if isinstance(factors, (list, tuple)) else [factors] * len(out)
-    if foreach_pays(out):
-        copy_unless_same_(out, src)
-        torch._foreach_mul_(out, factors)
-        return
-    for o, a, k in zip(out, src, each):
-        torch.mul(a, k, out=o)
+    _either_form(out, src, lambda o: torch._foreach_mul_(o, factors),
+          lambda i, o: torch.mul(src[i], each[i], out=o))
 
 
 def add_into(out: Tensors, starts: Tensors, updates: Tensors) -> None:
-    """out <- a + u for each pair (see foreach_pays for the two forms)."""
-    if foreach_pays(out):
-        copy_unless_same_(out, starts)
-        torch._foreach_add_(out, updates)
-        return
-    for o, a, u in zip(out, starts, updates):
-        torch.add(a, u, out=o)
+    """out <- a + u for each pair."""
+    _either_form(out, starts, lambda o: torch._foreach_add_(o, updates),
+          lambda i, o: torch.add(starts[i], updates[i], out=o))
 
 
 def addcdiv_into(out: Tensors, starts: Tensors, numerators: Tensors, denominators: Tensors,
                  value: float) -> None:
-    """out <- a + value * n / d for each (see foreach_pays for the two forms)."""
-    if foreach_pays(out):
-        copy_unless_same_(out, starts)
-        torch._foreach_addcdiv_(out, numerators, denominators, value=value)
-        return
-    for o, a, n, d in zip(out, starts, numerators, denominators):
-        torch.addcdiv(a, n, d, value=value, out=o)
+    """out <- a + value * n / d for each."""
+    _either_form(out, starts,
+          lambda o: torch._foreach_addcdiv_(o, numerators, denominators, value=value),
+          lambda i, o: torch.addcdiv(starts[i], numerators[i], denominators[i], value=value,
+                                     out=o))
 
 
 def update_variance_(exp_avg_sqs: Tensors, grads: Tensors, beta2: float) -> None:
