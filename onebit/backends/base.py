@@ -279,7 +279,6 @@ class CompressedAllreduceBase:
         device is the one buffer_m lives on.
         """
         started = time.perf_counter()
-        timer = CallTimer(buffer_m.device)  # the tuner's clock: device events
         self._validate(buffer_m, worker_error, server_error, layout)
         if buffer_m.numel() == 0:
             worker_error.zero_()
@@ -308,6 +307,8 @@ class CompressedAllreduceBase:
 
         chunk = layout.chunk
         count = self.pipeline.count(layout.key, layout.padded, p)
+        # The tuner's clock (device events), only on the calls it times.
+        timer = CallTimer(device) if self.pipeline.timing(layout.key) else None
         counts_rows = layout.counts(device).view(p, chunk // block)  # [rank k's chunk, block]
 
         def worker(pc: _Piece) -> None:
@@ -375,5 +376,6 @@ class CompressedAllreduceBase:
         took = time.perf_counter() - started
         self.stats.add(moved, moved, fp32_allreduce_bytes(sum(layout.sizes), p), comm_s,
                        took - comm_s)
-        self.pipeline.record(layout.key, count, timer.stop().seconds, self.share)
+        if timer is not None:
+            self.pipeline.record(layout.key, count, timer.stop().seconds, self.share)
         return buffer_m

@@ -100,6 +100,11 @@ class PieceTuner:
         # Call 0 and 1 warm both schedules up (buffers, connections); then they alternate.
         return (pieces, 1)[trial["calls"] % 2]
 
+    def timing(self, key: tuple) -> bool:
+        """Whether this call of layout `key` is one the tuner times (after
+        `count` for it): `record` wants its time."""
+        return key in self._trial and key not in self.chosen
+
     def record(self, key: tuple, count: int, seconds: Callable[[], float],
                share: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Note a call's time (`seconds()`, asked only on a timed trial: a
