@@ -3,17 +3,18 @@ optimizer: rank agreement, telemetry, late joiners, static buffers, the
 stage value, and the subclass contract. (The error-feedback exchange has
 its own file, test_exchange.py.)"""
 import math
+import warnings
 
 import pytest
 import torch
 
 from onebit.backends.stats import TrafficStats
-from onebit.optim.agreement import ReplicaDivergenceError, RankAgreement, nonfinite_flag
+from onebit.feedback.agreement import ReplicaDivergenceError, RankAgreement, nonfinite_flag
 from onebit.optim.base import OnebitOptimizer
 from onebit.optim.capture import StaticBuffers
 from onebit.optim.late import LATE_KEY, LateJoiners
 from onebit.optim.stage import Stage
-from onebit.optim.telemetry import StepTelemetry
+from onebit.feedback.telemetry import StepTelemetry
 
 from .distributed import run_workers
 
@@ -215,3 +216,61 @@ def test_the_first_ranks_values_reach_every_rank_exactly_in_buckets_of_one_dtype
         assert sorted(calls, key=str) == sorted([(torch.float64, 300), (torch.bfloat16, 5),
                                                  (torch.float32, 2000), (torch.float32, 21),
                                                  (torch.float16, 100)], key=str), calls
+
+
+# -------------------------------------------------- error-feedback channel --
+def test_channel_keys_name_world_rank_and_shard():
+    from onebit.feedback.channel import ErrorFeedbackChannel
+    from onebit.wire import WIRE_FORMAT_VERSION
+
+    whole = ErrorFeedbackChannel("X", None, 3, 2, 64, {})
+    sharded = ErrorFeedbackChannel("X", None, 3, 2, 64, {"shard": 1, "shards": 4})
+    assert whole.key("errs") == "errs.world3.rank2"
+    assert sharded.key("errs") == "errs.world3.rank2.shard1of4"
+    assert sharded.identity({"step": 7}) == {
+        "rank": 2, "world_size": 3, "wire_format": WIRE_FORMAT_VERSION, "block_size": 64,
+        "step": 7, "shard": 1, "shards": 4}
+
+
+def test_channel_restores_only_its_own_identity_and_the_notice_follows():
+    from onebit.feedback.channel import ErrorFeedbackChannel
+
+    channel = ErrorFeedbackChannel("X", None, 1, 0, 64, {})
+    saved = channel.state_dict({}, CPU, {"step": 5})
+    channel.owner_loaded(errors_lost=True)
+    assert not channel.load_state_dict(saved, {}, {"step": 6})  # another step: not these
+    with pytest.warns(UserWarning, match="X: the error-feedback buffers restarted"):
+        channel.restart_notice.before_step()
+    channel = ErrorFeedbackChannel("X", None, 1, 0, 64, {})
+    channel.owner_loaded(errors_lost=True)
+    assert channel.load_state_dict(saved, {}, {"step": 5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        channel.restart_notice.before_step()  # restored: nothing to warn about
+
+
+def test_feedback_diloco_and_shards_import_nothing_from_optim():
+    """The layering issue 45 asked for: DiLoCo and the optimizers are peers
+    over onebit.feedback, which knows neither."""
+    import ast
+    import pathlib
+
+    import onebit
+
+    root = pathlib.Path(onebit.__file__).parent
+    files = [*root.joinpath("feedback").glob("*.py"), *root.joinpath("diloco").glob("*.py"),
+             root / "shards.py", root / "checks.py"]
+    for path in files:
+        package = "onebit" + "".join(f".{part}" for part in path.relative_to(root).parent.parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)] \
+                    if node.level else []
+                name = ".".join(base + ([node.module] if node.module else []))
+            elif isinstance(node, ast.Import):
+                name = " ".join(a.name for a in node.names)
+            else:
+                continue
+            assert "onebit.optim" not in name, f"{path.name} imports {name}"
+            if path.parent.name == "feedback":
+                assert "onebit.diloco" not in name, f"{path.name} imports {name}"

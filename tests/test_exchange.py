@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from onebit.backends.layout import BlockLayout
-from onebit.optim.exchange import (BucketKey, ErrorFeedbackExchange, GroupKey, LateKey,
+from onebit.feedback.exchange import (BucketKey, ErrorFeedbackExchange, GroupKey, LateKey,
                                    key_from_name)
 
 BLOCK, WORLD = 8, 2

@@ -123,7 +123,7 @@ def test_backend_names_the_phase_when_a_peer_dies():
 
 def _disagree(rank, world, what):
     import onebit
-    import onebit.optim.agreement as agreement
+    import onebit.feedback.agreement as agreement
 
     params = _params()
     kw = {}

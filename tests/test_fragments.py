@@ -2,7 +2,7 @@
 step-by-step replay of launches and landings written here."""
 import pytest
 
-from onebit.fragments import FragmentPlan
+from onebit.diloco.fragments import FragmentPlan
 
 
 def _busy_steps(sync_every, fragments, delay, rounds=4):

@@ -63,7 +63,7 @@ def flat_params(model):
 
 def errors_of(opt):
     """Error-buffer key -> (worker, server) of every fused buffer so far."""
-    return opt._ef_exchange.error_buffers()
+    return opt._channel.exchange.error_buffers()
 
 
 def _train(rank, world, cls_name, mode):
@@ -265,7 +265,7 @@ def test_overlap_refuses_clipping_clearly():
 
 def _two_groups(rank, world):
     import onebit
-    from onebit.optim.exchange import BucketKey
+    from onebit.feedback.exchange import BucketKey
 
     torch.manual_seed(0)
     model = Model()

@@ -696,7 +696,6 @@ def _diloco_dcp(rank, world, nodes, path, resume):
     """Streaming DiLoCo (2 fragments, 1 step behind) on shards: straight, 9
     inner steps, saving after step 4 (fragment 0's exchange in flight);
     resumed, a fresh model (other values) loads with DCP and takes 5 to 9."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -710,7 +709,8 @@ def _diloco_dcp(rank, world, nodes, path, resume):
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     diloco = onebit.DiLoCo(model, inner, sync_every=H, fragments=2, overlap_steps=1,
                            process_group=mesh.get_group("replicate"))
-    errors = f"diloco_errors.rank{dist.get_rank()}"
+    errors = diloco.error_feedback_key()  # names the replicate rank and the shard
+    assert errors.startswith(f"onebit_diloco_errors.world{nodes}.rank") and ".shard" in errors
 
     def state():
         return {"model": get_model_state_dict(model), "diloco": diloco.state_dict(),

@@ -7,7 +7,8 @@ from . import functional as F
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
-from .checks import adam_defaults, check_positive_int
+from ..checks import check_positive_int
+from .defaults import adam_defaults
 
 
 class OnebitAdam(FreezeStepOptimizer):
@@ -54,7 +55,7 @@ class OnebitAdam(FreezeStepOptimizer):
       overlap_backward: start each bucket's compressed exchange during
         backward, as soon as its gradients are accumulated; step() updates
         each bucket's params as soon as its exchange is back, while the
-        later ones are still on the wire (onebit.optim.overlap): the same
+        later ones are still on the wire (onebit/optim/overlap.py): the same
         bits as without.
         Needs max_grad_norm=0; with gradient accumulation, run all but the
         last micro-batch inside `with optimizer.no_overlap():`.

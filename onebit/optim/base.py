@@ -4,19 +4,26 @@
 (on the params that train, on skipping a non-finite step), averages in full
 precision where the stage says so, and hands the maths of the step to the
 subclass's `_update`. Each concern around that is an object it holds, built
-from explicit inputs and testable without an optimizer:
+from explicit inputs and testable without an optimizer.
 
-- `RankAgreement` (agreement.py): the construction fingerprint, the
-  per-step verdict, the replica divergence guard;
-- `ErrorFeedbackExchange` (exchange.py): the fused buffers, their layouts
-  and the error feedback of every 1-bit exchange;
+Shared with DiLoCo (onebit/feedback/):
+
+- `ErrorFeedbackChannel`: the backend, the fused buffers and their error
+  feedback, the traffic and `comm_stats()`, the saved errors and the
+  notice when a resume lost them;
+- `RankAgreement`: the construction fingerprint, the per-step verdict,
+  the replica divergence guard;
+- `ShardedParams` (onebit/shards.py): FSDP2 shards seen as local tensors.
+
+The optimizers' own (onebit/optim/):
+
 - `BackwardOverlap` (overlap.py): the exchange started during backward;
 - `LateJoiners` (late.py): params that start training after v froze;
 - `StaticBuffers` (capture.py): scratch buffers kept from step to step;
-- `StepTelemetry` (telemetry.py): `comm_stats()`;
-- `ZeroVarianceGuard` (guards.py): what an exchange must not move.
+- `ZeroVarianceGuard` (guards.py): what an exchange must not move;
+- `UntouchedParams` (untouched.py): params no rank has a gradient for.
 
-Hyper-parameter checks live in checks.py, the checkpoint formats in
+Hyper-parameter defaults live in defaults.py, the checkpoint formats in
 checkpoints.py, the maths in functional.py, the stage machines in the
 optimizer classes (adam.py, lamb.py, zoadam.py).
 """
@@ -34,23 +41,24 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..amp import AGREEING_SCALER_ATTRIBUTE
-from ..backends import backend_name, get_backend
+from ..backends import backend_name
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
+from ..checks import check_each_parameter_once, check_flag, check_number, check_positive_int
+from ..feedback.agreement import RankAgreement, check_params_served, nonfinite_flag
+from ..feedback.channel import ErrorFeedbackChannel, open_backend
+from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
+from ..feedback.handoff import exchange_group
+from ..shards import ShardedParams
 from . import checkpoints
 from . import functional as F
-from .agreement import RankAgreement, check_params_served, nonfinite_flag
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
-from .checks import check_each_parameter_once, check_flag, check_number, check_positive_int
-from .exchange import ErrorFeedbackExchange, GroupKey, LateKey, UnhookedKey
 from .guards import ZeroVarianceGuard, copy_masked_, mask_unseen_
 from .late import LATE_KEY, LateJoiners
-from .overlap import BackwardOverlap, OverlapCallbacks, exchange_group
-from .shards import ShardedParams
+from .overlap import BackwardOverlap, OverlapCallbacks
 from .stage import Stage
-from .telemetry import StepTelemetry
 from .untouched import UntouchedParams
-from ..wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
+from ..wire import DEFAULT_BLOCK_SIZE, check_block_size, scale_dtype_from
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
@@ -129,29 +137,25 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                                self.comm_backend_name)
         if self.world_size > 1:
             check_params_served(type(self).__name__, self.param_groups, process_group)
-            # MPI has its own communicator and no deadlines; torch.distributed
-            # backends take the process group and the deadline.
-            mpi = self.comm_backend_name.startswith("mpi")
-            kwargs = {"cuda_aware": cuda_aware} if mpi else {"timeout_s": timeout_s}
-            group = None if mpi else process_group
-            if overlap_backward and not mpi:  # the communication thread's own group (overlap.py)
-                group = exchange_group(process_group)
-            # The optimizer checks gradients (and agrees across ranks) itself.
-            self.backend = get_backend(self.comm_backend_name, group=group, check_finite=False,
-                                       block_size=block_size, scale_dtype=self.scale_dtype,
-                                       **kwargs)
+            group = process_group
+            if overlap_backward and not self.comm_backend_name.startswith("mpi"):
+                group = exchange_group(process_group)  # the communication thread's own (overlap.py)
+            self.backend = open_backend(self.comm_backend_name, group, timeout_s=timeout_s,
+                                        cuda_aware=cuda_aware, block_size=block_size,
+                                        scale_dtype=self.scale_dtype)
             self._agreement.check_construction(self._settings, self.param_groups,
                                                self.comm_backend_name)
             if self._shards.sharded:  # replicas of one shard, not of different ones
                 self._replicas.check_fields(self._shards.replica_fields())
             self._broadcast_parameters()
         self._constructed = True
-        self._ef_exchange = ErrorFeedbackExchange(self.backend)
+        self._channel = ErrorFeedbackChannel(
+            type(self).__name__, self.backend, self.world_size,
+            dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
+            self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
         self._late = LateJoiners(self._warmup_length())
         self._static = StaticBuffers()
         self._warned_scales_drift = False
-        self._restart_notice = checkpoints.ErrorFeedbackRestartNotice(
-            type(self).__name__, " The momentum restarts from zero (see momentum_restart).")
         self._momentum_restart = checkpoints.MomentumRestart()
         self._zero_variance = ZeroVarianceGuard(self._shards.whole_sums
                                                 if self._shards.sharded else None)
@@ -159,9 +163,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._hook_averaged: set = set()  # ids of params the DDP hook averaged, for one step
         self._trainable_signature = None  # see _notice_trainable_changes
         self._trainable_digest = 0
-        self.traffic = TrafficStats()  # full-precision averaging (the backend counts its own)
-        self._telemetry = StepTelemetry(
-            [self.traffic] + ([self.backend.stats] if self.backend is not None else []))
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
         self._share_counters(self._initial_counters())
         self._overlap: Optional[BackwardOverlap] = None
@@ -274,7 +275,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._restart_notice.before_step()
+        self._channel.restart_notice.before_step()
         if self._momentum_restart.due():
             self._restart_momentum()
         self._shards.forget_views()
@@ -294,7 +295,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise
         if skip:
             self._end_overlap()
-            self._telemetry.end_step(t, stage.name, skipped=True)
+            self._channel.telemetry.end_step(t, stage.name, skipped=True)
             return loss
         untouched = self._keep_untouched(gradless, [ps for _, ps in groups]) if gradless else None
         exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
@@ -326,7 +327,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._replicas.check_replicas(
                 t, [{"params": self._shards.locals(g["params"])} for g in self.param_groups],
                 self._local_state())
-        self._telemetry.end_step(t, stage.name, skipped=False)
+        self._channel.telemetry.end_step(t, stage.name, skipped=False)
         return loss
 
     def _agree_before_step(self, t: int, grads_by_group: List[List[torch.Tensor]]
@@ -382,7 +383,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if self._overlap is not None:
                 places += self._overlap.places(trained, i, ids)
             for key, like, index in places:
-                keep.keep(self._ef_exchange.keep_tensor_errors(key, like, index))
+                keep.keep(self._channel.exchange.keep_tensor_errors(key, like, index))
         return keep
 
     def _warn_scales_drift(self, t: int) -> None:
@@ -453,6 +454,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if rest:
             self._average_(UnhookedKey(key), rest)
 
+    @property
+    def traffic(self) -> TrafficStats:
+        """The optimizer's own full-precision averaging (the backend counts
+        its 1-bit exchanges); a DDP comm hook adds its all-reduces here."""
+        return self._channel.traffic
+
     def comm_stats(self) -> Dict[str, object]:
         """What the last step sent and what it cost, and the totals so far, as
         a plain dict (cheap: call it every step and log it).
@@ -467,8 +474,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         point); skipped_steps (non-finite gradients under a GradScaler).
         Traffic of a DDP hook during backward counts toward the step after it.
         Bytes are each rank's share (see onebit.backends.stats)."""
-        return self._telemetry.report(self.counters["step"], self.world_size,
-                                      self._ef_exchange.error_buffers().values())
+        return self._channel.report(self.counters["step"])
 
     # ------------------------------------------------------------- tensors --
     def _trainable(self, group) -> List[torch.Tensor]:
@@ -552,7 +558,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return torch.device("cpu")
 
     def _forget_layouts(self) -> None:
-        self._ef_exchange.forget_layouts()
+        self._channel.exchange.forget_layouts()
         self._zero_variance.clear()
         self._denoms.clear()
         self._static.clear()
@@ -582,7 +588,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             nominal = fp32_allreduce_bytes(sum(t.numel() for t in tensors), self.world_size)
             self.traffic.add(nominal, nominal, nominal, time.perf_counter() - started)
 
-        self._ef_exchange.average_(key, tensors, all_reduce, self.world_size)
+        self._channel.exchange.average_(key, tensors, all_reduce, self.world_size)
 
     def _compressed_average_(self, index: int, tensors: List[torch.Tensor]) -> None:
         """1-bit error-compensated mean across ranks of `tensors` (group
@@ -597,7 +603,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                     tensors, [True] * len(tensors), [None] * len(tensors)):
                 pass
             return
-        self._ef_exchange.compressed_average_(GroupKey(index), tensors)
+        self._channel.exchange.compressed_average_(GroupKey(index), tensors)
 
     def _exchange_(self, index: int, params, grads, out: List[torch.Tensor], seen: List[bool],
                    masks: list) -> None:
@@ -631,7 +637,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._exchange_input_(index, params, grads, out, range(len(params)))
             mask_unseen_(out, masks, seen)
         else:
-            views = self._ef_exchange.exchange(
+            views = self._channel.exchange.exchange(
                 GroupKey(index), out,
                 lambda views: self._exchange_input_(index, params, grads, views,
                                                     range(len(params))))
@@ -640,7 +646,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
-        self._ef_exchange.reset()
+        self._channel.exchange.reset()
 
     def _broadcast_parameters(self, groups=None) -> None:
         """Start every rank from rank 0's parameters (one collective per group)."""
@@ -665,7 +671,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             gradients=lambda params: self._gradients(params),
             write_input=lambda *args: self._exchange_input_(*args),
             input_key=lambda index: self._exchange_input_key(index))
-        self._overlap = BackwardOverlap(self._ef_exchange, callbacks, bucket_cap_mb)
+        self._overlap = BackwardOverlap(self._channel.exchange, callbacks, bucket_cap_mb)
         for group in self.param_groups:
             self._check_overlap_group(group)
             self._overlap.watch(group["params"])
@@ -735,11 +741,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._share_counters(counters)
         checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"])
         self._forget_layouts()
-        self._restart_notice.loaded(self.world_size > 1 and had_error_feedback)
+        self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
-
-    def _rank(self) -> int:
-        return dist.get_rank(self.process_group) if self.world_size > 1 else 0
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers: what `state_dict()` leaves out,
@@ -749,21 +752,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         identical to not stopping. Groups that have not exchanged yet get
         zeros of the right size, so a fresh optimizer's dict is a target DCP
         can load into."""
-        return checkpoints.error_feedback_state(self._ef_exchange, self._error_layouts(),
-                                                self._device(), self._error_identity())
-
-    def _error_identity(self) -> dict:
-        return {"rank": self._rank(), "world_size": self.world_size,
-                "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
-                "step": self.counters["step"], **self._shards.identity()}
+        return self._channel.state_dict(self._error_layouts(), self._device(),
+                                        {"step": self.counters["step"]})
 
     def error_feedback_key(self) -> str:
-        """The key for this rank's error buffers in a DCP checkpoint. It names
-        the world size too: at another one the buffers have other sizes, and
-        DCP refuses to load a tensor into one of another size, so there the
-        key is simply absent (load with allow_partial_load=True)."""
-        return (f"onebit_errors.world{self.world_size}.rank{self._rank()}"
-                + self._shards.key_suffix())
+        """The key for this rank's error buffers in a DCP checkpoint; see
+        `onebit.feedback.channel.ErrorFeedbackChannel.key`."""
+        return self._channel.key("onebit_errors")
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore what `error_feedback_state_dict` saved on this rank. At
@@ -772,10 +767,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         step than the loaded optimizer state's, the buffers mean nothing
         here: they restart from zero (DeepSpeed's choice) and this returns
         False. Call it after `load_state_dict`, which resets them."""
-        loaded = checkpoints.restore_error_feedback(self._ef_exchange, state, self._error_layouts(),
-                                                    self._error_identity())
+        loaded = self._channel.load_state_dict(state, self._error_layouts(),
+                                               {"step": self.counters["step"]})
         if loaded:
-            self._restart_notice.restored()
             self._momentum_restart.restored()
         return loaded
 
@@ -805,7 +799,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             return {}
         trained = self._trained_lists()
         buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
-        return self._ef_exchange.layouts(trained, buckets)
+        return self._channel.exchange.layouts(trained, buckets)
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):

@@ -5,8 +5,7 @@ dict under COUNTERS_KEY); moments and per-tensor state in `state[p]`, as
 torch's optimizers keep them. That is the layout torch.distributed.checkpoint
 (and FSDP2 and Accelerate on top of it) can map to parameter names. The
 error-feedback buffers differ on every rank, so they are not in
-`state_dict()`: each rank saves its own (`error_feedback_state_dict`), as a
-file of its own or as a rank-named entry of a DCP checkpoint.
+`state_dict()` (feedback/state.py).
 
 What `load_state_dict` accepts, decided before anything is loaded (a
 refused checkpoint changes nothing):
@@ -21,7 +20,6 @@ refused checkpoint changes nothing):
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Dict
 
 import torch
@@ -122,24 +120,6 @@ def _counters_in_groups(state_dict: dict) -> dict:
     return {**state_dict, "state": state, "param_groups": groups}
 
 
-def error_feedback_state(exchange, layouts: dict, device: torch.device, identity: dict) -> dict:
-    """This rank's error buffers of `exchange` (an ErrorFeedbackExchange) for
-    the fused buffers of `layouts`, with `identity`: what they are valid for
-    (rank, world size, wire format, block size, step or round)."""
-    return {**identity, "groups": exchange.errors_state(layouts, device)}
-
-
-def restore_error_feedback(exchange, state: dict, layouts: dict, identity: dict) -> bool:
-    """Load what `error_feedback_state` saved into `exchange` when it was
-    saved under the same `identity` and the same buffer layouts (another
-    backend layout or bucket plan gives buffers of other sizes and
-    meanings); else the errors restart from zero. Returns whether it loaded."""
-    same = all(state.get(k) == v for k, v in identity.items())
-    same = same and exchange.layouts_match(state["groups"], layouts)
-    exchange.load_errors(state["groups"] if same else None)
-    return same
-
-
 def add_placeholders(state_dict: dict, params, staged: Dict[str, tuple]) -> None:
     """Write a placeholder into `state_dict["state"]` for every per-param
     state a later stage creates (`staged`: name -> (placeholder maker,
@@ -204,38 +184,3 @@ class MomentumRestart:
         """Whether the coming step restarts the momentum (once per load)."""
         due, self.pending = self.pending and self.enabled, False
         return due
-
-
-class ErrorFeedbackRestartNotice:
-    """Warns once, at the first step after a `load_state_dict` that left
-    error feedback at zero where the saved run had some: trainers and most
-    scripts save `state_dict()` from rank 0 and load it on every rank, and
-    the per-rank buffers then restart without a word. The warning waits for
-    the step because the per-rank buffers are restored after
-    `load_state_dict` (`load_error_feedback_state_dict`, or a trainer
-    callback), and a restored run has nothing to warn about."""
-
-    def __init__(self, owner: str, consequence: str = "") -> None:
-        self.owner = owner
-        self.consequence = consequence  # a sentence on what the owner does about it
-        self.pending = self.warned = False
-
-    def loaded(self, errors_lost: bool) -> None:
-        self.pending = errors_lost
-
-    def restored(self) -> None:
-        self.pending = False
-
-    def before_step(self) -> None:
-        if not self.pending or self.warned:
-            return
-        self.pending, self.warned = False, True
-        warnings.warn(
-            f"{self.owner}: the error-feedback buffers restarted from zero after load_state_dict(). "
-            "They differ on every rank, so state_dict() does not hold them: this resume is close "
-            f"to the uninterrupted run, not bitwise equal.{self.consequence} To keep them, save "
-            "error_feedback_state_dict() on every rank and load it with "
-            "load_error_feedback_state_dict() after load_state_dict(), or add "
-            "onebit.callbacks.hf.ErrorFeedbackCallback (Hugging Face Trainer) or "
-            "onebit.callbacks.lightning.ErrorFeedbackCallback (Lightning) to the trainer; "
-            "see docs/checkpoints.md", stacklevel=3)

@@ -9,7 +9,8 @@ from . import functional as F
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
-from .checks import adam_defaults, check_number, check_positive_int
+from ..checks import check_number, check_positive_int
+from .defaults import adam_defaults
 from .late import LateJoiners
 
 

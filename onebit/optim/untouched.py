@@ -17,29 +17,9 @@ only is averaged with zeros from the others, as before.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List
 
 import torch
-
-BITS_PER_WORD = 62  # flags per int64 of the all-gather, clear of the sign bit
-
-
-def pack_flags(flags: Sequence[bool]) -> List[int]:
-    """`flags` as ints of BITS_PER_WORD bits each (at least one int)."""
-    words = [0] * max(1, -(-len(flags) // BITS_PER_WORD))
-    for k, f in enumerate(flags):
-        if f:
-            words[k // BITS_PER_WORD] |= 1 << (k % BITS_PER_WORD)
-    return words
-
-
-def flags_on_every_rank(rows: Sequence[Sequence[int]], count: int) -> List[bool]:
-    """The first `count` flags that every rank's packed words (`rows`) set."""
-    words = list(rows[0])
-    for row in rows[1:]:
-        words = [a & b for a, b in zip(words, row)]
-    return [bool(words[k // BITS_PER_WORD] >> (k % BITS_PER_WORD) & 1) for k in range(count)]
-
 
 class UntouchedParams:
     """What a step must leave as it was, kept before the step and put back

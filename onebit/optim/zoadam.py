@@ -9,8 +9,9 @@ from . import functional as F
 from .guards import mask_unseen_, only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
-from .checks import adam_defaults, check_positive_int
-from .exchange import GroupKey
+from ..checks import check_positive_int
+from ..feedback.exchange import GroupKey
+from .defaults import adam_defaults
 from .stage import Stage
 
 
@@ -281,7 +282,7 @@ class ZeroOneAdam(OnebitOptimizer):
             torch._foreach_div_(views, lrs)
 
         if self.world_size > 1 and self._overlap is None:
-            avg = self._ef_exchange.exchange(GroupKey(i), u, mean_direction_into)
+            avg = self._channel.exchange.exchange(GroupKey(i), u, mean_direction_into)
         else:  # the mean over one rank; with the overlap, over its buckets (as the syncs
             # that follow a sync)
             avg = [torch.empty_like(ui) for ui in u]

@@ -49,20 +49,17 @@ from typing import Callable, Dict, Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .backends import get_backend
-from .backends.stats import TrafficStats, fp32_allreduce_bytes
-from .optim.agreement import RankAgreement, nonfinite_flag
-from .optim.checkpoints import (ErrorFeedbackRestartNotice, error_feedback_state,
-                                 restore_error_feedback)
-from .optim.checks import check_flag, check_number, check_positive_int
+from .. import collectives
+from ..backends.stats import TrafficStats, fp32_allreduce_bytes
+from ..checks import check_flag, check_number, check_positive_int
+from ..feedback.agreement import RankAgreement, nonfinite_flag
+from ..feedback.channel import ErrorFeedbackChannel, open_backend
+from ..feedback.exchange import GroupKey
+from ..feedback.handoff import StreamHandoff, exchange_group
+from ..shards import ShardedParams, local, placed_like
+from ..wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
 from .fragments import FragmentPlan
-from .optim.exchange import ErrorFeedbackExchange, GroupKey
-from .optim.overlap import StreamHandoff, exchange_group
-from .optim.shards import ShardedParams, local, placed_like
-from .diloco_misuse import ParamWriteWatch, ddp_in_call_stack
-from .optim.telemetry import StepTelemetry
-from .wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
+from .misuse import ParamWriteWatch, ddp_in_call_stack
 
 COMPRESSIONS = ("1bit", "bf16", "none")
 _DDP_MISUSE = ("DiLoCo: the model is wrapped in DistributedDataParallel, which all-reduces every "
@@ -118,7 +115,7 @@ class DiLoCo:
       each collective (a dead rank is a CommunicationError, never a hang).
       With FSDP2-sharded params (fully_shard on a mesh's "shard" dim), the
       mesh's replicate group: each rank's anchors, outer momentum and
-      errors are those of its local shards (optim/shards.py).
+      errors are those of its local shards (onebit/shards.py).
     block_size, scale_dtype, comm_backend_name: the 1-bit wire format and
       backend, as the optimizers take them.
     """
@@ -203,10 +200,10 @@ class DiLoCo:
                 self._agree_group = (exchange_group(self._shards.mesh_group) if overlap_steps
                                      else self._shards.mesh_group)
             if compression == "1bit":
-                self.backend = get_backend(self._shards.comm_backend(comm_backend_name),
-                                           group=self._round_group,
-                                           check_finite=False, block_size=block_size,
-                                           scale_dtype=self.scale_dtype, timeout_s=self.timeout_s)
+                self.backend = open_backend(self._shards.comm_backend(comm_backend_name),
+                                            self._round_group, timeout_s=self.timeout_s,
+                                            cuda_aware=False, block_size=block_size,
+                                            scale_dtype=self.scale_dtype)
         # The last synced point, kept in fp32 whatever the params' dtype: the
         # outer optimizer steps it, and the params are set from it.
         self.anchors = [p.detach().float().clone() for p in self._locals()]
@@ -215,18 +212,19 @@ class DiLoCo:
         if outer_momentum:  # zeros step as SGD's first clone does; the state_dict keeps one
             for a in self.anchors:  # shape from the start (DCP loads into a fresh one)
                 self.outer_optimizer.state[a]["momentum_buffer"] = torch.zeros_like(a)
-        self._exchange = ErrorFeedbackExchange(self.backend)  # one buffer per fragment
+        # One fused buffer per fragment, its errors, the traffic and what a checkpoint saves.
+        self._channel = ErrorFeedbackChannel(
+            "DiLoCo", self.backend, self.world_size,
+            dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
+            self._shards.identity())
+        self.traffic = self._channel.traffic  # the baselines' (the backend counts its 1 bit)
         # fragment -> its round, from the launch of its exchange to its outer step
         self._in_flight: Dict[int, _FragmentRound] = {}
         self._handoff = StreamHandoff()
-        self.traffic = TrafficStats()  # the full-precision baselines (the backend counts 1 bit)
-        self._telemetry = StepTelemetry(
-            [self.traffic] + ([self.backend.stats] if self.backend is not None else []))
-        self._restart_notice = ErrorFeedbackRestartNotice("DiLoCo")
         self.warmup_traffic = TrafficStats()  # the warmup's gradient averaging (not a round's)
         self._hooks = [inner_optimizer.register_step_pre_hook(lambda *_: self._before_inner_step()),
                        inner_optimizer.register_step_post_hook(lambda *_: self._inner_step_done())]
-        # Misuse that would go silent (diloco_misuse.py): a DDP wrapper, and
+        # Misuse that would go silent (misuse.py): a DDP wrapper, and
         # params stepped by an optimizer DiLoCo does not hook.
         self._writes = ParamWriteWatch(lambda: self.params)
         self._steps_at_start, self._armed = self.inner_steps, False
@@ -236,7 +234,7 @@ class DiLoCo:
 
     # ---------------------------------------------------------------- loop --
     def _before_inner_step(self) -> None:
-        self._restart_notice.before_step()
+        self._channel.restart_notice.before_step()
         if self.inner_steps < self.warmup_steps and self.world_size > 1:
             self._average_gradients()
 
@@ -360,7 +358,7 @@ class DiLoCo:
         (on the communication thread when it overlaps inner steps)."""
         params, anchors = self._members(fragment)
         if self.backend is not None:  # straight into the 1-bit exchange's buffer: no copies
-            deltas = self._exchange.prepare(GroupKey(fragment), anchors)
+            deltas = self._channel.exchange.prepare(GroupKey(fragment), anchors)
             for d, a, p in zip(deltas, anchors, params):
                 torch.sub(a, p, out=d)
         else:
@@ -406,7 +404,7 @@ class DiLoCo:
         if job.skipped:
             for p, a in zip(params, anchors):
                 p.copy_(a)
-            self._telemetry.end_step(round_no, self.compression, skipped=True)
+            self._channel.telemetry.end_step(round_no, self.compression, skipped=True)
             return False
         for a, d in zip(anchors, job.deltas):
             a.grad = d
@@ -415,12 +413,12 @@ class DiLoCo:
             a.grad = None
             p.copy_(a)
         self.rounds = round_no
-        self._telemetry.end_step(round_no, self.compression, skipped=False)
+        self._channel.telemetry.end_step(round_no, self.compression, skipped=False)
         return True
 
     def _average_(self, fragment: int, deltas: List[torch.Tensor]) -> None:
         if self.backend is not None:  # 1-bit: `deltas` are views of the buffer (_launch)
-            self._exchange.allreduce(GroupKey(fragment))
+            self._channel.exchange.allreduce(GroupKey(fragment))
             return
         if self.world_size == 1:
             return
@@ -471,8 +469,7 @@ class DiLoCo:
         pseudo-gradients sends; inner_steps, bytes_per_inner_step (the
         rounds' total over the inner steps since the warmup) and
         warmup_bytes_sent (its fp32 gradient averaging) besides."""
-        report = self._telemetry.report(self.rounds, self.world_size,
-                                        self._exchange.error_buffers().values())
+        report = self._channel.report(self.rounds)
         report["skipped_rounds"] = report.pop("skipped_steps")
         report["inner_steps"] = self.inner_steps
         since = self.inner_steps - min(self.inner_steps, self.warmup_steps)
@@ -566,38 +563,31 @@ class DiLoCo:
                 self._in_flight[int(f)] = _FragmentRound(
                     [local(d).to(a.device) for d, a in zip(entry["deltas"], anchors)],
                     skipped=status == self._SKIPPED)
-        self._exchange.load_errors(None)
-        self._restart_notice.loaded(self.backend is not None and self.rounds > 0)
+        self._channel.owner_loaded(self.backend is not None and self.rounds > 0)
         self._steps_at_start, self._armed = self.inner_steps, False
         self._writes.mark()
 
-    def _rank(self) -> int:
-        return dist.get_rank(self.process_group) if self.world_size > 1 else 0
-
     def _error_layouts(self) -> dict:
-        return self._exchange.layouts([self._members(f)[0] for f in range(self.plan.count)])
+        return self._channel.exchange.layouts([self._members(f)[0] for f in range(self.plan.count)])
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's worker and server errors (they differ on every rank):
         with them, a resume at the same world size is bitwise identical."""
         self._settle()
-        return error_feedback_state(self._exchange, self._error_layouts(), self.params[0].device,
-                                    self._error_identity())
+        return self._channel.state_dict(self._error_layouts(), self.params[0].device,
+                                        {"rounds": self.rounds})
 
-    def _error_identity(self) -> dict:
-        return {"rank": self._rank(), "world_size": self.world_size, "rounds": self.rounds,
-                "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
-                **self._shards.identity()}
+    def error_feedback_key(self) -> str:
+        """The key for this rank's errors in a DCP checkpoint (as the
+        optimizers' `error_feedback_key`, under another prefix)."""
+        return self._channel.key("onebit_diloco_errors")
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore this rank's errors; at another world size, rank, round,
         block size or wire format they restart from zero and this returns
         False. Call it after `load_state_dict`."""
-        loaded = restore_error_feedback(self._exchange, state, self._error_layouts(),
-                                        self._error_identity())
-        if loaded:
-            self._restart_notice.restored()
-        return loaded
+        return self._channel.load_state_dict(state, self._error_layouts(),
+                                             {"rounds": self.rounds})
 
 
 @dataclass(frozen=True)

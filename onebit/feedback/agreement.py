@@ -12,7 +12,26 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..wire import WIRE_FORMAT_VERSION
-from .untouched import flags_on_every_rank, pack_flags
+
+
+BITS_PER_WORD = 62  # flags per int64 of the all-gather, clear of the sign bit
+
+
+def pack_flags(flags: Sequence[bool]) -> List[int]:
+    """`flags` as ints of BITS_PER_WORD bits each (at least one int)."""
+    words = [0] * max(1, -(-len(flags) // BITS_PER_WORD))
+    for k, f in enumerate(flags):
+        if f:
+            words[k // BITS_PER_WORD] |= 1 << (k % BITS_PER_WORD)
+    return words
+
+
+def flags_on_every_rank(rows: Sequence[Sequence[int]], count: int) -> List[bool]:
+    """The first `count` flags that every rank's packed words (`rows`) set."""
+    words = list(rows[0])
+    for row in rows[1:]:
+        words = [a & b for a, b in zip(words, row)]
+    return [bool(words[k // BITS_PER_WORD] >> (k % BITS_PER_WORD) & 1) for k in range(count)]
 
 
 class ReplicaDivergenceError(RuntimeError):

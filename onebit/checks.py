@@ -1,4 +1,4 @@
-"""Hyper-parameter checks shared by the onebit optimizers: one ValueError per
+"""Argument checks shared by the optimizers and DiLoCo: one ValueError per
 bad value, naming it, what it must be, and what it was."""
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import numbers
 import torch
 
 
-
-def _check(name: str, value, ok: bool, expected: str) -> None:
+def check(name: str, value, ok: bool, expected: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
@@ -32,42 +31,16 @@ def check_number(name: str, value, low: float = 0.0, high: float = math.inf,
         x = float(value)
         ok = (x > low if low_open else x >= low) and (x < high if high_open else x <= high)
     span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    _check(name, value, ok, f"a finite number in {span}")
-
-
-def check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name) -> None:
-    check_number("lr", lr)
-    _check("betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
-           and all(is_number(b) and 0.0 <= float(b) < 1.0 for b in betas),
-           "a pair of finite numbers in [0, 1)")
-    check_number("eps", eps)
-    check_number("weight_decay", weight_decay)
-    check_number("max_grad_norm", max_grad_norm)  # 0 disables clipping
-    check_flag("amsgrad", amsgrad)
-    if amsgrad:
-        raise ValueError(f"{cls_name} does not support amsgrad=True: its variance is frozen "
-                         "(or updated rarely), which is what the AMSGrad maximum would track")
-
-
-def adam_defaults(cls_name, lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
-                  bias_correction, eps_inside_sqrt, **extra) -> dict:
-    """Check the hyper-parameters every onebit optimizer shares and return
-    them as param-group defaults (plus `extra`, already checked by the caller)."""
-    check_common(lr, betas, eps, weight_decay, max_grad_norm, amsgrad, cls_name)
-    check_flag("bias_correction", bias_correction)
-    check_flag("eps_inside_sqrt", eps_inside_sqrt)
-    return dict(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay,
-                bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt,
-                max_grad_norm=max_grad_norm, **extra)
+    check(name, value, ok, f"a finite number in {span}")
 
 
 def check_flag(name: str, value) -> None:
-    _check(name, value, isinstance(value, bool), "True or False")
+    check(name, value, isinstance(value, bool), "True or False")
 
 
 def check_positive_int(name: str, value, minimum: int = 1) -> None:
-    _check(name, value, isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-           f"an integer >= {minimum}")
+    check(name, value, isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+          f"an integer >= {minimum}")
 
 
 def check_each_parameter_once(name: str, params) -> None:

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..backends import backend_name
+from .backends import backend_name
 
 SUPPORTED = ("FSDP2 on a 1-D mesh of the GPUs (or processes) of one node: "
              "fully_shard(module, mesh=mesh['shard']) with the optimizer's "
@@ -173,11 +173,6 @@ class ShardedParams:
         """What error buffers saved on this rank are valid for, besides the
         replicate rank: the shard they belong to (empty when not sharded)."""
         return {"shard": self.shard_rank, "shards": self.shard_count} if self.sharded else {}
-
-    def key_suffix(self) -> str:
-        """The shard in a checkpoint key: replicas of different shards share
-        their replicate rank."""
-        return f".shard{self.shard_rank}of{self.shard_count}" if self.sharded else ""
 
     # ------------------------------------------------------ local views --
     def locals(self, params: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -9,7 +9,7 @@ One object owns what used to be spread over the optimizer and the overlap:
   (zeros, or the ones a checkpoint restored for the same layout);
 - a copy of a bucket's errors taken before its exchange, put back when the
   step is undone (overlap.py);
-- the per-rank error-feedback state dict (checkpoints.py).
+- the per-rank error-feedback state dict (state.py).
 
 Buffers are named by a key type, not by an overloaded int:
 

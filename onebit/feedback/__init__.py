@@ -1,0 +1,15 @@
+"""What the optimizers and DiLoCo share: error-feedback 1-bit exchanges over
+a process group, and everything those carry between calls.
+
+- `ErrorFeedbackChannel` (channel.py): the one object each owner holds,
+  with the backend, the exchange, the traffic, the telemetry, the restart
+  notice and this rank's saved errors;
+- `ErrorFeedbackExchange` (exchange.py): the fused buffers and their errors;
+- `RankAgreement` (agreement.py): what the ranks must agree on, with the
+  flag packing of its all-gathers;
+- `StepTelemetry` (telemetry.py): `comm_stats()`;
+- the saved errors and the restart notice (state.py);
+- the communication thread's group and stream handoff (handoff.py).
+
+Nothing here imports `onebit.optim` or `onebit.diloco`.
+"""

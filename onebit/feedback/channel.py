@@ -1,0 +1,108 @@
+"""One owner's error-feedback exchanges over its process group.
+
+An optimizer and DiLoCo each hold one `ErrorFeedbackChannel`: the compressed
+backend, the exchange of fused buffers with their worker and server errors,
+the traffic of the owner's full-precision averaging beside the backend's
+own, the per-step telemetry built on both, the notice that warns when a
+resume lost the errors, and this rank's errors in a checkpoint with the
+identity they are valid for. The owner says what it exchanges and when;
+the channel keeps what must survive from one exchange to the next.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from ..backends import backend_name, get_backend
+from ..backends.stats import TrafficStats
+from ..wire import WIRE_FORMAT_VERSION
+from .exchange import ErrorFeedbackExchange
+from .state import ErrorFeedbackRestartNotice, error_feedback_state, restore_error_feedback
+from .telemetry import StepTelemetry
+
+
+def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda_aware: bool,
+                 block_size: int, scale_dtype: torch.dtype):
+    """The compressed backend `name` (None: the default for this job) for an owner that checks its inputs for
+    NaN/Inf itself (agreeing across ranks before anything is exchanged). MPI
+    has its own communicator and no deadlines; torch.distributed backends
+    take the process group and the deadline."""
+    name = backend_name(name)
+    if name.startswith("mpi"):
+        return get_backend(name, group=None, check_finite=False, block_size=block_size,
+                           scale_dtype=scale_dtype, cuda_aware=cuda_aware)
+    return get_backend(name, group=group, check_finite=False, block_size=block_size,
+                       scale_dtype=scale_dtype, timeout_s=timeout_s)
+
+
+class ErrorFeedbackChannel:
+    """What an owner's 1-bit exchanges carry between calls.
+
+    owner: the class name its messages use. backend: the compressed backend
+    (None at world size 1, or for an owner that exchanges in full precision
+    only). world_size, rank: in the owner's process group. block_size: the
+    wire's. shard_identity: `ShardedParams.identity()` (empty for whole
+    params): saved errors are valid only for the same shard. consequence: a
+    sentence for the restart notice on what the owner does when the errors
+    are lost.
+    """
+
+    def __init__(self, owner: str, backend, world_size: int, rank: int, block_size: int,
+                 shard_identity: Dict[str, object], consequence: str = "") -> None:
+        self.owner = owner
+        self.backend = backend
+        self.world_size = world_size
+        self.rank = rank
+        self.block_size = block_size
+        self.shard_identity = dict(shard_identity)
+        self.exchange = ErrorFeedbackExchange(backend)
+        self.traffic = TrafficStats()  # the owner's full-precision averaging
+        self.telemetry = StepTelemetry([self.traffic] + ([backend.stats] if backend else []))
+        self.restart_notice = ErrorFeedbackRestartNotice(owner, consequence)
+
+    def report(self, step: int) -> Dict[str, object]:
+        """`comm_stats()` after `step` steps (or rounds)."""
+        return self.telemetry.report(step, self.world_size, self.exchange.error_buffers().values())
+
+    # --------------------------------------------------------- checkpoints --
+    def identity(self, position: Dict[str, int]) -> Dict[str, object]:
+        """What saved errors are valid for: this rank of this world size, the
+        wire, the owner's `position` (its step or round) and the shard."""
+        return {"rank": self.rank, "world_size": self.world_size,
+                "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
+                **position, **self.shard_identity}
+
+    def key(self, prefix: str) -> str:
+        """This rank's key in a DCP checkpoint. It names the world size too:
+        at another one the buffers have other sizes, and DCP refuses to load
+        a tensor into one of another size, so there the key is simply absent
+        (load with allow_partial_load=True). It names the shard as well:
+        replicas of different shards share their replicate rank."""
+        key = f"{prefix}.world{self.world_size}.rank{self.rank}"
+        if self.shard_identity:
+            key += f".shard{self.shard_identity['shard']}of{self.shard_identity['shards']}"
+        return key
+
+    def state_dict(self, layouts: dict, device: torch.device,
+                   position: Dict[str, int]) -> dict:
+        """This rank's errors of the fused buffers `layouts` (key -> layout),
+        with their identity. Buffers that have not exchanged yet get zeros of
+        the right size, so a fresh owner's dict is a target DCP can load into."""
+        return error_feedback_state(self.exchange, layouts, device, self.identity(position))
+
+    def load_state_dict(self, state: dict, layouts: dict, position: Dict[str, int]) -> bool:
+        """Restore what `state_dict` saved, when it has this identity and
+        these layouts; else the errors restart from zero. Returns whether it
+        loaded."""
+        loaded = restore_error_feedback(self.exchange, state, layouts, self.identity(position))
+        if loaded:
+            self.restart_notice.restored()
+        return loaded
+
+    def owner_loaded(self, errors_lost: bool) -> None:
+        """The owner loaded a checkpoint: the errors restart from zero until
+        `load_state_dict` brings this rank's back; `errors_lost` (the saved
+        run had some) arms the restart notice."""
+        self.exchange.load_errors(None)
+        self.restart_notice.loaded(errors_lost)

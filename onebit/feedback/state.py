@@ -1,0 +1,66 @@
+"""This rank's error-feedback buffers in a checkpoint.
+
+They differ on every rank, so `state_dict()` does not hold them: each rank
+saves its own (`error_feedback_state_dict`), as a file of its own or as a
+rank-named entry of a DCP checkpoint, with the identity they are valid for.
+A resume whose buffers do not come back restarts them from zero, and says
+so once (`ErrorFeedbackRestartNotice`).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+def error_feedback_state(exchange, layouts: dict, device: torch.device, identity: dict) -> dict:
+    """This rank's error buffers of `exchange` (an ErrorFeedbackExchange) for
+    the fused buffers of `layouts`, with `identity`: what they are valid for
+    (rank, world size, wire format, block size, step or round)."""
+    return {**identity, "groups": exchange.errors_state(layouts, device)}
+
+
+def restore_error_feedback(exchange, state: dict, layouts: dict, identity: dict) -> bool:
+    """Load what `error_feedback_state` saved into `exchange` when it was
+    saved under the same `identity` and the same buffer layouts (another
+    backend layout or bucket plan gives buffers of other sizes and
+    meanings); else the errors restart from zero. Returns whether it loaded."""
+    same = all(state.get(k) == v for k, v in identity.items())
+    same = same and exchange.layouts_match(state["groups"], layouts)
+    exchange.load_errors(state["groups"] if same else None)
+    return same
+
+
+class ErrorFeedbackRestartNotice:
+    """Warns once, at the first step after a `load_state_dict` that left
+    error feedback at zero where the saved run had some: trainers and most
+    scripts save `state_dict()` from rank 0 and load it on every rank, and
+    the per-rank buffers then restart without a word. The warning waits for
+    the step because the per-rank buffers are restored after
+    `load_state_dict` (`load_error_feedback_state_dict`, or a trainer
+    callback), and a restored run has nothing to warn about."""
+
+    def __init__(self, owner: str, consequence: str = "") -> None:
+        self.owner = owner
+        self.consequence = consequence  # a sentence on what the owner does about it
+        self.pending = self.warned = False
+
+    def loaded(self, errors_lost: bool) -> None:
+        self.pending = errors_lost
+
+    def restored(self) -> None:
+        self.pending = False
+
+    def before_step(self) -> None:
+        if not self.pending or self.warned:
+            return
+        self.pending, self.warned = False, True
+        warnings.warn(
+            f"{self.owner}: the error-feedback buffers restarted from zero after load_state_dict(). "
+            "They differ on every rank, so state_dict() does not hold them: this resume is close "
+            f"to the uninterrupted run, not bitwise equal.{self.consequence} To keep them, save "
+            "error_feedback_state_dict() on every rank and load it with "
+            "load_error_feedback_state_dict() after load_state_dict(), or add "
+            "onebit.callbacks.hf.ErrorFeedbackCallback (Hugging Face Trainer) or "
+            "onebit.callbacks.lightning.ErrorFeedbackCallback (Lightning) to the trainer; "
+            "see docs/checkpoints.md", stacklevel=3)
