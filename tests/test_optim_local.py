@@ -330,3 +330,29 @@ def test_a_job_launched_with_ranks_but_no_process_group_is_refused(name, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("ONEBIT_ALLOW_NO_PROCESS_GROUP")
     assert build().world_size == 1
+
+
+def test_communication_options_are_keyword_only_and_documented_once():
+    """Issue 45: the options after `*`, the same in every optimizer, and the
+    shared fragment in each docstring; a positional call past them is a
+    TypeError, never a value landing in another parameter."""
+    import inspect
+
+    import onebit
+    from onebit.optim.options import COMM_OPTIONS_DOC, CommOptions
+
+    names = [f for f in CommOptions.__dataclass_fields__]
+    for cls in (onebit.OnebitAdam, onebit.OnebitLamb, onebit.ZeroOneAdam):
+        params = inspect.signature(cls).parameters
+        keyword_only = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+        assert sorted(keyword_only) == sorted(names), cls.__name__
+        assert all(params[n].default == CommOptions.__dataclass_fields__[n].default
+                   for n in names), cls.__name__
+        assert COMM_OPTIONS_DOC.strip() in cls.__doc__
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    positional = [1e-3, 10, True, (0.9, 0.999), 1e-8, False, 0.0, 0.0]
+    with pytest.raises(TypeError):
+        onebit.OnebitAdam(p, *positional, False, True)  # amsgrad, then cuda_aware
+    with pytest.raises(TypeError):
+        onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), 4, 1.0, 0.0, False, "1bit", 0, 1, 0, None)
+    assert onebit.OnebitAdam(p, *positional, False, block_size=64).block_size == 64

@@ -111,7 +111,8 @@ class DiLoCo:
       (0: the inner step that launches it waits for it); below sync_every.
     compression: "1bit" (error-feedback 1-bit, see the module doc), "bf16"
       or "none" (fp32).
-    process_group, timeout_s: the data-parallel group and the deadline of
+    process_group, timeout_s (keyword-only, as the options after them):
+      the data-parallel group and the deadline of
       each collective (a dead rank is a CommunicationError, never a hang).
       With FSDP2-sharded params (fully_shard on a mesh's "shard" dim), the
       mesh's replicate group: each rank's anchors, outer momentum and
@@ -125,7 +126,7 @@ class DiLoCo:
                  outer_lr: Union[float, Callable[[int], float]] = 1.3,
                  outer_momentum: float = 0.0, nesterov: bool = False,
                  compression: str = "1bit", warmup_steps: int = 0, fragments: int = 1,
-                 overlap_steps: int = 0, process_group=None,
+                 overlap_steps: int = 0, *, process_group=None,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype="float32", comm_backend_name: Optional[str] = None) -> None:
         check_positive_int("sync_every", sync_every)

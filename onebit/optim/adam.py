@@ -9,8 +9,10 @@ from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from ..checks import check_positive_int
 from .defaults import adam_defaults
+from .options import CommOptions, documents_comm_options
 
 
+@documents_comm_options
 class OnebitAdam(FreezeStepOptimizer):
     """Adam whose communication drops to 1 bit per element after a warmup.
 
@@ -37,29 +39,6 @@ class OnebitAdam(FreezeStepOptimizer):
       max_grad_norm: clip the gradient to this global norm (0: off). In
         warmup the averaged gradient is clipped; in compression, the local one.
       amsgrad: not supported (raises).
-      cuda_aware: for comm_backend_name='mpi': pass device buffers to MPI.
-      comm_backend_name: 'compressed' (torch.distributed), 'hierarchical'
-        (full precision inside a node, 1 bit between nodes), 'mpi',
-        'mpi_hierarchical', or a registered name; None asks the accelerator
-        (`onebit_backend()`: 'hierarchical' on several nodes of several ranks).
-      process_group: the data-parallel group (default: world).
-      timeout_s: deadline of every collective (default $ONEBIT_TIMEOUT_S or
-        300 s); a dead or hung peer raises CommunicationError naming the phase.
-      check_replicas_every: every K steps, compare checksums of all params and
-        state across ranks and raise ReplicaDivergenceError naming the first
-        tensor that differs (0: off; costs one small all-gather).
-      block_size: elements per scale in the compressed exchange (a multiple
-        of 8; default 256). Each tensor starts on its own blocks. Smaller
-        blocks follow the data more closely and send more scale bytes.
-      scale_dtype: "float32" (default) or "bfloat16": the scales on the wire.
-      overlap_backward: start each bucket's compressed exchange during
-        backward, as soon as its gradients are accumulated; step() updates
-        each bucket's params as soon as its exchange is back, while the
-        later ones are still on the wire (onebit/optim/overlap.py): the same
-        bits as without.
-        Needs max_grad_norm=0; with gradient accumulation, run all but the
-        last micro-batch inside `with optimizer.no_overlap():`.
-      bucket_cap_mb: the size of those buckets (fp32 MB), as DDP's.
     Elements whose v is exactly 0 are not moved by the 1-bit momentum, and a
     tensor whose v is 0 everywhere is not updated at all (see
     onebit.optim.guards).
@@ -74,19 +53,22 @@ class OnebitAdam(FreezeStepOptimizer):
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0, amsgrad: bool = False, cuda_aware: bool = False,
-                 comm_backend_name: Optional[str] = None, process_group=None,
-                 timeout_s: Optional[float] = None, check_replicas_every: int = 0,
-                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
-                 overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
+                 max_grad_norm: float = 0.0, amsgrad: bool = False,
+                 *, cuda_aware: bool = False, comm_backend_name: Optional[str] = None,
+                 process_group=None, timeout_s: Optional[float] = None,
+                 check_replicas_every: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
+                 scale_dtype="float32", overlap_backward: bool = False,
+                 bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("freeze_step", freeze_step, minimum=0)
         self.freeze_step = freeze_step
-        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every,
-                         block_size=block_size, scale_dtype=scale_dtype,
-                         overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(params, defaults, CommOptions(
+            cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
+            process_group=process_group, timeout_s=timeout_s,
+            check_replicas_every=check_replicas_every, block_size=block_size,
+            scale_dtype=scale_dtype, overlap_backward=overlap_backward,
+            bucket_cap_mb=bucket_cap_mb))
 
     def _update(self, stage, groups, grads) -> None:
         t, compress, version = stage.step, stage.compressed, stage.variance_version

@@ -43,7 +43,7 @@ from .. import collectives
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends import backend_name
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
-from ..checks import check_each_parameter_once, check_flag, check_number, check_positive_int
+from ..checks import check_each_parameter_once
 from ..feedback.agreement import RankAgreement, check_params_served, nonfinite_flag
 from ..feedback.channel import ErrorFeedbackChannel, open_backend
 from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
@@ -55,10 +55,10 @@ from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
 from .guards import ZeroVarianceGuard, copy_masked_, mask_unseen_
 from .late import LATE_KEY, LateJoiners
+from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
 from .stage import Stage
 from .untouched import UntouchedParams
-from ..wire import DEFAULT_BLOCK_SIZE, check_block_size, scale_dtype_from
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
@@ -88,19 +88,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     _step_supports_amp_scaling = True
     rank_agreed_settings: Tuple[str, ...] = ()
 
-    def __init__(self, params, defaults: dict, comm_backend_name: Optional[str], cuda_aware: bool,
-                 process_group=None, timeout_s: Optional[float] = None,
-                 check_replicas_every: int = 0,
-                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
-                 overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
-        check_positive_int("check_replicas_every", check_replicas_every, minimum=0)
-        check_flag("cuda_aware", cuda_aware)
-        collectives.check_timeout(timeout_s)
-        check_block_size(block_size)
-        check_flag("overlap_backward", overlap_backward)
-        check_number("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True)
-        self.block_size = block_size
-        self.scale_dtype = scale_dtype_from(scale_dtype)
+    def __init__(self, params, defaults: dict, options: CommOptions) -> None:
+        comm_backend_name, cuda_aware = options.comm_backend_name, options.cuda_aware
+        process_group, timeout_s = options.process_group, options.timeout_s
+        overlap_backward, bucket_cap_mb = options.overlap_backward, options.bucket_cap_mb
+        block_size = self.block_size = options.block_size
+        self.scale_dtype = options.wire_scale_dtype
         # What every rank must share besides the param groups: the subclass's
         # stage settings; the wire format; and what decides the bucket plan.
         self._settings = {name: getattr(self, name) for name in self.rank_agreed_settings}
@@ -110,7 +103,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._constructed = False
         super().__init__(params, defaults)
         self.timeout_s = timeout_s
-        self.check_replicas_every = check_replicas_every
+        self.check_replicas_every = options.check_replicas_every
         self.process_group = process_group
         self.distributed = collectives.is_distributed(type(self).__name__)
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1

@@ -11,12 +11,14 @@ from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from ..checks import check_number, check_positive_int
 from .defaults import adam_defaults
+from .options import CommOptions, documents_comm_options
 from .late import LateJoiners
 
 
 TRUST_RATIOS = ("fresh", "frozen")  # the default first (bench lm reads it so)
 
 
+@documents_comm_options
 class OnebitLamb(FreezeStepOptimizer):
     """LAMB whose communication drops to 1 bit per element after a warmup.
 
@@ -71,14 +73,13 @@ class OnebitLamb(FreezeStepOptimizer):
                  bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  max_grad_norm: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01,
-                 amsgrad: bool = False, cuda_aware: bool = False,
-                 comm_backend_name: Optional[str] = None, coeff_beta: float = 0.9,
+                 amsgrad: bool = False, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                 process_group=None, timeout_s: Optional[float] = None,
-                 check_replicas_every: int = 0,
-                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
                  trust_ratio: str = "fresh", trust_ratio_beta: float = 0.8,
-                 overlap_backward: bool = False,
+                 *, cuda_aware: bool = False, comm_backend_name: Optional[str] = None,
+                 process_group=None, timeout_s: Optional[float] = None,
+                 check_replicas_every: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
+                 scale_dtype="float32", overlap_backward: bool = False,
                  bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("OnebitLamb", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt, max_coeff=max_coeff,
@@ -100,10 +101,12 @@ class OnebitLamb(FreezeStepOptimizer):
         self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
-        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every,
-                         block_size=block_size, scale_dtype=scale_dtype,
-                         overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(params, defaults, CommOptions(
+            cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
+            process_group=process_group, timeout_s=timeout_s,
+            check_replicas_every=check_replicas_every, block_size=block_size,
+            scale_dtype=scale_dtype, overlap_backward=overlap_backward,
+            bucket_cap_mb=bucket_cap_mb))
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
         self._scaled_errors = False  # see load_state_dict
 

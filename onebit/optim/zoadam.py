@@ -12,9 +12,11 @@ from .base import OnebitOptimizer
 from ..checks import check_positive_int
 from ..feedback.exchange import GroupKey
 from .defaults import adam_defaults
+from .options import CommOptions, documents_comm_options
 from .stage import Stage
 
 
+@documents_comm_options
 class ZeroOneAdam(OnebitOptimizer):
     """Adam with rare variance updates, 1-bit gradients, then local steps.
 
@@ -50,11 +52,12 @@ class ZeroOneAdam(OnebitOptimizer):
                  weight_decay: float = 0.0, max_grad_norm: float = 0.0,
                  var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                 amsgrad: bool = False, cuda_aware: bool = False,
-                 comm_backend_name: Optional[str] = None, process_group=None,
-                 timeout_s: Optional[float] = None, check_replicas_every: int = 0,
-                 block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype="float32",
-                 overlap_backward: bool = False, bucket_cap_mb: float = 25.0) -> None:
+                 amsgrad: bool = False,
+                 *, cuda_aware: bool = False, comm_backend_name: Optional[str] = None,
+                 process_group=None, timeout_s: Optional[float] = None,
+                 check_replicas_every: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
+                 scale_dtype="float32", overlap_backward: bool = False,
+                 bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("ZeroOneAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         check_positive_int("var_freeze_step", var_freeze_step, minimum=0)
@@ -65,10 +68,12 @@ class ZeroOneAdam(OnebitOptimizer):
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
-        super().__init__(params, defaults, comm_backend_name, cuda_aware, process_group,
-                         timeout_s, check_replicas_every,
-                         block_size=block_size, scale_dtype=scale_dtype,
-                         overlap_backward=overlap_backward, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(params, defaults, CommOptions(
+            cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
+            process_group=process_group, timeout_s=timeout_s,
+            check_replicas_every=check_replicas_every, block_size=block_size,
+            scale_dtype=scale_dtype, overlap_backward=overlap_backward,
+            bucket_cap_mb=bucket_cap_mb))
 
     def _initial_counters(self) -> dict:
         return {"optimizer": type(self).__name__, "step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
