@@ -171,13 +171,17 @@ def test_rank_agreement_on_real_ranks():
 
 
 # ------------------------------------------------- the subclass contract --
-def test_a_subclass_must_say_its_stages_and_its_maths():
-    class Incomplete(OnebitOptimizer):
-        def _warmup_length(self):
-            return 0
+def test_a_subclass_must_say_its_maths_and_what_it_exchanges():
+    from onebit.optim.options import CommOptions
+    from onebit.optim.stage_schedules import FreezeStepSchedule
 
-    with pytest.raises(TypeError, match="stage_at"):
-        Incomplete([torch.nn.Parameter(torch.zeros(1))], {"lr": 0.1}, None, False)
+    class Incomplete(OnebitOptimizer):
+        def _exchange_input_(self, index, params, grads, out, positions):
+            pass
+
+    with pytest.raises(TypeError, match="_update"):
+        Incomplete([torch.nn.Parameter(torch.zeros(1))], {"lr": 0.1}, FreezeStepSchedule(3),
+                   CommOptions())
 
 
 def _broadcast_in_buckets(rank, world):
@@ -274,3 +278,55 @@ def test_feedback_diloco_and_shards_import_nothing_from_optim():
             assert "onebit.optim" not in name, f"{path.name} imports {name}"
             if path.parent.name == "feedback":
                 assert "onebit.diloco" not in name, f"{path.name} imports {name}"
+
+
+# ------------------------------------------------------- stage schedules --
+def _drive(schedule, steps, groups=1):
+    """Every stage of steps 1..steps, the counters moved as step() moves them."""
+    counters = schedule.initial_counters("X", groups)
+    stages = []
+    for t in range(1, steps + 1):
+        stage = schedule.stage_at(counters, t)
+        stages.append(stage)
+        counters["step"] = t
+        schedule.advance(counters, stage)
+    return stages, counters
+
+
+def test_zero_one_schedule_doubles_its_intervals_as_the_paper_says():
+    """0/1 Adam's policies worked out by hand (Lu et al., 2022, Alg. 1): v is
+    updated at steps that are multiples of an interval that doubles after
+    every 2 updates; after step 20, the ranks sync at multiples of an
+    interval that doubles every 3 steps, up to 4."""
+    from onebit.optim.stage_schedules import ZeroOneSchedule
+
+    schedule = ZeroOneSchedule(var_freeze_step=20, var_update_scaler=2, local_step_scaler=3,
+                               local_step_clipper=4)
+    stages, counters = _drive(schedule, 36)
+    assert [s.step for s in stages if s.full_precision] == [1, 2, 4, 6, 8, 12, 16]
+    assert [s.step for s in stages if s.name == "sync"] == [21, 22, 23, 24, 26, 28, 32, 36]
+    assert {s.name for s in stages[:20]} == {"variance update", "1-bit gradients"}
+    assert all(s.replicas_match == (s.name != "local step") for s in stages)
+    assert counters["var_updates"] == 7 and counters["last_sync"] == 36
+    assert [s.variance_updates for s in stages[:6]] == [1, 2, 2, 3, 3, 4]
+    # backward can start the 1-bit gradients and a sync that follows a sync
+    # (no lr since: `lrs` all 0), not a variance update nor the first frozen step
+    c = schedule.initial_counters("X", 2)
+    c.update(var_interval=2)  # v updates at even steps
+    assert schedule.exchanges_during_backward(c, 3) and not schedule.exchanges_during_backward(c, 2)
+    assert not schedule.exchanges_during_backward(c, 21)
+    assert schedule.exchanges_during_backward(c, 22)
+    c["lrs"][1] = 0.1
+    assert not schedule.exchanges_during_backward(c, 22)
+
+
+def test_freeze_step_schedule_switches_after_freeze_step():
+    from onebit.optim.stage_schedules import FreezeStepSchedule
+
+    stages, counters = _drive(FreezeStepSchedule(3), 5)
+    assert [(s.name, s.full_precision, s.compressed, s.variance_updates) for s in stages] == [
+        ("warmup", True, False, 1), ("warmup", True, False, 2), ("warmup", True, False, 3),
+        ("compression", False, True, 3), ("compression", False, True, 3)]
+    assert counters == {"optimizer": "X", "step": 5}
+    assert not FreezeStepSchedule(3).had_error_feedback(counters, 3)
+    assert FreezeStepSchedule(3).had_error_feedback(counters, 4)

@@ -7,9 +7,9 @@ from . import functional as F
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
-from ..checks import check_positive_int
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
+from .stage_schedules import FreezeStepSchedule
 
 
 @documents_comm_options
@@ -61,9 +61,7 @@ class OnebitAdam(FreezeStepOptimizer):
                  bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
-        check_positive_int("freeze_step", freeze_step, minimum=0)
-        self.freeze_step = freeze_step
-        super().__init__(params, defaults, CommOptions(
+        super().__init__(params, defaults, FreezeStepSchedule(freeze_step), CommOptions(
             cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
             process_group=process_group, timeout_s=timeout_s,
             check_replicas_every=check_replicas_every, block_size=block_size,

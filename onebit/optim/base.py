@@ -69,18 +69,18 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     FSDP2-sharded params it is the mesh's replicate dim, and the maths runs
     on each rank's local shards (shards.py).
 
-    The contract of a subclass:
+    A subclass hands the constructor its stage schedule (stage_schedules.py:
+    when each step is warmup, compression, a sync or a local step, and how
+    the counters move) and its communication options (options.py). Its
+    contract:
 
-    - `rank_agreed_settings`: the names of its own attributes (set before
-      calling this constructor) that every rank must share, such as
-      `freeze_step`; the construction fingerprint checks them;
-    - required: `stage_at(step)`, the stage of step `step`; `_update(stage,
-      groups, grads)`, its maths; `_exchange_input_(...)`, what its 1-bit
-      exchange sends; `_warmup_length()`, the steps before v freezes;
-    - optional, with defaults here: `_exchange_during_backward()` (False),
-      `_exchange_input_key(index)` (None), `_initial_counters()` and
-      `_counters_at(step)`, `_staged_state()` (checkpoints), `_on_group_added()`,
-      `_late_update(...)` (Adam for late joiners).
+    - required: `_update(stage, groups, grads)`, the maths of one step of
+      that stage; `_exchange_input_(...)`, what its 1-bit exchange sends;
+    - optional, with defaults here: `rank_agreed_settings`, the names of its
+      own attributes (set before calling this constructor) that every rank
+      must share besides the schedule's; `_exchange_input_key(index)`
+      (None), `_staged_state()` (checkpoints), `_late_update(...)` (Adam for
+      late joiners).
     """
 
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
@@ -88,15 +88,18 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     _step_supports_amp_scaling = True
     rank_agreed_settings: Tuple[str, ...] = ()
 
-    def __init__(self, params, defaults: dict, options: CommOptions) -> None:
+    def __init__(self, params, defaults: dict, schedule, options: CommOptions) -> None:
         comm_backend_name, cuda_aware = options.comm_backend_name, options.cuda_aware
         process_group, timeout_s = options.process_group, options.timeout_s
         overlap_backward, bucket_cap_mb = options.overlap_backward, options.bucket_cap_mb
         block_size = self.block_size = options.block_size
         self.scale_dtype = options.wire_scale_dtype
-        # What every rank must share besides the param groups: the subclass's
-        # stage settings; the wire format; and what decides the bucket plan.
-        self._settings = {name: getattr(self, name) for name in self.rank_agreed_settings}
+        # What every rank must share besides the param groups: the stage
+        # schedule's and the subclass's settings; the wire format; and what
+        # decides the bucket plan.
+        self._schedule = schedule
+        self._settings = {**schedule.settings(),
+                          **{name: getattr(self, name) for name in self.rank_agreed_settings}}
         self._settings.update(block_size=block_size,
                               scale_dtype=str(self.scale_dtype), overlap_backward=overlap_backward,
                               bucket_cap_mb=bucket_cap_mb)
@@ -146,7 +149,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             type(self).__name__, self.backend, self.world_size,
             dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
-        self._late = LateJoiners(self._warmup_length())
+        self._late = LateJoiners(schedule.warmup_length)
         self._static = StaticBuffers()
         self._warned_scales_drift = False
         self._momentum_restart = checkpoints.MomentumRestart()
@@ -164,10 +167,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     # ------------------------------------------------ the subclass contract --
     @abc.abstractmethod
-    def stage_at(self, step: int) -> Stage:
-        """The stage of step `step` (computed from the counters before it)."""
-
-    @abc.abstractmethod
     def _update(self, stage: Stage, groups: list, grads: list) -> None:
         """The maths of step `stage.step`: groups is [(param_group, trainable
         params)], grads the matching fp32 gradients (averaged when the stage
@@ -178,44 +177,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Write what the coming step exchanges for these params of group
         `index` (at `positions` in its trained list) into `out`."""
 
-    @abc.abstractmethod
-    def _warmup_length(self) -> int:
-        """Steps before v freezes (a late joiner's own warmup is as long)."""
-
-    @abc.abstractmethod
-    def _had_error_feedback(self, step: int) -> bool:
-        """Whether a run that has taken `step` steps (with the counters as
-        they are now) holds error-feedback buffers: a compressed exchange
-        has happened."""
-
-    def _exchange_during_backward(self) -> bool:
-        """Whether the coming step's compressed exchange can start during
-        backward (subclasses: in which stages)."""
-        return False
-
     def _exchange_input_key(self, index: int):
         """What, besides the gradients, group `index`'s exchange input was
         written from that could change between backward and step()
         (subclasses whose input depends on the hyper-parameters)."""
         return None
 
-    def _initial_counters(self) -> dict:
-        # The name tells a checkpoint's reader which optimizer's state it is.
-        return {"optimizer": type(self).__name__, "step": 0}
-
-    def _counters_at(self, step: int) -> dict:
-        """The counters after `step` steps of full-precision Adam (what a
-        torch.optim.Adam checkpoint means, see checkpoints.py)."""
-        return {**self._initial_counters(), "step": step}
-
     def _staged_state(self) -> Dict[str, tuple]:
         """Per-param state created only at some stage: name -> (placeholder
         maker, whether a checkpoint at `step` holds it for real). See
         `state_dict`."""
         return {}
-
-    def _on_group_added(self) -> None:
-        """Subclasses size their per-group counters here."""
 
     def _late_update(self, key: LateKey, group, params, grads) -> None:
         """A late joiner's own warmup step: Adam, with bias corrections
@@ -239,9 +211,22 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         FSDP2, Accelerate) expects optimizer state that is not per-param."""
         return self.param_groups[0][COUNTERS_KEY]
 
+    def _initial_counters(self) -> dict:
+        return self._schedule.initial_counters(type(self).__name__, len(self.param_groups))
+
     def _share_counters(self, counters: dict) -> None:
         for g in self.param_groups:
             g[COUNTERS_KEY] = counters
+
+    def stage_at(self, step: int) -> Stage:
+        """The stage of step `step` (from the counters as they are now)."""
+        return self._schedule.stage_at(self.counters, step)
+
+    def _exchange_during_backward(self) -> bool:
+        """Whether the coming step's compressed exchange can start during
+        backward: its input needs only its gradients."""
+        return self.world_size > 1 and self._schedule.exchanges_during_backward(
+            self.counters, self.counters["step"] + 1)
 
     def stage(self) -> str:
         """The stage of the coming step, in words."""
@@ -305,6 +290,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 self._overlap.settle([ps for _, ps in groups], grads,
                                      relaunch=getattr(self, "grad_scale", None) is not None)
             self._update(stage, groups, grads)
+            self._schedule.advance(self.counters, stage)
         finally:
             self._step_in_progress = None
             self._end_overlap()
@@ -416,7 +402,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if self._overlap is not None:  # its params get hooks too
             self._check_overlap_group(self.param_groups[-1])
             self._overlap.watch(self.param_groups[-1]["params"])
-        self._on_group_added()
+        self._schedule.group_added(self.counters)
 
     @staticmethod
     def _with_float_lr(group: dict) -> dict:
@@ -700,7 +686,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         a trained one has: DCP loads only into keys the target already has."""
         sd = super().state_dict()
         compressed = self._momentum_restart.pending or (
-            self.world_size > 1 and self._had_error_feedback(self.counters["step"]))
+            self.world_size > 1
+            and self._schedule.had_error_feedback(self.counters, self.counters["step"]))
         for g in sd["param_groups"]:
             g[COUNTERS_KEY] = {**copy.deepcopy(g[COUNTERS_KEY]),
                                checkpoints.MOMENTUM_KEY: compressed}
@@ -724,11 +711,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `load_error_feedback_state_dict` afterwards (same world size), or
         they restart from zero (DeepSpeed's documented choice).
         """
-        state_dict = checkpoints.adapt(self, state_dict, self._counters_at)
+        state_dict = checkpoints.adapt(self, state_dict, lambda step: self._schedule.counters_at(
+            type(self).__name__, len(self.param_groups), step))
         super().load_state_dict(checkpoints.keep_masks(state_dict, self.param_groups))
         self._shards.from_dtensors(self.state)
         counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
-        had_error_feedback = self._had_error_feedback(counters["step"])
+        had_error_feedback = self._schedule.had_error_feedback(counters, counters["step"])
         # Absent from checkpoints written before it: the stage decides.
         compressed = counters.pop(checkpoints.MOMENTUM_KEY, had_error_feedback)
         self._share_counters(counters)
@@ -861,33 +849,21 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
 
 class FreezeStepOptimizer(OnebitOptimizer):
-    """1-bit Adam and 1-bit LAMB: full precision up to `freeze_step`, 1-bit after."""
+    """1-bit Adam and 1-bit LAMB: full precision up to `freeze_step`, 1-bit
+    after (stage_schedules.FreezeStepSchedule); the compression stage
+    exchanges the new momentum."""
 
-    freeze_step: int
-    rank_agreed_settings = ("freeze_step",)
+    @property
+    def freeze_step(self) -> int:
+        """The last full-precision step."""
+        return self._schedule.freeze_step
 
     def compression_started(self, step: Optional[int] = None) -> bool:
         """Whether step `step` (default: the next one) is in the compression stage."""
-        t = self.counters["step"] + 1 if step is None else step
-        return t > self.freeze_step
-
-    def stage_at(self, step: int) -> Stage:
-        compress = self.compression_started(step)
-        return Stage(step, "compression" if compress else "warmup", full_precision=not compress,
-                     compressed=compress, variance_frozen=compress,
-                     variance_updates=min(step, self.freeze_step), variance_moves=not compress)
-
-    def _exchange_during_backward(self) -> bool:
-        return self.world_size > 1 and self.compression_started()
+        return self._schedule.compressed(self.counters["step"] + 1 if step is None else step)
 
     def _exchange_input_(self, index, params, grads, out, positions) -> None:
         """The new momentum beta1 * m + (1 - beta1) * g, into `out`: m itself
         changes only when step() commits it."""
         m = [self._state_tensor(p, "exp_avg") for p in params]
         F.momentum_into(out, m, grads, self.param_groups[index]["betas"][0])
-
-    def _warmup_length(self) -> int:
-        return self.freeze_step
-
-    def _had_error_feedback(self, step: int) -> bool:
-        return step > self.freeze_step

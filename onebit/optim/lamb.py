@@ -9,9 +9,10 @@ from . import functional as F
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
-from ..checks import check_number, check_positive_int
+from ..checks import check_number
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
+from .stage_schedules import FreezeStepSchedule
 from .late import LateJoiners
 
 
@@ -66,7 +67,7 @@ class OnebitLamb(FreezeStepOptimizer):
     OnebitAdam, with DeepSpeed's names and defaults.
     """
 
-    rank_agreed_settings = ("freeze_step", "trust_ratio", "trust_ratio_beta", "coeff_beta",
+    rank_agreed_settings = ("trust_ratio", "trust_ratio_beta", "coeff_beta",
                             "factor_max", "factor_min", "factor_threshold")
 
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000,
@@ -84,7 +85,6 @@ class OnebitLamb(FreezeStepOptimizer):
         defaults = adam_defaults("OnebitLamb", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt, max_coeff=max_coeff,
                                  min_coeff=min_coeff)
-        check_positive_int("freeze_step", freeze_step, minimum=0)
         for name, v in (("max_coeff", max_coeff), ("min_coeff", min_coeff),
                         ("factor_max", factor_max), ("factor_min", factor_min)):
             check_number(name, v, low_open=True)
@@ -98,10 +98,9 @@ class OnebitLamb(FreezeStepOptimizer):
             raise ValueError(f"trust_ratio must be one of {list(TRUST_RATIOS)}, not {trust_ratio!r}")
         check_number("trust_ratio_beta", trust_ratio_beta, high=1.0, high_open=True)
         self.trust_ratio, self.trust_ratio_beta = trust_ratio, trust_ratio_beta
-        self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
-        super().__init__(params, defaults, CommOptions(
+        super().__init__(params, defaults, FreezeStepSchedule(freeze_step), CommOptions(
             cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
             process_group=process_group, timeout_s=timeout_s,
             check_replicas_every=check_replicas_every, block_size=block_size,

@@ -9,11 +9,10 @@ from . import functional as F
 from .guards import mask_unseen_, only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
-from ..checks import check_positive_int
 from ..feedback.exchange import GroupKey
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
-from .stage import Stage
+from .stage_schedules import ZeroOneSchedule
 
 
 @documents_comm_options
@@ -44,8 +43,6 @@ class ZeroOneAdam(OnebitOptimizer):
     """
 
     _adam_compatible = True  # loads torch.optim.Adam checkpoints (checkpoints.py)
-    rank_agreed_settings = ("var_freeze_step", "var_update_scaler", "local_step_scaler",
-                            "local_step_clipper")
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
@@ -60,25 +57,14 @@ class ZeroOneAdam(OnebitOptimizer):
                  bucket_cap_mb: float = 25.0) -> None:
         defaults = adam_defaults("ZeroOneAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
-        check_positive_int("var_freeze_step", var_freeze_step, minimum=0)
-        check_positive_int("var_update_scaler", var_update_scaler)
-        check_positive_int("local_step_scaler", local_step_scaler)
-        check_positive_int("local_step_clipper", local_step_clipper)
-        self.var_freeze_step = var_freeze_step
-        self.var_update_scaler = var_update_scaler
-        self.local_step_scaler = local_step_scaler
-        self.local_step_clipper = local_step_clipper
-        super().__init__(params, defaults, CommOptions(
+        schedule = ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler,
+                                   local_step_clipper)
+        super().__init__(params, defaults, schedule, CommOptions(
             cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
             process_group=process_group, timeout_s=timeout_s,
             check_replicas_every=check_replicas_every, block_size=block_size,
             scale_dtype=scale_dtype, overlap_backward=overlap_backward,
             bucket_cap_mb=bucket_cap_mb))
-
-    def _initial_counters(self) -> dict:
-        return {"optimizer": type(self).__name__, "step": 0, "var_interval": 1, "var_counter": 0, "var_updates": 0,
-                "local_step_interval": 1, "local_step_counter": 0, "last_sync": 0,
-                "lrs": [0.0] * len(self.param_groups)}  # sum of lr since the last sync, per group
 
     def _staged_state(self):
         def zeros(p):
@@ -87,63 +73,15 @@ class ZeroOneAdam(OnebitOptimizer):
         return {"momentum_accumulator": (zeros, lambda step: True),
                 "sync_point": (lambda p: torch.zeros_like(p), lambda step: self.frozen(step))}
 
-    def _counters_at(self, step: int) -> dict:
-        """After `step` Adam steps: the interval policies replayed to `step`,
-        v updated at every one of them, and the ranks at a common point."""
-        c = self._initial_counters()
-        for t in range(1, step + 1):
-            self._advance_intervals(t, self.frozen(t), c)
-        c.update(step=step, var_updates=step, last_sync=step)
-        return c
-
-    def _on_group_added(self) -> None:
-        self.counters["lrs"].append(0.0)
+    # The schedule's settings, read-only (they are agreed at construction).
+    var_freeze_step = property(lambda self: self._schedule.var_freeze_step)
+    var_update_scaler = property(lambda self: self._schedule.var_update_scaler)
+    local_step_scaler = property(lambda self: self._schedule.local_step_scaler)
+    local_step_clipper = property(lambda self: self._schedule.local_step_clipper)
 
     def frozen(self, step: Optional[int] = None) -> bool:
         """Whether step `step` (default: the next) is past var_freeze_step."""
-        t = self.counters["step"] + 1 if step is None else step
-        return t > self.var_freeze_step
-
-    def _warmup_length(self) -> int:
-        return self.var_freeze_step
-
-    def _had_error_feedback(self, step: int) -> bool:
-        # Every step but the variance updates exchanges 1-bit (or skips it locally).
-        return step > self.counters["var_updates"]
-
-    def stage_at(self, step: int) -> Stage:
-        c = self.counters
-        if not self.frozen(step):
-            full = self._variance_step(step)
-            return Stage(step, "variance update" if full else "1-bit gradients",
-                         full_precision=full, compressed=not full, variance_frozen=False,
-                         variance_updates=c["var_updates"] + full, variance_moves=False)
-        # Between syncs the ranks' parameters differ by design.
-        sync = step % c["local_step_interval"] == 0
-        return Stage(step, "sync" if sync else "local step", full_precision=False,
-                     compressed=sync, variance_frozen=True, variance_updates=c["var_updates"],
-                     variance_moves=False, replicas_match=sync)
-
-    def _variance_step(self, t: int) -> bool:
-        """Whether step t updates v (with full-precision averaged gradients)."""
-        return not self.frozen(t) and t % self.counters["var_interval"] == 0
-
-    def _exchange_during_backward(self) -> bool:
-        # The 1-bit gradient steps, and the syncs that follow a sync: a sync
-        # after local steps needs their accumulators, which step() computes.
-        # Not the first frozen step: it restarts the error buffers first
-        # (_update).
-        t = self.counters["step"] + 1
-        if self.world_size == 1 or self._variance_step(t):
-            return False
-        return not self.frozen(t) or (self.frozen(t - 1) and self._single_sync(t))
-
-    def _single_sync(self, t: int) -> bool:
-        """Whether step t (frozen) is, for every group, a sync with no lr
-        since the last sync: its input then needs this step's gradient alone
-        (_sync_single_)."""
-        c = self.counters
-        return t % c["local_step_interval"] == 0 and all(x == 0.0 for x in c["lrs"])
+        return self._schedule.frozen(self.counters["step"] + 1 if step is None else step)
 
     def _exchange_input_key(self, index: int):
         t = self._coming_step()
@@ -176,12 +114,11 @@ class ZeroOneAdam(OnebitOptimizer):
     def _update(self, stage, groups, grads) -> None:
         c = self.counters
         t, frozen, full = stage.step, stage.variance_frozen, stage.full_precision
+        version = stage.variance_updates  # v's updates, this step's included
         if frozen and not self.frozen(t - 1):
             # The error buffers switch from gradients to accumulated steps.
             self.reset_compression_errors()
-        if full:
-            c["var_updates"] += 1
-        sync = frozen and t % c["local_step_interval"] == 0
+        sync = frozen and stage.compressed
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
@@ -191,11 +128,11 @@ class ZeroOneAdam(OnebitOptimizer):
             beta1, beta2 = group["betas"]
             m, v = self._moments(group, params, gs)
             if single:  # (lrs stays 0: the next interval starts here)
-                self._sync_single_(i, t, group, params, gs, m, v)
+                self._sync_single_(i, t, version, group, params, gs, m, v)
                 continue
             if full:
                 F.update_variance_(v, gs, beta2)
-            seen, masks = self._seen(i, group, v, c["var_updates"])
+            seen, masks = self._seen(i, group, v, version)
             # The exchanged or local gradient moves nothing v never saw.
             if not full and not frozen:
                 self._exchange_(i, params, gs, gs, seen, masks)
@@ -203,8 +140,8 @@ class ZeroOneAdam(OnebitOptimizer):
             elif not full:
                 mask_unseen_(gs, masks, seen)
             F.update_momentum_(m, gs, beta1)
-            bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
-            denom = self._denominators(i, group, v, bc2, c["var_updates"])
+            bc1, bc2 = self._bias_corrections(group, t, version)
+            denom = self._denominators(i, group, v, bc2, version)
             # Tensors that never saw a gradient do not move (guards.py).
             ps, ms, ds = only_seen(seen, params, m, denom)
             if frozen:
@@ -222,9 +159,6 @@ class ZeroOneAdam(OnebitOptimizer):
                 self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i],
                                        seen, masks)
                 c["lrs"][i] = 0.0
-        if sync:
-            c["last_sync"] = t
-        self._advance_intervals(t, frozen)
 
     def _accumulate_(self, group, ps, ms, ds, us, anchors, bc1: float, sync: bool) -> None:
         """A frozen step's displacement d = -lr * (m / bc1 / denom + wd * p)
@@ -310,7 +244,7 @@ class ZeroOneAdam(OnebitOptimizer):
             if p.dtype != torch.float32:  # divide in fp32, round once
                 p.copy_(torch.addcdiv(a, ai, di, value=lrs).to(p.dtype))
 
-    def _sync_single_(self, i, t, group, params, grads, m, v) -> None:
+    def _sync_single_(self, i, t, version, group, params, grads, m, v) -> None:
         """A sync with no lr since the last sync (a sync that follows a sync:
         interval 1, the default for the first local_step_scaler steps after
         the freeze; or local steps at lr 0): u would hold this step's
@@ -322,12 +256,11 @@ class ZeroOneAdam(OnebitOptimizer):
         the error buffers never see another unit. m is re-derived from the
         average (m = -avg * bc1) and p, still the last synced point, moves in
         place: 11 passes over the parameters, as 1-bit Adam's step."""
-        c = self.counters
         for p in params:  # the accumulators stay 0, but exist for the local steps
             self._state_tensor(p, "momentum_accumulator")
-        bc1, bc2 = self._bias_corrections(group, t, c["var_updates"])
-        denom = self._denominators(i, group, v, bc2, c["var_updates"])
-        seen, masks = self._seen(i, group, v, c["var_updates"])
+        bc1, bc2 = self._bias_corrections(group, t, version)
+        denom = self._denominators(i, group, v, bc2, version)
+        seen, masks = self._seen(i, group, v, version)
         # m <- the average displacement, zeroed where v == 0, bucket by bucket
         for part in self._exchanged_parts(i, params, grads, m, seen, masks):
             ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, m, denom, seen))
@@ -357,17 +290,3 @@ class ZeroOneAdam(OnebitOptimizer):
         ps, ds, os_ = only_seen(seen, params, denom, out)
         if wd and ps:
             torch._foreach_addcmul_(os_, [p.float() for p in ps], ds, value=-wd)
-
-    def _advance_intervals(self, t: int, frozen: bool, c: Optional[dict] = None) -> None:
-        c = self.counters if c is None else c
-        if not frozen:
-            if t % c["var_interval"] == 0:
-                c["var_counter"] += 1
-                if c["var_counter"] == self.var_update_scaler:
-                    c["var_counter"] = 0
-                    c["var_interval"] *= 2
-        else:
-            c["local_step_counter"] += 1
-            if c["local_step_counter"] == self.local_step_scaler:
-                c["local_step_counter"] = 0
-                c["local_step_interval"] = min(self.local_step_clipper, c["local_step_interval"] * 2)
