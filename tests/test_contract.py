@@ -82,3 +82,40 @@ def test_the_kernels_take_the_wire_formats_scale_dtypes():
     assert ops.SCALE_DTYPES is wire.SCALE_DTYPES
     assert wire.DEFAULT_SCALE_DTYPE in wire.SCALE_DTYPES
     wire.check_block_size(wire.DEFAULT_BLOCK_SIZE)
+
+
+def test_the_pipeline_driver_overlaps_each_piece_with_the_next():
+    """run_pipelined, on 3 pieces and the allreduce's 3 stages: the order
+    of work, starts and waits written out by hand (piece i's all-to-all is
+    on the wire while piece i + 1 is compressed, and so on)."""
+    from onebit.backends.pipeline import PipelineStage, run_pipelined
+
+    log = []
+
+    class Handle:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            log.append(f"wait {self.name}")
+
+    def start(kind):
+        def go(piece):
+            log.append(f"start {kind}{piece}")
+            return Handle(f"{kind}{piece}")
+        return go
+
+    def on_wire(call, *args):
+        return call(*args)
+
+    run_pipelined([0, 1, 2], [
+        PipelineStage(lambda i: log.append(f"worker{i}"), start("a2a")),
+        PipelineStage(lambda i: log.append(f"server{i}"), start("gather")),
+        PipelineStage(lambda i: log.append(f"decode{i}"))], on_wire)
+    assert log == [
+        "worker0", "start a2a0",
+        "worker1", "start a2a1", "wait a2a0", "server0", "start gather0",
+        "worker2", "start a2a2", "wait a2a1", "server1", "start gather1", "wait gather0",
+        "decode0",
+        "wait a2a2", "server2", "start gather2", "wait gather1", "decode1",
+        "wait gather2", "decode2"]

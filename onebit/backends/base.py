@@ -44,7 +44,7 @@ from .. import ops
 from ..collectives import stable_digest
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_block_size
 from .layout import BlockLayout
-from .pipeline import CallTimer, PieceTuner, piece_ranges
+from .pipeline import CallTimer, PieceTuner, PipelineStage, piece_ranges, run_pipelined
 from .stats import TrafficStats, fp32_allreduce_bytes
 
 def padded_size(numel: int, world_size: int, block: int = DEFAULT_BLOCK_SIZE) -> int:
@@ -73,7 +73,7 @@ class _Buffers:
     """Scratch for one layout, allocated once and reused every call."""
 
     def __init__(self, layout: BlockLayout, scale_dtype: torch.dtype, device: torch.device) -> None:
-        n, block = layout.padded, layout.block
+        block = layout.block
         self.layout, self.scale_dtype, self.device = layout, scale_dtype, device
         self.server_x = torch.empty(layout.chunk, dtype=torch.float32, device=device)
         self._pieces: Dict[int, list] = {}
@@ -88,6 +88,24 @@ class _Buffers:
                 _Piece(a, b, lay.world_size, lay.block, self.scale_dtype.itemsize, self.device)
                 for a, b in piece_ranges(lay.chunk, lay.block, count)]
         return made
+
+
+def check_operands(buffer_m, worker_error, server_error) -> None:
+    """What every backend's compressed_allreduce asks of its arguments,
+    whatever sizes its errors have (each backend checks those): a floating
+    buffer, and fp32 errors on its device, contiguous (updated in place)."""
+    if not isinstance(buffer_m, torch.Tensor) or not buffer_m.is_floating_point():
+        raise ValueError(f"buffer_m must be a floating-point tensor, got "
+                         f"{getattr(buffer_m, 'dtype', type(buffer_m).__name__)}")
+    for name, t in (("worker_error", worker_error), ("server_error", server_error)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+        if t.device != buffer_m.device:
+            raise ValueError(f"{name} is on {t.device} but buffer_m is on {buffer_m.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (it is updated in place)")
 
 
 class Finished:
@@ -177,19 +195,8 @@ class CompressedAllreduceBase:
         return layout.error_ranges(index, self.rank)
 
     def _validate(self, buffer_m, worker_error, server_error, layout) -> None:
-        if not isinstance(buffer_m, torch.Tensor) or not buffer_m.is_floating_point():
-            raise ValueError(f"buffer_m must be a floating-point tensor, got "
-                             f"{getattr(buffer_m, 'dtype', type(buffer_m).__name__)}")
+        check_operands(buffer_m, worker_error, server_error)
         p, numel = self.size, buffer_m.numel()
-        for name, t in (("worker_error", worker_error), ("server_error", server_error)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-            if t.dtype != torch.float32:
-                raise ValueError(f"{name} must be float32, got {t.dtype}")
-            if t.device != buffer_m.device:
-                raise ValueError(f"{name} is on {t.device} but buffer_m is on {buffer_m.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous (it is updated in place)")
         n, unit = worker_error.numel(), self.block_size * p
         if n % unit or n < numel or (n == 0 and numel):
             raise ValueError(
@@ -256,11 +263,6 @@ class CompressedAllreduceBase:
             cached = self._layouts[(numel, n)] = BlockLayout([numel], self.block_size, self.size, n)
         return cached
 
-    def _received_scales(self, rows: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
-        """The fp32 scales at the end of each message row, [rows, blocks]."""
-        raw = rows[:, chunk_bytes:].contiguous()
-        return raw.view(self.scale_dtype).float()
-
     # ----------------------------------------------------------- algorithm --
     def compressed_allreduce(self, buffer_m: torch.Tensor, worker_error: torch.Tensor,
                              server_error: torch.Tensor, local_rank=None,
@@ -277,6 +279,25 @@ class CompressedAllreduceBase:
         ignored and come back zero. Default: one tensor of buffer_m.numel().
         `local_rank` is accepted for DeepSpeed compatibility and unused: the
         device is the one buffer_m lives on.
+
+        The steps (chunk k, elements [k*N/p, (k+1)*N/p), is served by rank k):
+
+        1. Check the arguments, the buffer's values (`check_finite`) and,
+           the first time a layout is seen, that every rank has the same.
+        2. Take buffer_m as one flat fp32 buffer, zeros in the pads.
+        3. Worker: add worker_error to every chunk, compress it to signs and
+           block scales (row k of the all-to-all), keep what they missed in
+           worker_error.
+        4. All-to-all: rank k receives every rank's row k.
+        5. Server: decode and average the p rows of its own chunk, add
+           server_error, compress again, keep what that missed in
+           server_error.
+        6. All-gather: every rank receives every server's compressed chunk.
+        7. Decode: every rank decodes the same bits and scales into
+           buffer_m, so every rank holds the same result.
+
+        Steps 3-7 run piece by piece (pipeline.py): while one piece is on
+        the wire the next is compressed. The piece count changes no bit.
         """
         started = time.perf_counter()
         self._validate(buffer_m, worker_error, server_error, layout)
@@ -286,67 +307,19 @@ class CompressedAllreduceBase:
             return buffer_m
         if self.check_finite:
             self.reject_nonfinite(buffer_m)
-        p, rank, device = self.size, self.rank, buffer_m.device
         layout = self._layout_for(buffer_m.numel(), worker_error.numel(), layout)
         self._agree(layout)
+        device = buffer_m.device
         key = (layout.key, device)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = _Buffers(layout, self.scale_dtype, device)
-        block = layout.block
-        pads = layout.pads(device)
-
-        # `src` is buffer_m itself when it is contiguous fp32, else one fp32
-        # copy; either way it receives the result.
-        inplace = buffer_m.dtype == torch.float32 and buffer_m.is_contiguous()
-        src = buffer_m.detach().view(-1) if inplace else buffer_m.detach().reshape(-1).float()
-        inner_pads = pads[:layout.inner_pads]  # the gaps between tensors
-        src.index_fill_(0, inner_pads, 0.0)
-        worker_error.index_fill_(0, pads, 0.0)  # errors a caller left there would skew the scales
-        numel = src.numel()
-
-        chunk = layout.chunk
-        count = self.pipeline.count(layout.key, layout.padded, p)
+        count = self.pipeline.count(layout.key, layout.padded, self.size)
         # The tuner's clock (device events), only on the calls it times.
         timer = CallTimer(device) if self.pipeline.timing(layout.key) else None
-        counts_rows = layout.counts(device).view(p, chunk // block)  # [rank k's chunk, block]
-
-        def worker(pc: _Piece) -> None:
-            """Compensate and compress elements [a, b) of every chunk k, into row k."""
-            a, b, cb = pc.a, pc.b, pc.chunk_bytes
-            for k in range(p):
-                lo = k * chunk
-                ops.compress(src[lo + a:max(lo + a, min(lo + b, numel))],
-                             worker_error[lo + a:lo + b], counts_rows[k, a // block:b // block],
-                             block, self.scale_dtype, pc.send[k, cb:], pc.send[k, :cb])
-
-        def server(pc: _Piece) -> None:
-            """Serve [a, b) of this rank's chunk: average the p decoded rows,
-            compensate, compress into the all-gather message."""
-            a, b, cb = pc.a, pc.b, pc.chunk_bytes
-            mine = rank * chunk
-            my_pads = layout.pads(device, mine + a, mine + b)
-            x, err = buf.server_x[a:b], server_error[a:b]
-            ops.decode_mean(pc.recv, self._received_scales(pc.recv, cb), b - a, x, block)
-            x.index_fill_(0, my_pads, 0.0)
-            err.index_fill_(0, my_pads, 0.0)
-            ops.compress(x, err, layout.counts(device, mine + a, mine + b), block,
-                         self.scale_dtype, pc.server_msg[cb:], pc.server_msg[:cb])
-            err.index_fill_(0, my_pads, 0.0)
-
-        def decode(pc: _Piece) -> None:
-            """Everyone decodes the same gathered bits and scales: identical output."""
-            scales = self._received_scales(pc.gathered, pc.chunk_bytes)
-            for k in range(p):
-                lo = k * chunk + pc.a
-                hi = min(k * chunk + pc.b, numel)
-                if lo < hi:
-                    ops.decode_mean(pc.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
-                                    hi - lo, src[lo:hi], block)
-
-        # The pipeline: while piece i's all-to-all is on the wire, piece i+1
-        # is compressed; piece i-1's all-gather flies while piece i is served.
-        comm_s, pieces, exchanging, gathering = 0.0, buf.pieces(count), {}, {}
+        plan = _AllreducePlan(buffer_m, worker_error, server_error, layout, buf, self.rank,
+                              self.scale_dtype)
+        comm_s = 0.0
 
         def on_wire(call, *args):  # starting and waiting count as communication time
             nonlocal comm_s
@@ -355,27 +328,88 @@ class CompressedAllreduceBase:
             comm_s += time.perf_counter() - t
             return result
 
-        for i in range(len(pieces) + 2):
-            if i < len(pieces):
-                worker(pieces[i])
-                exchanging[i] = on_wire(self.start_exchange, pieces[i].send, pieces[i].recv)
-            if 1 <= i <= len(pieces):
-                on_wire(exchanging.pop(i - 1).wait)
-                server(pieces[i - 1])
-                gathering[i - 1] = on_wire(self.start_gather, pieces[i - 1].server_msg,
-                                           pieces[i - 1].gathered)
-            if i >= 2:
-                on_wire(gathering.pop(i - 2).wait)
-                decode(pieces[i - 2])
-        worker_error.index_fill_(0, pads, 0.0)
-        src.index_fill_(0, inner_pads, 0.0)
-        if not inplace:
-            buffer_m.detach().copy_(src.view(buffer_m.shape))
+        run_pipelined(buf.pieces(count), [
+            PipelineStage(plan.worker, lambda pc: self.start_exchange(pc.send, pc.recv)),
+            PipelineStage(plan.server, lambda pc: self.start_gather(pc.server_msg, pc.gathered)),
+            PipelineStage(plan.decode)], on_wire)
+        plan.finish()
         # Phase 1 sends p - 1 rows of the all-to-all, phase 2 one row to p - 1 peers.
-        moved = (p - 1) * 2 * buf.row_bytes
+        moved = (self.size - 1) * 2 * buf.row_bytes
         took = time.perf_counter() - started
-        self.stats.add(moved, moved, fp32_allreduce_bytes(sum(layout.sizes), p), comm_s,
+        self.stats.add(moved, moved, fp32_allreduce_bytes(sum(layout.sizes), self.size), comm_s,
                        took - comm_s)
         if timer is not None:
             self.pipeline.record(layout.key, count, timer.stop().seconds, self.share)
         return buffer_m
+
+
+class _AllreducePlan:
+    """One call of the compressed allreduce, from step 2 on: the flat fp32
+    buffer and the errors, and the worker, server and decode stages of one
+    piece (the numbered steps of `compressed_allreduce`)."""
+
+    def __init__(self, buffer_m: torch.Tensor, worker_error: torch.Tensor,
+                 server_error: torch.Tensor, layout: BlockLayout, buffers: _Buffers, rank: int,
+                 scale_dtype: torch.dtype) -> None:
+        device = buffer_m.device
+        self.buffer_m, self.worker_error, self.server_error = buffer_m, worker_error, server_error
+        self.layout, self.buffers, self.rank, self.scale_dtype = layout, buffers, rank, scale_dtype
+        self.block, self.chunk, self.device = layout.block, layout.chunk, device
+        # Step 2. `src` is buffer_m itself when it is contiguous fp32, else
+        # one fp32 copy; either way it receives the result.
+        self.inplace = buffer_m.dtype == torch.float32 and buffer_m.is_contiguous()
+        self.src = (buffer_m.detach().view(-1) if self.inplace
+                    else buffer_m.detach().reshape(-1).float())
+        self.pads = layout.pads(device)
+        self.inner_pads = self.pads[:layout.inner_pads]  # the gaps between tensors
+        self.src.index_fill_(0, self.inner_pads, 0.0)
+        worker_error.index_fill_(0, self.pads, 0.0)  # errors a caller left there would skew scales
+        self.numel = self.src.numel()
+        p = layout.world_size
+        self.counts_rows = layout.counts(device).view(p, self.chunk // self.block)
+
+    def worker(self, pc: _Piece) -> None:
+        """Step 3: compensate and compress elements [a, b) of every chunk k, into row k."""
+        a, b, cb, block, chunk = pc.a, pc.b, pc.chunk_bytes, self.block, self.chunk
+        for k in range(self.layout.world_size):
+            lo = k * chunk
+            ops.compress(self.src[lo + a:max(lo + a, min(lo + b, self.numel))],
+                         self.worker_error[lo + a:lo + b],
+                         self.counts_rows[k, a // block:b // block],
+                         block, self.scale_dtype, pc.send[k, cb:], pc.send[k, :cb])
+
+    def server(self, pc: _Piece) -> None:
+        """Step 5: serve [a, b) of this rank's chunk: average the p decoded
+        rows, compensate, compress into the all-gather message."""
+        a, b, cb = pc.a, pc.b, pc.chunk_bytes
+        mine = self.rank * self.chunk
+        my_pads = self.layout.pads(self.device, mine + a, mine + b)
+        x, err = self.buffers.server_x[a:b], self.server_error[a:b]
+        ops.decode_mean(pc.recv, self._scales(pc.recv, cb), b - a, x, self.block)
+        x.index_fill_(0, my_pads, 0.0)
+        err.index_fill_(0, my_pads, 0.0)
+        ops.compress(x, err, self.layout.counts(self.device, mine + a, mine + b), self.block,
+                     self.scale_dtype, pc.server_msg[cb:], pc.server_msg[:cb])
+        err.index_fill_(0, my_pads, 0.0)
+
+    def decode(self, pc: _Piece) -> None:
+        """Step 7: everyone decodes the same gathered bits and scales."""
+        scales = self._scales(pc.gathered, pc.chunk_bytes)
+        block, chunk = self.block, self.chunk
+        for k in range(self.layout.world_size):
+            lo = k * chunk + pc.a
+            hi = min(k * chunk + pc.b, self.numel)
+            if lo < hi:
+                ops.decode_mean(pc.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
+                                hi - lo, self.src[lo:hi], block)
+
+    def finish(self) -> None:
+        """Zeros back in the pads; the result into buffer_m if it was copied."""
+        self.worker_error.index_fill_(0, self.pads, 0.0)
+        self.src.index_fill_(0, self.inner_pads, 0.0)
+        if not self.inplace:
+            self.buffer_m.detach().copy_(self.src.view(self.buffer_m.shape))
+
+    def _scales(self, rows: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+        """The fp32 scales at the end of each message row, [rows, blocks]."""
+        return rows[:, chunk_bytes:].contiguous().view(self.scale_dtype).float()

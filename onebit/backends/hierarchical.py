@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..accelerator.placement import RANKS_PER_NODE_ENV, local_world_size
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE
-from .base import CompressedAllreduceBase
+from .base import CompressedAllreduceBase, check_operands
 from .layout import BlockLayout
 from .node import MpiNode, TorchNode
 from .shm import ShmNode
@@ -199,9 +199,7 @@ class HierarchicalBackend:
         """The mean of `buffer_m` across all ranks (same contract as the flat
         backend's, with the shard-sized errors of `error_sizes`)."""
         started = time.perf_counter()
-        if not isinstance(buffer_m, torch.Tensor) or not buffer_m.is_floating_point():
-            raise ValueError(f"buffer_m must be a floating-point tensor, got "
-                             f"{getattr(buffer_m, 'dtype', type(buffer_m).__name__)}")
+        check_operands(buffer_m, worker_error, server_error)
         layout = layout if layout is not None else self.layout([buffer_m.numel()])
         if not isinstance(layout, HierarchicalLayout) or layout.nodes != self.node_count or \
                 layout.ranks_per_node != self.ranks_per_node:
@@ -212,12 +210,10 @@ class HierarchicalBackend:
         want = layout.error_sizes
         for name, t, n in (("worker_error", worker_error, want[0]),
                            ("server_error", server_error, want[1])):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != n \
-                    or t.device != buffer_m.device or not t.is_contiguous():
+            if t.numel() != n:
                 raise ValueError(f"{name} must be a contiguous float32 tensor of {n} elements on "
                                  f"{buffer_m.device} (the shard's: error_sizes), got "
-                                 f"{getattr(t, 'dtype', type(t).__name__)} "
-                                 f"{getattr(t, 'shape', '')} on {getattr(t, 'device', '-')}")
+                                 f"{t.numel()} elements")
         if buffer_m.numel() == 0:
             worker_error.zero_()
             server_error.zero_()

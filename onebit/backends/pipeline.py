@@ -13,12 +13,13 @@ hides behind the wire; where compression itself is the bottleneck (loopback,
 fast links, many ranks per core) each extra pair of collectives only adds
 latency. With `piece_size=None` (the default) the `PieceTuner` therefore
 times both schedules on the first calls of each buffer layout and keeps the
-faster, as judged by the slowest rank.
+faster, as judged by the slowest rank. `run_pipelined` drives the pieces
+through the stages of a call, whatever those stages are.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -125,3 +126,32 @@ class PieceTuner:
         slowest = share(mine).max(0).values  # a step waits for the slowest rank
         self.chosen[key] = counts[int(slowest.argmin())]
         del self._trial[key]
+
+
+class PipelineStage(NamedTuple):
+    """One stage of a pipelined call: `work(piece)` on the host or device,
+    then `start(piece)`, the collective it feeds (None: the last stage),
+    which returns a handle whose `wait()` the next stage calls first."""
+
+    work: Callable[[object], None]
+    start: Optional[Callable[[object], object]] = None
+
+
+def run_pipelined(pieces: Sequence[object], stages: Sequence[PipelineStage],
+                  on_wire: Callable[..., object]) -> None:
+    """Every piece through every stage, overlapped: at tick i, stage s takes
+    piece i - s, after waiting for that piece's collective from stage s - 1.
+    So while piece i's first collective is on the wire piece i + 1 is
+    worked on, and so on down the stages. `on_wire(call, *args)` runs each
+    start and wait (the caller times them as communication)."""
+    handles: Dict[Tuple[int, int], object] = {}
+    for tick in range(len(pieces) + len(stages) - 1):
+        for s, stage in enumerate(stages):
+            j = tick - s
+            if not 0 <= j < len(pieces):
+                continue
+            if s > 0:
+                on_wire(handles.pop((s - 1, j)).wait)
+            stage.work(pieces[j])
+            if stage.start is not None:
+                handles[(s, j)] = on_wire(stage.start, pieces[j])
