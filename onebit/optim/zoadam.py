@@ -26,7 +26,12 @@ class ZeroOneAdam(OnebitOptimizer):
     compressed allreduce and moves only the momentum.
     After var_freeze_step: v is frozen; each rank takes *local* steps while
     accumulating its displacement u, and every `local_step_interval` steps
-    the ranks exchange u with the 1-bit allreduce and land on the same point.
+    the ranks average, with the 1-bit allreduce, the interval's lr-weighted
+    mean direction u * (sqrt(v) + eps) / (sum of lr since the last sync),
+    in momentum units, and land on the same point. DeepSpeed's 0/1 Adam
+    exchanges u * (sqrt(v) + eps) and divides afterwards, so its error
+    buffers carry lr-scaled values that return, at a small lr sum, as a
+    huge momentum (docs/deepspeed.md).
     The interval starts at 1 and doubles every `local_step_scaler` steps, up
     to `local_step_clipper`. Between syncs the ranks' parameters differ by
     design; after each sync they are bitwise identical.
