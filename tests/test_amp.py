@@ -159,3 +159,46 @@ def test_diloco_with_the_scaler_and_one_rank_infs_runs_a_fixed_loop_to_the_end(f
     assert out[0][1] >= steps_taken // 4 - 1  # the rounds did run
     scales = [s[2] for s in out[0][0]]
     assert scales[-1] == INIT_SCALE * 0.5 ** len(DILOCO_INFS)
+
+
+def _diloco_with_torchs_scaler(rank, world, fragments):
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=fragments,
+                           overlap_steps=1 if fragments > 1 else 0, timeout_s=30)
+    scaler = _scaler("torch")
+    landed = {}  # rounds -> the anchors once that many outer steps had landed
+    for t in range(1, 17):  # a loop of fixed length: a rank that skipped ends behind
+        g = torch.Generator().manual_seed(100 * t + rank)
+        inner.zero_grad()
+        scaler.scale(model(torch.randn(8, 6, generator=g)).pow(2).mean()).backward()
+        if rank in DILOCO_INFS.get(t, []):
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(inner)
+        scaler.update()
+        landed[diloco.rounds] = [a.tolist() for a in diloco.anchors]
+    diloco.close()  # joins the rounds the others launched and this rank did not reach
+    landed[diloco.rounds] = [a.tolist() for a in diloco.anchors]
+    return landed, diloco.inner_steps, diloco.rounds
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_diloco_with_torchs_scaler_ends_a_fixed_loop_on_one_point(fragments):
+    """torch's GradScaler skips an inner step on the rank that overflowed
+    alone, so that rank makes each later round a step after the others and
+    ends the loop a round behind; close() makes it join the rounds the
+    others launched. Before, the others waited in that round's agreement
+    until the deadline (a CommunicationError), or the job aborted."""
+    out = run_workers(_diloco_with_torchs_scaler, 3, fragments, timeout=150)
+    skipped = [sum(rank in ranks for ranks in DILOCO_INFS.values()) for rank in range(3)]
+    assert [steps for _, steps, _ in out] == [16 - k for k in skipped]  # they did lag
+    rounds = out[0][2]
+    assert all(r == rounds for _, _, r in out) and rounds >= 16 // 4 * fragments - fragments
+    for k in out[0][0]:  # every landing seen on several ranks is the same point, bit for bit
+        points = [landed[k] for landed, _, _ in out if k in landed]
+        assert all(p == points[0] for p in points), k
+    assert all(landed[rounds] == out[0][0][rounds] for landed, _, _ in out)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,7 @@ class _FragmentRound:
 
     deltas: List[torch.Tensor]
     skipped: Optional[bool] = None
+    closed: bool = False  # a proposal from close() that no rank launched (_catch_up)
     future: Optional[Future] = None  # returns the event after the exchange's device work
 
 
@@ -354,9 +355,11 @@ class DiLoCo:
         return [local(self.params[i]) for i in ids], [self.anchors[i] for i in ids]
 
     @torch.no_grad()
-    def _launch(self, fragment: int) -> None:
+    def _launch(self, fragment: int, closing: bool = False) -> None:
         """Measure the fragment's pseudo-gradients and start their exchange
-        (on the communication thread when it overlaps inner steps)."""
+        (on the communication thread when it overlaps inner steps).
+        closing: a proposal from `close()`, exchanged only if some rank
+        launches this exchange from its loop (`_catch_up`)."""
         params, anchors = self._members(fragment)
         if self.backend is not None:  # straight into the 1-bit exchange's buffer: no copies
             deltas = self._channel.exchange.prepare(GroupKey(fragment), anchors)
@@ -369,8 +372,8 @@ class DiLoCo:
         number = self.launches
 
         def exchange() -> None:
-            job.skipped = self._agree_on_round(number, job.deltas)
-            if not job.skipped:
+            job.skipped, job.closed = self._agree_on_round(number, job.deltas, closing)
+            if not job.skipped and not job.closed:
                 self._average_(fragment, job.deltas)
 
         if self._thread is None:
@@ -429,27 +432,38 @@ class DiLoCo:
         for d, avg in zip(deltas, averages):
             d.copy_(avg.view_as(d))
 
-    def _agree_on_round(self, number: int, deltas: List[torch.Tensor]) -> bool:
-        """Whether any rank's pseudo-gradient is not finite; the same
-        all-gather checks that every rank is at exchange `number`."""
+    def _agree_on_round(self, number: int, deltas: List[torch.Tensor],
+                        closing: bool = False) -> Tuple[bool, bool]:
+        """Whether any rank's pseudo-gradient is not finite, and whether
+        every rank only proposes this exchange from `close()` (then nobody
+        makes it); the same all-gather checks that every rank is at exchange
+        `number`."""
         flag = nonfinite_flag([deltas], self.comm_device)
         if self.world_size == 1:
-            return bool(flag)
+            return bool(flag), closing
         table = collectives.gather_numbers("DiLoCo: agreeing on the outer round",
-                                           [flag, number], torch.int64, self._agree_group,
-                                           self.timeout_s)
+                                           [flag, number, int(closing)], torch.int64,
+                                           self._agree_group, self.timeout_s)
         numbers = [row[1] for row in table]
         if len(set(numbers)) > 1:
             raise ValueError(f"DiLoCo: ranks are at different outer exchanges {numbers}: they "
                              "must load the same checkpoint and take the same inner steps")
-        return any(row[0] for row in table)
+        return any(row[0] for row in table), all(row[2] for row in table)
 
     def close(self) -> None:
-        """Stop syncing: land what is in flight (`drain`), remove the hooks
-        on the inner optimizer, stop the communication thread."""
+        """Stop syncing: land what is in flight (`drain`), join the rounds
+        other ranks launched that this rank has not reached (`_catch_up`),
+        remove the hooks on the inner optimizer, stop the communication
+        thread. Call it (or use `with DiLoCo(...)`) on every rank at the end
+        of the loop."""
+        self._close(catch_up=True)
+
+    def _close(self, catch_up: bool) -> None:
         try:
             self._check_writes("close")
             self.drain()
+            if catch_up:
+                self._catch_up()
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -460,7 +474,39 @@ class DiLoCo:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        # Leaving on an error: the peers may be gone, proposing more rounds
+        # would only wait out the deadline.
+        self._close(catch_up=exc[0] is None)
+
+    @torch.no_grad()
+    def _catch_up(self) -> None:
+        """A rank whose GradScaler skipped inner steps that its peers took
+        (torch's GradScaler skips on the rank that overflowed alone) makes
+        each later round a step after them, and a loop of fixed length ends
+        with it behind: its peers are already in the agreement of a round
+        it never launches. Here it proposes, in schedule order, the
+        exchanges it would launch next, from its params as they are; a
+        proposal pairs with a peer's launch of the same exchange (one
+        all-gather, the same on both sides), and is made and landed like
+        any round. Once every rank only proposes, nobody is behind: the
+        proposal is dropped, and nothing was sent but that all-gather."""
+        position = self.inner_steps - self.warmup_steps
+        if self.world_size == 1 or position < 0:  # not in the rounds yet
+            return
+        while True:
+            position += 1
+            launching = self.plan.launching(position)
+            if not launching:
+                continue
+            fragment = launching[0]
+            self._launch(fragment, closing=True)
+            job = self._in_flight[fragment]
+            self._finished(job)
+            if job.closed:
+                del self._in_flight[fragment]
+                self.launches -= 1
+                return
+            self._land(fragment)
 
     # ----------------------------------------------------------- telemetry --
     def comm_stats(self) -> Dict[str, object]:
