@@ -25,9 +25,11 @@ Use, around the usual loop (no DDP wrapper: inner steps are local):
         inner.zero_grad()
 
 The outer step hangs off the inner optimizer's step (a post-step hook), as
-torchft's DiLoCo does. A GradScaler that skips an inner step skips the hook
-too, so that rank syncs one step later; the ranks still meet, within the
-timeout. A warmup (`warmup_steps`) averages gradients in fp32 before each
+torchft's DiLoCo does. torch's GradScaler, skipping an inner step on the
+rank that overflowed alone, skips the hook too, so that rank syncs one step
+later (the others wait for it), and `close()` catches it up at the end of
+the loop; onebit.amp.GradScaler makes every rank skip that step instead.
+A warmup (`warmup_steps`) averages gradients in fp32 before each
 inner step instead, through a pre-step hook.
 
 Streaming DiLoCo (Douillard et al., 2025): `fragments=F` syncs F slices of

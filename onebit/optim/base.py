@@ -24,8 +24,9 @@ The optimizers' own (onebit/optim/):
 - `UntouchedParams` (untouched.py): params no rank has a gradient for.
 
 Hyper-parameter defaults live in defaults.py, the checkpoint formats in
-checkpoints.py, the maths in functional.py, the stage machines in the
-optimizer classes (adam.py, lamb.py, zoadam.py).
+checkpoints.py, the maths in functional.py, the stage schedules in
+stage_schedules.py, each optimizer's stage maths in its class (adam.py,
+lamb.py, zoadam.py).
 """
 from __future__ import annotations
 
