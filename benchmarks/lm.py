@@ -24,6 +24,13 @@ average gradients in full precision):
   DiLoCo-stream vs DiLoCo-fp32: streaming DiLoCo-1bit, --fragments
     fragments synced at staggered steps, each exchange --overlap-steps
     inner steps behind on the communication thread
+  What a PyTorch user picks instead, each vs torch.optim.Adam:
+    Adam-fp16, Adam-bf16: DDP with torch's fp16_compress_hook or
+      bf16_compress_hook (gradients all-reduced in half precision), Adam;
+    PowerSGD-r1, -r2, -r4: DDP with torch's powerSGD_hook at that rank,
+      start_powerSGD_iter = --freeze * steps (full precision before, as
+      the 1-bit optimizers' warmup), error feedback and warm start on,
+      Adam (--powersgd-adamw: AdamW, weight decay 0.01).
 Everything else is at its default. Reports held-out loss every --every steps,
 the final gap, and the bytes each rank sent per step; --plot writes the curves.
 
@@ -56,11 +63,18 @@ TRUST_RATIO = TRUST_RATIOS[0]  # OnebitLamb's default
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam"),
          ("DiLoCo-1bit", "DiLoCo-fp32"), ("DiLoCo-stream", "DiLoCo-fp32"),
-         ("DiLoCo-bf16", "DiLoCo-fp32"), ("DiLoCo-fp32", "Adam")]
+         ("DiLoCo-bf16", "DiLoCo-fp32"), ("DiLoCo-fp32", "Adam"),
+         ("Adam-fp16", "Adam"), ("Adam-bf16", "Adam"), ("PowerSGD-r1", "Adam"),
+         ("PowerSGD-r2", "Adam"), ("PowerSGD-r4", "Adam")]
 DEFAULT_PAIRS = [p[0] for p in PAIRS[:3]]  # the optimizers' figure; DiLoCo with --only
 # Held-out loss gap goals, %; None: reported, not judged.
 GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0, "DiLoCo-1bit": 1.0,
-         "DiLoCo-stream": None, "DiLoCo-bf16": 1.0, "DiLoCo-fp32": None}
+         "DiLoCo-stream": None, "DiLoCo-bf16": 1.0, "DiLoCo-fp32": None,
+         "Adam-fp16": None, "Adam-bf16": None, "PowerSGD-r1": None, "PowerSGD-r2": None,
+         "PowerSGD-r4": None}
+# DDP comm hooks (the baselines a user would pick): name -> (hook kind, PowerSGD rank)
+HOOKS = {"Adam-fp16": ("fp16", 0), "Adam-bf16": ("bf16", 0), "PowerSGD-r1": ("powersgd", 1),
+         "PowerSGD-r2": ("powersgd", 2), "PowerSGD-r4": ("powersgd", 4)}
 DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-stream": "1bit", "DiLoCo-bf16": "bf16",
           "DiLoCo-fp32": "none"}
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "pydocs.txt.gz")
@@ -118,9 +132,12 @@ def make_optimizer(name: str, params, a: dict, group=None):
     f = max(1, int(a["freeze"] * steps))
     wire = dict(block_size=a["block_size"], scale_dtype=a["scale_dtype"],
                 comm_backend_name=a.get("backend"), process_group=group)
-    if name == "Adam" or name in DILOCO:
-        return torch.optim.Adam(params, lr=lr) if name == "Adam" else \
-            torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if name.startswith("PowerSGD") and a.get("powersgd_adamw"):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if name == "Adam" or name in HOOKS:
+        return torch.optim.Adam(params, lr=lr)
+    if name in DILOCO:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     if name == "OnebitAdam":
         return onebit.OnebitAdam(params, lr=lr, freeze_step=f, **wire)
     if name == "ZeroOneAdam":
@@ -195,6 +212,63 @@ def _shard(model: torch.nn.Module, name: str, world: int, shards: int):
     return mesh.get_group("replicate")
 
 
+def _hooked(model: torch.nn.Module, name: str, a: dict) -> torch.nn.Module:
+    """The model under DDP with the comm hook `name` names (HOOKS)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    kind, rank = HOOKS[name]
+    if kind == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank,
+            start_powerSGD_iter=max(2, int(a["freeze"] * a["steps"])),
+            use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:  # torch's bf16 hook refuses gloo: the same steps, written out
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if kind == "fp16"
+                               else bf16_allreduce_hook)
+    return ddp
+
+
+def bf16_allreduce_hook(process_group, bucket):
+    """torch's bf16_compress_hook, which DDP refuses by name without NCCL or
+    XCCL (gloo takes bf16 tensors): the
+    bucket cast to bf16, each rank's share divided first, all-reduced in
+    bf16, and cast back."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    half = bucket.buffer().to(torch.bfloat16).div_(group.size())
+    future = dist.all_reduce(half, group=group, async_op=True).get_future()
+
+    def back_to_fp32(done):
+        out = bucket.buffer()
+        out.copy_(done.value()[0])
+        return out
+    return future.then(back_to_fp32)
+
+
+def _hook_bytes(model: torch.nn.Module, name: str, a: dict, world: int, steps: int) -> float:
+    """What a rank of a hooked DDP run has sent after `steps` steps, as a
+    ring all-reduce of what the hook all-reduces: half of fp32's bytes for
+    the half-precision hooks; for PowerSGD, fp32 before its start step,
+    then each gradient matrix n x m as its factors P (n x r) and Q (m x r)
+    where torch's rule compresses it ((n + m) r * 2 < n m), else whole."""
+    from onebit.backends.stats import fp32_allreduce_bytes
+
+    numel = sum(p.numel() for p in model.parameters())
+    kind, rank = HOOKS[name]
+    if kind != "powersgd":
+        return fp32_allreduce_bytes(numel, world) / 2 * steps
+    compressed = 0
+    for p in model.parameters():
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, rank)
+        compressed += (n + m) * r if (n + m) * r * 2 < n * m else n * m
+    start = min(steps, max(2, int(a["freeze"] * a["steps"])))
+    return (fp32_allreduce_bytes(numel, world) * start
+            + fp32_allreduce_bytes(compressed, world) * (steps - start))
+
+
 def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     """One run; returns rank 0's held-out loss curve and whether every step was finite."""
     train_ids, held_ids, vocab = load_tokens(a["vocab"])
@@ -204,6 +278,9 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         dist.broadcast(p.data, 0)
     shards = a.get("shards") or 1
     group = _shard(model, name, world, shards) if shards > 1 else None
+    bare = model
+    if name in HOOKS:  # DDP averages through the hook during backward
+        model = _hooked(model, name, a)
     opt = make_optimizer(name, model.parameters(), a, group)
     diloco = None
     if name in DILOCO:  # the outer loop hangs off the inner optimizer's step
@@ -246,10 +323,13 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
             error_norms.append((t, opt.comm_stats()["worker_error_norm"]))
         if t % a["every"] == 0 or t == a["steps"]:
             curve.append((t, held_out_loss(model, held, vocab)))
-            sent_by_then.append(_bytes_sent(diloco or opt, numel, replicas, t))
+            sent_by_then.append(_hook_bytes(bare, name, a, world, t) if name in HOOKS
+                                else _bytes_sent(diloco or opt, numel, replicas, t))
     if diloco is not None:
         sent = diloco.comm_stats()["bytes_per_inner_step"] * a["steps"]  # the rounds'
         diloco.close()
+    elif name in HOOKS:
+        sent = _hook_bytes(bare, name, a, world, a["steps"])
     else:
         sent = _bytes_sent(opt, numel, replicas, a["steps"])
     return {"optimizer": name, "seed": seed, "curve": curve, "final": curve[-1][1], "finite": finite,
@@ -367,6 +447,8 @@ def check_arguments(args: argparse.Namespace) -> None:
                          f"({args.ranks_per_node})")
     if args.shards and args.nproc % args.shards:
         raise ValueError(f"--nproc ({args.nproc}) must be a multiple of --shards ({args.shards})")
+    if args.shards and any(n in HOOKS for n in args.only):
+        raise ValueError(f"--shards does not apply to the DDP hook rows {sorted(HOOKS)}")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
 
@@ -415,6 +497,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DiLoCo-stream: fragments synced at staggered inner steps")
     p.add_argument("--overlap-steps", dest="overlap_steps", type=int_arg(0), default=1,
                    help="DiLoCo-stream: inner steps each fragment's exchange runs behind")
+    p.add_argument("--powersgd-adamw", dest="powersgd_adamw", action="store_true",
+                   help="PowerSGD rows: AdamW (weight decay 0.01) instead of Adam")
     p.add_argument("--backend", default=None,
                    help="the 1-bit optimizers' comm backend (default: the accelerator's)")
     p.add_argument("--ranks-per-node", dest="ranks_per_node", type=int_arg(1), default=None,
