@@ -43,6 +43,7 @@ if os.environ.get("ONEBIT_NO_AOT", "0") in ("", "0"):
         Pybind11Extension(
             "onebit._packbits_cpu",
             ["onebit/kernels/cpu/packbits.cpp"],
+            depends=["onebit/kernels/common/onebit_kernels.h"],
             cxx_std=17,
             extra_compile_args=["-O3"],
         )
@@ -56,7 +57,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["onebit", "onebit.*"]),
-    package_data={"onebit.kernels": ["cpu/*.cpp", "cuda/*.cu", "sycl/*.cpp"]},
+    package_data={"onebit.kernels": ["cpu/*.cpp", "cuda/*.cu", "sycl/*.cpp", "common/*.h"]},
     include_package_data=True,
     # pybind11: headers for the just-in-time build; tqdm: the bench progress bar.
     install_requires=["torch>=2.1,<3", "numpy>=1.22", "pybind11>=2.10", "tqdm"],

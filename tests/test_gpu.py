@@ -64,6 +64,9 @@ def test_sycl_host_syntax_check_catches_a_broken_source(tmp_path, monkeypatch):
     (tmp_path / "sycl").mkdir()
     good = (base.kernels_dir() / "sycl" / "packbits.cpp").read_text()
     (tmp_path / "sycl" / "packbits.cpp").write_text(good.replace("q.parallel_for", "q.paralel_for", 1))
+    (tmp_path / "common").mkdir()  # the shared header, as installed
+    for header in SYCLPackbitsBuilder.HEADERS:
+        (tmp_path / header).write_bytes((base.kernels_dir() / header).read_bytes())
     monkeypatch.setattr(base, "kernels_dir", lambda: tmp_path)
     with pytest.raises(OpBuilderError, match="host syntax check failed"):
         SYCLPackbitsBuilder().host_syntax_check()

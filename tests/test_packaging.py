@@ -28,8 +28,9 @@ def test_wheel_contains_only_the_onebit_package(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"onebit", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, tops
     sources = [str(p.relative_to(ROOT)) for p in (ROOT / "onebit").rglob("*")
-               if p.suffix in (".py", ".cpp", ".cu") and "__pycache__" not in p.parts]
+               if p.suffix in (".py", ".cpp", ".cu", ".h") and "__pycache__" not in p.parts]
     assert any(s.endswith(".cu") for s in sources) and any(s.endswith("builders/cpu.py") for s in sources)
+    assert "onebit/kernels/common/onebit_kernels.h" in sources  # every kernel includes it
     missing = sorted(set(sources) - set(names))
     assert not missing, f"not in the wheel: {missing}"  # an editable install would hide this
     harness = [n for n in names if n.endswith(".gz") or "/lm" in n or "convergence" in n or "soak" in n]

@@ -309,6 +309,9 @@ def test_broken_source_gives_clear_builder_error(tmp_path, monkeypatch):
 
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "packbits.cpp").write_text("this is not C++\n")
+    (tmp_path / "common").mkdir()  # the shared header, as installed
+    for header in CPUPackbitsBuilder.HEADERS:
+        (tmp_path / header).write_bytes((base.kernels_dir() / header).read_bytes())
     monkeypatch.setattr(base, "kernels_dir", lambda: tmp_path)
     monkeypatch.setenv("ONEBIT_BUILD_DIR", str(tmp_path / "build"))
     with pytest.raises(OpBuilderError, match="compiling failed"):

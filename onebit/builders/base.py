@@ -29,15 +29,21 @@ class OpBuilder:
 
     NAME = "PackbitsBuilder"
     SOURCES: Sequence[str] = ()
+    # Included by every kernel source (what the kernels compute alike): part
+    # of the hash, so a changed header rebuilds.
+    HEADERS: Sequence[str] = ("common/onebit_kernels.h",)
     COMPILER_ENV = "ONEBIT_CXX"
     DEFAULT_COMPILER = "c++"
 
     def sources(self) -> List[Path]:
         paths = [kernels_dir() / s for s in self.SOURCES]
-        missing = [str(p) for p in paths if not p.exists()]
+        missing = [str(p) for p in paths + self.headers() if not p.exists()]
         if missing:
             raise OpBuilderError(f"{self.NAME}: kernel sources missing: {missing}")
         return paths
+
+    def headers(self) -> List[Path]:
+        return [kernels_dir() / s for s in self.HEADERS]
 
     def compiler(self) -> str:
         """The compiler command: $ONEBIT_CXX (or the subclass's variable) or the default."""
@@ -55,7 +61,7 @@ class OpBuilder:
     def source_hash(self) -> str:
         """Short hash of sources + interpreter, so a stale build is never loaded."""
         h = hashlib.sha256(sys.version.encode())
-        for p in self.sources():
+        for p in [*self.sources(), *self.headers()]:
             h.update(p.read_bytes())
         return h.hexdigest()[:12]
 

@@ -16,6 +16,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include "../common/onebit_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -74,20 +76,9 @@ void parallel_for(int64_t n, int threads, int64_t align, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
-// "x >= 0" for each storage type. The 16-bit types are tested on their bits:
-// non-negative unless NaN, or sign set with a non-zero magnitude.
-inline bool nonneg(float x) { return x >= 0.0f; }
-inline bool nonneg(double x) { return x >= 0.0; }
-struct Half { uint16_t bits; };
-struct BFloat { uint16_t bits; };
-inline bool nonneg(Half h) {
-  uint16_t mag = h.bits & 0x7fff;
-  return mag <= 0x7c00 && (!(h.bits & 0x8000) || mag == 0);
-}
-inline bool nonneg(BFloat h) {
-  uint16_t mag = h.bits & 0x7fff;
-  return mag <= 0x7f80 && (!(h.bits & 0x8000) || mag == 0);
-}
+// nonneg (the sign test of each storage type), round_bf16 and the scalar
+// decode: ../common/onebit_kernels.h, shared with the CUDA and SYCL kernels.
+using namespace onebit_wire;
 
 // ------------------------------------------------------------------ pack --
 
@@ -157,16 +148,8 @@ void pack(int dtype, uintptr_t src, int64_t n, uintptr_t dst, int threads) {
 
 void decode_portable(const uint8_t* bits, int64_t row_bytes, int rows, const float* scales,
                      int64_t nblocks, int64_t block, int64_t b, int64_t e, float* out) {
-  const float inv = 1.0f / float(rows);
-  for (int64_t j = b; j < e; ++j) {
-    float acc = 0.0f;
-    for (int r = 0; r < rows; ++r) {
-      bool one = (bits[r * row_bytes + j / 8] >> (j % 8)) & 1;
-      float s = scales[r * nblocks + j / block];
-      acc += one ? s : -s;
-    }
-    out[j] = acc * inv;
-  }
+  for (int64_t j = b; j < e; ++j)
+    out[j] = decode_element(bits, row_bytes, rows, scales, nblocks, block, j);
 }
 
 #ifdef ONEBIT_X86
@@ -342,17 +325,6 @@ void pack_error(uintptr_t err_ptr, int64_t n, uintptr_t scales_ptr, int64_t bloc
     for (int64_t k = b; k < e; k += block)
       block_pack_error(err, scales[k / block], k, k + block, out, avx2);
   });
-}
-
-// The fp32 scale rounded to nearest-even bf16 (NaN stays NaN): the bf16 bits
-// go into `bits`, the value is returned as fp32.
-inline float round_bf16(float s, uint16_t* bits) {
-  uint32_t u;
-  std::memcpy(&u, &s, 4);
-  *bits = std::isnan(s) ? uint16_t(0x7fc0) : uint16_t((u + (((u >> 16) & 1) + 0x7fff)) >> 16);
-  u = uint32_t(*bits) << 16;
-  std::memcpy(&s, &u, 4);
-  return s;
 }
 
 // compensate, each block's scale and pack_error in one pass over memory: a

@@ -13,23 +13,16 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../common/onebit_kernels.h"
+
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 1024;  // pack_error's grid-stride launch
 
-__device__ __forceinline__ bool nonneg(float x) { return x >= 0.0f; }
-__device__ __forceinline__ bool nonneg(double x) { return x >= 0.0; }
-struct Half { uint16_t bits; };
-struct BFloat { uint16_t bits; };
-__device__ __forceinline__ bool nonneg(Half h) {
-  uint16_t mag = h.bits & 0x7fff;
-  return mag <= 0x7c00 && (!(h.bits & 0x8000) || mag == 0);
-}
-__device__ __forceinline__ bool nonneg(BFloat h) {
-  uint16_t mag = h.bits & 0x7fff;
-  return mag <= 0x7f80 && (!(h.bits & 0x8000) || mag == 0);
-}
+// nonneg, round_bf16 and signed_scale: ../common/onebit_kernels.h, shared
+// with the CPU and SYCL kernels.
+using namespace onebit_wire;
 
 int blocks_for(int64_t n) {
   int64_t b = (n + kThreads - 1) / kThreads;
@@ -110,7 +103,7 @@ __global__ void decode_quads_kernel(const uint8_t* __restrict__ bits, int64_t ro
       const uint32_t nibble = uint32_t(bits[r * row_bytes + byte]) >> shift;
       const float s = scales[r * nblocks + k];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) acc[t] += ((nibble >> t) & 1) ? s : -s;
+      for (int t = 0; t < 4; ++t) acc[t] += signed_scale(nibble, t, s);
     }
     if (vec && j0 + 4 <= cols) {
       *reinterpret_cast<float4*>(out + j0) =
@@ -141,7 +134,7 @@ __global__ void decode_bytes_kernel(const uint8_t* __restrict__ bits, int64_t ro
       const uint32_t byte = bits[r * row_bytes + q];
       const float s = scales[r * nblocks + k];
 #pragma unroll
-      for (int t = 0; t < 8; ++t) acc[t] += ((byte >> t) & 1) ? s : -s;
+      for (int t = 0; t < 8; ++t) acc[t] += signed_scale(byte, t, s);
     }
     if (vec && j0 + 8 <= cols) {
       float4* dst = reinterpret_cast<float4*>(out + j0);
@@ -247,14 +240,6 @@ __global__ void pack_error_kernel(float* __restrict__ err, int64_t n,
     uint32_t word = __ballot_sync(0xffffffffu, bit);
     store_word(word, i - (threadIdx.x & 31), nbytes, out);
   }
-}
-
-// The fp32 scale rounded to nearest-even bf16 (NaN stays NaN), as the CPU
-// kernel's round_bf16: the bf16 bits go into *bits, the value comes back.
-__device__ __forceinline__ float round_bf16(float s, uint16_t* bits) {
-  uint32_t u = __float_as_uint(s);
-  *bits = isnan(s) ? uint16_t(0x7fc0) : uint16_t((u + (((u >> 16) & 1) + 0x7fff)) >> 16);
-  return __uint_as_float(uint32_t(*bits) << 16);
 }
 
 // One element of compress_kernel's output where blocks are too long for

@@ -14,20 +14,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../common/onebit_kernels.h"
+
 namespace {
 
-inline bool nonneg(float x) { return x >= 0.0f; }
-inline bool nonneg(double x) { return x >= 0.0; }
-struct Half { uint16_t bits; };
-struct BFloat { uint16_t bits; };
-inline bool nonneg(Half h) {
-  uint16_t mag = h.bits & 0x7fff;
-  return mag <= 0x7c00 && (!(h.bits & 0x8000) || mag == 0);
-}
-inline bool nonneg(BFloat h) {
-  uint16_t mag = h.bits & 0x7fff;
-  return mag <= 0x7f80 && (!(h.bits & 0x8000) || mag == 0);
-}
+// nonneg and decode_element: ../common/onebit_kernels.h, shared with the
+// CPU and CUDA kernels.
+using namespace onebit_wire;
 
 template <typename T>
 void pack_on(sycl::queue& q, const T* x, int64_t n, uint8_t* out) {
@@ -74,14 +67,8 @@ int onebit_sycl_decode(void* queue, const uint8_t* bits, int64_t row_bytes, int 
     if (block <= 0 || block % 8) return 1;
     const int64_t nblocks = (cols + block - 1) / block;
     q.parallel_for(sycl::range<1>(size_t(cols)), [=](sycl::id<1> id) {
-      int64_t j = int64_t(id[0]);
-      float acc = 0.0f;
-      for (int r = 0; r < rows; ++r) {
-        bool one = (bits[r * row_bytes + j / 8] >> (j % 8)) & 1;
-        float s = scales[r * nblocks + j / block];
-        acc += one ? s : -s;
-      }
-      out[j] = acc * (1.0f / float(rows));
+      const int64_t j = int64_t(id[0]);
+      out[j] = decode_element(bits, row_bytes, rows, scales, nblocks, block, j);
     });
     return 0;
   } catch (...) {
