@@ -5,7 +5,9 @@ Each run of each file is one curve: its held-out loss at every --every
 steps, against the bytes the rank had sent by then (warmups included). A
 file holds one sync_every, so pass one file per H; the label names the
 optimizer, and H for DiLoCo. Prints the curves' final points as a table
-(loss, MB per rank) too.
+(loss, MB per rank) too, then the frontier: each label's final point
+averaged over its seeds, marked where no other label reaches a lower loss
+with no more bytes.
 """
 from __future__ import annotations
 
@@ -27,6 +29,20 @@ def curves(paths: List[str]) -> List[dict]:
             out.append({"label": label, "seed": run["seed"], "losses": list(losses),
                         "megabytes": [b / 1e6 for b in run["bytes_sent"]]})
     return out
+
+
+def frontier(runs: List[dict]) -> List[dict]:
+    """Each label's final point, the mean over its seeds, in bytes order,
+    with `on_frontier`: no other label has a lower loss for no more bytes."""
+    by: dict = {}
+    for r in runs:
+        by.setdefault(r["label"], []).append((r["losses"][-1], r["megabytes"][-1]))
+    points = [{"label": label, "loss": sum(x for x, _ in v) / len(v),
+               "megabytes": sum(m for _, m in v) / len(v)} for label, v in by.items()]
+    for p in points:
+        p["on_frontier"] = not any(q["megabytes"] <= p["megabytes"] and q["loss"] < p["loss"]
+                                   for q in points if q is not p)
+    return sorted(points, key=lambda p: (p["megabytes"], p["loss"]))
 
 
 def plot(runs: List[dict], path: str) -> None:
@@ -61,6 +77,10 @@ def run(args: argparse.Namespace) -> bool:
     print(f"{'run':>22} {'seed':>4} {'held-out':>9} {'MB/rank':>10}")
     for r in runs:
         print(f"{r['label']:>22} {r['seed']:>4} {r['losses'][-1]:9.4f} {r['megabytes'][-1]:10.3f}")
+    print(f"# frontier: mean over seeds; * where no other reaches a lower loss with no more bytes")
+    for p in frontier(runs):
+        print(f"# {p['label']:>20} {p['loss']:9.4f} {p['megabytes']:10.3f} "
+              f"{'*' if p['on_frontier'] else ''}")
     return True
 
 

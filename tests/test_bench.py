@@ -399,7 +399,26 @@ def test_loss_per_byte_reads_lm_runs_and_plots_them(tmp_path):
                            "--plot", str(tmp_path / "p.png")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]
+            if not line.startswith("#")]
     assert rows == [["DiLoCo-1bit", "H=4", "0", "4.2500", "2.500"],
                     ["Adam", "1", "3.5000", "400.000"]]
+    # both on the frontier: fewer bytes, or a lower loss
+    marks = [line.split() for line in proc.stdout.splitlines()[1:] if line.startswith("# ")
+             and not line.startswith("# frontier")]
+    assert marks == [["#", "DiLoCo-1bit", "H=4", "4.2500", "2.500", "*"],
+                     ["#", "Adam", "3.5000", "400.000", "*"]]
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_the_frontier_marks_only_points_nothing_beats_for_the_bytes():
+    """Worked out by hand: B costs more than A for a higher loss (off);
+    C costs more for a lower loss (on); A2 is A's second seed."""
+    from benchmarks.loss_per_byte import frontier
+
+    runs = [{"label": "A", "losses": [4.0], "megabytes": [1.0]},
+            {"label": "A", "losses": [3.0], "megabytes": [3.0]},
+            {"label": "B", "losses": [3.6], "megabytes": [5.0]},
+            {"label": "C", "losses": [3.4], "megabytes": [9.0]}]
+    assert [(p["label"], p["loss"], p["megabytes"], p["on_frontier"]) for p in frontier(runs)] == [
+        ("A", 3.5, 2.0, True), ("B", 3.6, 5.0, False), ("C", 3.4, 9.0, True)]
