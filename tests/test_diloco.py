@@ -544,3 +544,33 @@ def test_an_inner_optimizer_built_again_after_diloco_is_refused():
             with torch.no_grad():
                 model.weight.clamp_(-1, 1)  # the script's own edit after a counted step
         assert diloco.sync() and diloco.rounds == 3
+
+
+def _warmup_with_a_skipped_step(rank, world):
+    """Rank 1 skips its first inner step (as torch's GradScaler does on the
+    rank that overflowed alone) and takes one more iteration to make up."""
+    import onebit
+
+    params = [torch.nn.Parameter(torch.ones(5))]
+    inner = torch.optim.SGD(params, lr=0.1)
+    diloco = onebit.DiLoCo(params, inner, sync_every=H, warmup_steps=8, timeout_s=30)
+    for it in range(4 if rank == 1 else 3):
+        params[0].grad = torch.full((5,), float(10 * rank + it))
+        if rank == 1 and it == 0:
+            continue  # skipped here alone: no inner step, no average
+        inner.step()
+    diloco.close()
+    return params[0].detach().numpy().copy(), diloco.inner_steps
+
+
+def test_a_rank_that_skips_a_warmup_step_joins_the_next_average_from_the_same_params():
+    """The others wait in the average for it; it arrives an iteration later
+    with a gradient taken at the same params, and every rank applies the same
+    mean: rank 0's iterations 0-2 with rank 1's 1-3 and rank 2's 0-2."""
+    out = run_workers(_warmup_with_a_skipped_step, 3, timeout=120)
+    want = np.ones(5, np.float64)
+    for k in range(3):  # SGD with lr 0.1 on the mean of the paired gradients
+        want -= 0.1 * (k + (10 + k + 1) + (20 + k)) / 3
+    for final, steps in out:
+        assert steps == 3 and np.allclose(final, want, rtol=0, atol=1e-5)
+        assert np.array_equal(final, out[0][0])
