@@ -62,6 +62,10 @@ from .stage import Stage
 from .untouched import UntouchedParams
 
 
+# A param's code in a step (OnebitOptimizer._notice_trainable_changes).
+_FROZEN, _TRAINED, _LATE = 0, 1, 2
+
+
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base class; see OnebitAdam for the user-facing documentation.
 
@@ -261,10 +265,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         stage = self.stage_at(self.counters["step"] + 1)
         t = stage.step
         self._late.mark(self.state, self.param_groups, stage.variance_frozen)
-        self._notice_trainable_changes()
-        groups = [(self._with_float_lr(g), self._trainable(g)) for g in self.param_groups]
-        late = [(g, self._shards.locals(self._late.params(self.state, raw)))
-                for (g, _), raw in zip(groups, self.param_groups)]
+        # One pass over the params decides who trains and who is late (the
+        # codes of _notice_trainable_changes): a step pays it per tensor.
+        codes = self._notice_trainable_changes()
+        groups = [(self._with_float_lr(g), self._shards.locals(
+            [p for p, c in zip(g["params"], code) if c == _TRAINED]))
+            for g, code in zip(self.param_groups, codes)]
+        late = [(g, self._shards.locals([p for p, c in zip(raw["params"], code) if c == _LATE]))
+                for (g, _), raw, code in zip(groups, self.param_groups, codes)]
         grads = [self._gradients(ps) for _, ps in groups]
         late_grads = [self._gradients(ps) for _, ps in late]
         try:
@@ -468,21 +476,21 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _trained_lists(self) -> List[List[torch.Tensor]]:
         return [self._trainable(g) for g in self.param_groups]
 
-    def _notice_trainable_changes(self) -> None:
+    def _notice_trainable_changes(self) -> List[List[int]]:
         """Keep the digest of which params train (requires_grad) current; when
         it changes (layers frozen or unfrozen, a param group added), forget
         everything laid out for the old set: flat buffers, error-feedback
         buffers (they restart from zero), cached denominators and guards,
-        scratch buffers."""
-        # 0: frozen, 1: trained, 2: a late joiner in its own warmup (late.py)
+        scratch buffers. Returns each group's codes: _FROZEN, _TRAINED, or
+        _LATE (a late joiner in its own warmup, late.py)."""
         signature = [[p.requires_grad + (p.requires_grad and self._late.is_late(self.state, p))
                       for p in g["params"]] for g in self.param_groups]
-        if signature == self._trainable_signature:
-            return
-        if self._trainable_signature is not None:
-            self._forget_layouts()
-        self._trainable_signature = signature
-        self._trainable_digest = collectives.stable_digest(signature)
+        if signature != self._trainable_signature:
+            if self._trainable_signature is not None:
+                self._forget_layouts()
+            self._trainable_signature = signature
+            self._trainable_digest = collectives.stable_digest(signature)
+        return signature
 
     def _local_state(self):
         """`self.state`, which a sharded param's local shard (what the maths
