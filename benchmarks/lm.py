@@ -54,6 +54,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from onebit.bench import hooks
 from onebit.bench.table import int_arg
 from onebit import launch
 from onebit.wire import DEFAULT_BLOCK_SIZE
@@ -214,59 +215,19 @@ def _shard(model: torch.nn.Module, name: str, world: int, shards: int):
 
 def _hooked(model: torch.nn.Module, name: str, a: dict) -> torch.nn.Module:
     """The model under DDP with the comm hook `name` names (HOOKS)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
     kind, rank = HOOKS[name]
-    if kind == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=rank,
-            start_powerSGD_iter=max(2, int(a["freeze"] * a["steps"])),
-            use_error_feedback=True, warm_start=True)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    else:  # torch's bf16 hook refuses gloo: the same steps, written out
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if kind == "fp16"
-                               else bf16_allreduce_hook)
-    return ddp
+    return hooks.hooked(model, kind, rank, start_iter=_hook_start(a))
 
 
-def bf16_allreduce_hook(process_group, bucket):
-    """torch's bf16_compress_hook, which DDP refuses by name without NCCL or
-    XCCL (gloo takes bf16 tensors): the
-    bucket cast to bf16, each rank's share divided first, all-reduced in
-    bf16, and cast back."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    half = bucket.buffer().to(torch.bfloat16).div_(group.size())
-    future = dist.all_reduce(half, group=group, async_op=True).get_future()
-
-    def back_to_fp32(done):
-        out = bucket.buffer()
-        out.copy_(done.value()[0])
-        return out
-    return future.then(back_to_fp32)
+def _hook_start(a: dict) -> int:
+    """PowerSGD's first compressed step: the freeze step, as the 1-bit warmup."""
+    return max(2, int(a["freeze"] * a["steps"]))
 
 
 def _hook_bytes(model: torch.nn.Module, name: str, a: dict, world: int, steps: int) -> float:
-    """What a rank of a hooked DDP run has sent after `steps` steps, as a
-    ring all-reduce of what the hook all-reduces: half of fp32's bytes for
-    the half-precision hooks; for PowerSGD, fp32 before its start step,
-    then each gradient matrix n x m as its factors P (n x r) and Q (m x r)
-    where torch's rule compresses it ((n + m) r * 2 < n m), else whole."""
-    from onebit.backends.stats import fp32_allreduce_bytes
-
-    numel = sum(p.numel() for p in model.parameters())
+    """What a rank of a hooked DDP run has sent after `steps` steps."""
     kind, rank = HOOKS[name]
-    if kind != "powersgd":
-        return fp32_allreduce_bytes(numel, world) / 2 * steps
-    compressed = 0
-    for p in model.parameters():
-        n = p.shape[0] if p.dim() else 1
-        m = p.numel() // max(n, 1)
-        r = min(n, m, rank)
-        compressed += (n + m) * r if (n + m) * r * 2 < n * m else n * m
-    start = min(steps, max(2, int(a["freeze"] * a["steps"])))
-    return (fp32_allreduce_bytes(numel, world) * start
-            + fp32_allreduce_bytes(compressed, world) * (steps - start))
+    return hooks.sent_bytes(model.parameters(), kind, world, steps, rank, _hook_start(a))
 
 
 def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:

@@ -183,9 +183,9 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
     out = bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "2",
                 "--untimed", "1", "--json", str(tmp_path / "s.json"))
     rows = {r["setup"]: r for r in json.loads((tmp_path / "s.json").read_text())["results"]}
-    assert list(rows) == ["floor", "ddp+adam", "onebitadam", "onebitadam+overlap", "zerooneadam",
-                          "zerooneadam+overlap", "onebitlamb", "onebitlamb+overlap",
-                          "floor again"], out
+    assert list(rows) == ["floor", "ddp+adam", "ddp+fp16", "ddp+powersgd", "onebitadam",
+                          "onebitadam+overlap", "zerooneadam", "zerooneadam+overlap", "onebitlamb",
+                          "onebitlamb+overlap", "floor again"], out
     assert rows["floor"]["x_floor"] == 1.0 and all(r["seconds"] > 0 for r in rows.values())
     assert rows["floor again"]["bytes_sent"] == 0  # the same no-communication setup, timed last
     assert rows["floor again"]["floor_seconds"] == rows["floor"]["seconds"]
@@ -201,6 +201,12 @@ def test_step_bench_times_every_setup_against_the_floor(tmp_path):
     # Timed in the compression stage: 1-bit traffic, >25x below DDP's fp32 gradients.
     assert rows["onebitadam"]["stage"] == rows["onebitlamb"]["stage"] == "compression"
     assert 0 < rows["onebitadam"]["bytes_sent"] < rows["ddp+adam"]["bytes_sent"] / 25
+    # The hooks' baselines: half of fp32's bytes; PowerSGD at rank 4 sends
+    # each weight matrix (width x width) as two factors of width x 4.
+    assert rows["ddp+fp16"]["bytes_sent"] == rows["ddp+adam"]["bytes_sent"] / 2
+    assert rows["ddp+fp16"]["stage"] == "fp16" and rows["ddp+powersgd"]["stage"] == "rank 4"
+    assert rows["onebitadam"]["bytes_sent"] < rows["ddp+powersgd"]["bytes_sent"] \
+        < rows["ddp+fp16"]["bytes_sent"]
     # overlap_backward changes when the exchange starts, not what it sends.
     for name in ("onebitadam", "zerooneadam", "onebitlamb"):
         twin = rows[name + "+overlap"]
@@ -212,7 +218,8 @@ def test_step_bench_times_diloco_and_streaming_diloco(tmp_path):
                 "--untimed", "1", "--optimizers", "diloco", "--sync-every", "4", "--fragments",
                 "2", "--json", str(tmp_path / "d.json"))
     rows = {r["setup"]: r for r in json.loads((tmp_path / "d.json").read_text())["results"]}
-    assert list(rows) == ["floor", "ddp+adam", "diloco", "diloco+overlap", "floor again"], out
+    assert list(rows) == ["floor", "ddp+adam", "ddp+fp16", "ddp+powersgd", "diloco",
+                          "diloco+overlap", "floor again"], out
     plain, streaming = rows["diloco"], rows["diloco+overlap"]
     assert plain["stage"] == streaming["stage"] == "1bit"
     # one round of H = 4 steps per timed round: 1 bit of every param per round, not 32 per step

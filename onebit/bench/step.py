@@ -9,6 +9,10 @@ same run, as baselines:
   ddp+adam   DistributedDataParallel + torch.optim.Adam (fp32 gradients,
              bucketed and overlapped with backward by DDP; `--ddp off` leaves
              it out);
+  ddp+fp16, ddp+powersgd  what a user picks instead for fewer bytes: DDP
+             with torch's fp16_compress_hook, or its powerSGD_hook at rank
+             4 (error feedback and warm start, compressing from the step
+             the onebit rows' compression starts), with Adam (not on shards)
 then each onebit optimizer in its compression stage (the warmup and
 `--untimed` more steps run first, untimed), used drop-in: step() exchanges
 1-bit momentum itself; with `--overlap` (default both) each optimizer
@@ -54,6 +58,7 @@ import torch.distributed as dist
 
 from .. import collectives, launch
 from ..accelerator import get_accelerator
+from . import hooks
 from .table import Table, count_arg, int_arg
 
 COLUMNS = [("setup", 19, "s"), ("ms/step", 10, ".1f"), ("x floor", 8, ".2f"),
@@ -105,6 +110,9 @@ def setups(optimizers: List[str], overlap: str) -> List[str]:
 
 
 BASELINES = ("ddp+adam", "hsdp+adam")  # the fp32 baseline, whole params or sharded
+# What a user picks instead for fewer bytes: DDP with a comm hook (hooks.py), Adam.
+HOOK_ROWS = {"ddp+fp16": "fp16", "ddp+powersgd": "powersgd"}
+POWERSGD_RANK = 4
 
 
 def _shard(model: torch.nn.Module, name: str, shards: int):
@@ -134,13 +142,15 @@ class _Setup:
         # On the group's device: an NCCL group takes no host tensors.
         self.name = name
         self.model = make_model(a["params"], a["width"]).to(collectives.communication_device())
-        self.onebit = name not in (FLOOR,) + BASELINES
+        self.onebit = name not in (FLOOR,) + BASELINES + tuple(HOOK_ROWS)
         net = self.model
         group = None
         if a.get("shards"):
             group = _shard(self.model, name, a["shards"])
         elif name == "ddp+adam":
             net = torch.nn.parallel.DistributedDataParallel(self.model)
+        elif name in HOOK_ROWS:  # PowerSGD compresses from the step the 1-bit rows do
+            net = hooks.hooked(self.model, HOOK_ROWS[name], POWERSGD_RANK, start_iter=FREEZE)
         self.diloco = None
         if self.onebit and not name.startswith("diloco"):
             self.opt = _onebit(name, self.model.parameters(), group)
@@ -224,6 +234,11 @@ def _interleaved(setup: _Setup, floor: _Setup, floor_before: float, a: dict) -> 
         n = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                 for p in setup.model.parameters())
         row["stage"], row["bytes_sent"] = "fp32", 2 * (world - 1) * 4 * n / world
+    elif setup.name in HOOK_ROWS:
+        kind = HOOK_ROWS[setup.name]
+        row["stage"] = "fp16" if kind == "fp16" else f"rank {POWERSGD_RANK}"
+        row["bytes_sent"] = hooks.step_bytes(setup.model.parameters(), kind,
+                                             dist.get_world_size(), POWERSGD_RANK)
     return row
 
 
@@ -261,9 +276,12 @@ def measure(rank: int, world: int, a: dict) -> List[Dict]:
              "bytes_sent": 0.0, "pieces": "", "tail": ""}
     show(first)
     baselines = [BASELINES[bool(a.get("shards"))]] if a["ddp"] else []
+    if a["ddp"] and not a.get("shards"):
+        baselines += list(HOOK_ROWS)
     for name in baselines + setups(a["optimizers"], a["overlap"]):
         setup = _Setup(name, a, x, y)
-        warmup = FREEZE if setup.onebit and setup.diloco is None else 0  # DiLoCo has no freeze
+        # DiLoCo has no freeze; PowerSGD starts compressing where the 1-bit rows do
+        warmup = FREEZE if (setup.onebit or name in HOOK_ROWS) and setup.diloco is None else 0
         setup.run(setup.untimed_steps(a["untimed"] + warmup))
         row = _interleaved(setup, floor, last, a)
         last = row.pop("last_floor")
@@ -313,7 +331,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time each optimizer without and/or with overlap_backward=True "
                         "(rows named +overlap)")
     p.add_argument("--ddp", choices=("on", "off"), default="on",
-                   help="time the ddp+adam baseline (off: only the floor and the optimizers, "
+                   help="time the DDP baselines, fp32 and with the fp16 and PowerSGD hooks (off: only "
+                        "the floor and the optimizers, "
                         "for runs on slow links, where DDP's steps take most of the time)")
     p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,
                    help="diloco: inner steps per outer round (H)")
