@@ -120,7 +120,10 @@ def test_ddp_hook_zero_one_adam_replicas_stay_identical_with_one_rank_infs():
 DILOCO_INFS = {2: [1], 6: [2], 7: [0], 11: [1, 2], 13: [2]}  # iteration -> ranks with an inf
 
 
-def _diloco_with_scaler(rank, world, fragments):
+def _diloco_scaled_loop(rank, fragments, kind):
+    """A fixed-length loop of 16 iterations of DiLoCo over inner AdamW, the
+    loss scaled by a `kind` GradScaler, infs on the ranks DILOCO_INFS says;
+    yields (diloco, scaler) after each iteration."""
     import onebit
 
     torch.manual_seed(0)
@@ -128,8 +131,7 @@ def _diloco_with_scaler(rank, world, fragments):
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=fragments,
                            overlap_steps=1 if fragments > 1 else 0, timeout_s=30)
-    scaler = _scaler("onebit")
-    seen = []
+    scaler = _scaler(kind)
     for t in range(1, 17):  # a loop of fixed length, as scripts are written
         g = torch.Generator().manual_seed(100 * t + rank)
         inner.zero_grad()
@@ -138,6 +140,12 @@ def _diloco_with_scaler(rank, world, fragments):
             model[0].weight.grad[0, 0] = float("inf")
         scaler.step(inner)
         scaler.update()
+        yield diloco, scaler
+
+
+def _diloco_with_scaler(rank, world, fragments):
+    seen = []
+    for diloco, scaler in _diloco_scaled_loop(rank, fragments, "onebit"):
         seen.append((diloco.inner_steps, diloco.rounds, scaler.get_scale(),
                      [a.tolist() for a in diloco.anchors]))
     diloco.close()
@@ -162,24 +170,9 @@ def test_diloco_with_the_scaler_and_one_rank_infs_runs_a_fixed_loop_to_the_end(f
 
 
 def _diloco_with_torchs_scaler(rank, world, fragments):
-    import onebit
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=fragments,
-                           overlap_steps=1 if fragments > 1 else 0, timeout_s=30)
-    scaler = _scaler("torch")
     landed = {}  # rounds -> the anchors once that many outer steps had landed
-    for t in range(1, 17):  # a loop of fixed length: a rank that skipped ends behind
-        g = torch.Generator().manual_seed(100 * t + rank)
-        inner.zero_grad()
-        scaler.scale(model(torch.randn(8, 6, generator=g)).pow(2).mean()).backward()
-        if rank in DILOCO_INFS.get(t, []):
-            model[0].weight.grad[0, 0] = float("inf")
-        scaler.step(inner)
-        scaler.update()
-        landed[diloco.rounds] = [a.tolist() for a in diloco.anchors]
+    for diloco, _ in _diloco_scaled_loop(rank, fragments, "torch"):  # a rank that skipped
+        landed[diloco.rounds] = [a.tolist() for a in diloco.anchors]  # ends behind
     diloco.close()  # joins the rounds the others launched and this rank did not reach
     landed[diloco.rounds] = [a.tolist() for a in diloco.anchors]
     return landed, diloco.inner_steps, diloco.rounds
