@@ -7,6 +7,7 @@ import torch
 from onebit.backends.layout import BlockLayout
 from onebit.feedback.exchange import (BucketKey, ErrorFeedbackExchange, GroupKey, LateKey,
                                    key_from_name)
+from onebit.optim.step_exchange import StepExchange
 
 BLOCK, WORLD = 8, 2
 
@@ -64,12 +65,20 @@ def test_views_put_each_tensor_on_its_own_blocks():
     assert all(torch.equal(o, t) for o, t in zip(out, ts))
 
 
-def test_compressed_average_goes_through_the_keys_buffer_and_errors():
+def compressed_average_(ex, key, ts):
+    """ts <- their "average" through buffer `key`, as a step's exchange does."""
+    views = ex.prepare(key, ts)
+    torch._foreach_copy_(views, ts)
+    ex.allreduce(key)
+    torch._foreach_copy_(ts, views)
+
+
+def test_allreduce_goes_through_the_keys_buffer_and_errors():
     backend = FakeBackend()
     ex = ErrorFeedbackExchange(backend)
     ts = tensors((3,), (9,))
     expected = [t * 2 for t in ts]
-    ex.compressed_average_(BucketKey(0, 1), ts)
+    compressed_average_(ex, BucketKey(0, 1), ts)
     assert all(torch.equal(t, e) for t, e in zip(ts, expected))
     assert backend.calls == [(ex.buffer(BucketKey(0, 1), ts).data_ptr(),
                               ex.layout_for([3, 9]).key)]
@@ -77,13 +86,6 @@ def test_compressed_average_goes_through_the_keys_buffer_and_errors():
     assert (worker.numel(), server.numel()) == ex.layout_for([3, 9]).error_sizes
     assert torch.all(worker == 1.0) and torch.all(server == 10.0)
     assert list(ex.error_buffers()) == [BucketKey(0, 1)]
-
-
-def test_exchange_writes_then_reduces_and_returns_the_views():
-    ex = ErrorFeedbackExchange(FakeBackend())
-    like = tensors((4,))
-    views = ex.exchange(GroupKey(0), like, lambda vs: vs[0].fill_(3.0))
-    assert torch.equal(views[0], torch.full((4,), 6.0))
 
 
 def test_average_divides_after_the_callers_reduction():
@@ -97,7 +99,7 @@ def test_average_divides_after_the_callers_reduction():
 def test_restore_puts_back_the_errors_of_before_the_backup():
     ex = ErrorFeedbackExchange(FakeBackend())
     key, ts = BucketKey(1, 0), tensors((20,))
-    ex.compressed_average_(key, ts)
+    compressed_average_(ex, key, ts)
     before = [e.clone() for e in ex.errors(key)]
     ex.backup(key)
     ex.allreduce(key)
@@ -109,7 +111,7 @@ def test_restore_puts_back_the_errors_of_before_the_backup():
 def test_reset_keeps_the_buffers_forget_layouts_drops_them():
     ex = ErrorFeedbackExchange(FakeBackend())
     ts = tensors((20,))
-    ex.compressed_average_(GroupKey(0), ts)
+    compressed_average_(ex, GroupKey(0), ts)
     flat = ex.buffer(GroupKey(0), ts)
     ex.reset()
     assert ex.error_buffers() == {}
@@ -127,7 +129,7 @@ def test_errors_state_round_trips_through_load_errors():
     buckets = [(BucketKey(2, 0), [30]), (BucketKey(0, 1), [4, 3])]
     layouts = ex.layouts(trained, buckets)
     assert list(layouts) == [GroupKey(0), GroupKey(2), BucketKey(2, 0), BucketKey(0, 1)]
-    ex.compressed_average_(GroupKey(2), trained[2])
+    compressed_average_(ex, GroupKey(2), trained[2])
     state = ex.errors_state(layouts, torch.device("cpu"))
     assert list(state) == ["0", "2", "2.0", "0.1"]
     assert torch.all(state["2"]["worker"] == 1.0) and torch.all(state["0"]["worker"] == 0.0)
@@ -147,3 +149,42 @@ def test_errors_state_round_trips_through_load_errors():
 
 def test_no_backend_no_layouts():
     assert ErrorFeedbackExchange(None).layouts([tensors((3,))]) == {}
+
+
+# ------------------------------------------------- a step's exchange --
+def test_step_exchange_takes_the_input_in_the_fused_buffer_and_lands_it_masked():
+    backend = FakeBackend()
+    ex = ErrorFeedbackExchange(backend)
+    step = StepExchange(ex, None, WORLD).group(0)
+    out = tensors((3,), (9,), (2,))
+    inputs = step.inputs(out)
+    assert [v.data_ptr() for v in inputs] == [v.data_ptr() for v in ex.views(GroupKey(0), out)]
+    for v in inputs:
+        v.fill_(1.5)
+    assert backend.calls == []  # nothing on the wire before parts()
+    masks = [None, (torch.arange(9) % 2 == 0).float(), None]  # (guards.py's form)
+    seen = [True, True, False]
+    parts = list(step.parts(out, seen, masks))
+    assert parts == [[0, 1, 2]] and len(backend.calls) == 1
+    assert torch.equal(out[0], torch.full((3,), 3.0))
+    assert torch.equal(out[1], torch.where(masks[1] > 0, 3.0, 0.0))
+    assert torch.equal(out[2], torch.zeros(2))  # a tensor v never saw gets nothing
+
+
+def test_step_exchange_at_world_size_one_is_the_input_itself():
+    step = StepExchange(ErrorFeedbackExchange(FakeBackend()), None, 1).group(0)
+    out = tensors((4,))
+    assert step.inputs(out) is out
+    out[0].fill_(2.0)
+    step.average_(out, [True], [torch.tensor([1.0, 0.0, 1.0, 0.0])])
+    assert torch.equal(out[0], torch.tensor([2.0, 0.0, 2.0, 0.0]))
+
+
+def test_step_exchange_can_leave_the_average_in_the_buffer():
+    step = StepExchange(ErrorFeedbackExchange(FakeBackend()), None, WORLD).group(2)
+    like = tensors((5,))
+    inputs = step.inputs(like)
+    inputs[0].fill_(-1.0)
+    step.average_(None, [True], [None])
+    assert torch.equal(inputs[0], torch.full((5,), -2.0))
+    assert torch.equal(like[0], torch.arange(5.0))  # untouched

@@ -151,24 +151,6 @@ class ErrorFeedbackExchange:
         flat, layout = self._flat[key]
         self.backend.compressed_allreduce(flat, *self.errors(key), layout=layout)
 
-    def exchange(self, key: ErrorKey, like: List[torch.Tensor],
-                 write: Callable[[List[torch.Tensor]], None]) -> List[torch.Tensor]:
-        """`write(views)` fills buffer `key` (shaped like `like`), then its
-        compressed allreduce; returns the views, which hold the average."""
-        views = self.prepare(key, like)
-        write(views)
-        self.allreduce(key)
-        return views
-
-    def compressed_average_(self, key: ErrorKey, tensors: List[torch.Tensor]) -> None:
-        """tensors <- their 1-bit error-compensated average, through buffer `key`."""
-        if not tensors:
-            return
-        self.buffer(key, tensors)
-        self.flatten_into(key, tensors)
-        self.allreduce(key)
-        self.unflatten_from(key, tensors)
-
     def average_(self, key: BufferKey, tensors: List[torch.Tensor],
                  reduce: Callable[[torch.Tensor], None], world_size: int) -> None:
         """tensors <- their full-precision mean: `reduce(flat)` sums buffer

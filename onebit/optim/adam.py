@@ -1,7 +1,9 @@
 """1-bit Adam (Tang et al., 2021, arXiv 2102.02888)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
 
 from . import functional as F
 from .guards import only_seen
@@ -10,6 +12,9 @@ from .base import FreezeStepOptimizer
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
 from .stage_schedules import FreezeStepSchedule
+from .step_exchange import GroupExchange
+
+Tensors = List[torch.Tensor]
 
 
 @documents_comm_options
@@ -69,25 +74,58 @@ class OnebitAdam(FreezeStepOptimizer):
             bucket_cap_mb=bucket_cap_mb))
 
     def _update(self, stage, groups, grads) -> None:
-        t, compress, version = stage.step, stage.compressed, stage.variance_version
+        t, version = stage.step, stage.variance_version
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
-            m, v = self._moments(group, params, gs)
-            if not compress:
-                F.update_momentum_(m, gs, beta1)
-                F.update_variance_(v, gs, beta2)
-            seen, masks = self._seen(i, group, v, version)
+            m, v = self._moments(params)
             bc1, bc2 = self._bias_corrections(group, t, stage.variance_updates)
-            denom = self._denominators(i, group, v, bc2, version)
-            # m <- the 1-bit average of the new momentum, in parts: with
-            # overlap_backward, each bucket's params step while the next
-            # bucket is still on the wire.
-            parts = (self._exchanged_parts(i, params, gs, m, seen, masks) if compress
-                     else [range(len(params))])
-            for part in parts:
-                ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, m, denom, seen))
-                if compress:
-                    self._mask_(group, ms)
-                F.adam_step_(*only_seen(ss, ps, ms, ds), group["lr"], group["weight_decay"], bc1)
+            onebit_adam(
+                params, gs, m, v,
+                exchange=self._exchanges.group(i) if stage.compressed else None,
+                zero_variance=lambda v, i=i, group=group: self._seen(i, group, v, version),
+                denominators=lambda v, i=i, group=group, bc2=bc2: self._denominators(
+                    i, group, v, bc2, version),
+                mask_=lambda ms, group=group: self._mask_(group, ms),
+                beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+                weight_decay=group["weight_decay"], bc1=bc1)
+
+
+def onebit_adam(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *,
+                exchange: Optional[GroupExchange],
+                zero_variance: Callable[[Tensors], Tuple[List[bool], list]],
+                denominators: Callable[[Tensors], Tensors],
+                mask_: Callable[[Tensors], None],
+                beta1: float, beta2: float, lr: float, weight_decay: float, bc1: float) -> None:
+    """One step of 1-bit Adam on one param group, in place.
+
+    Warmup (`exchange` None): `grads` are already averaged across ranks,
+    and this is Adam: m and v learn from them. Compression: v is frozen and
+    m becomes the 1-bit average of every rank's new momentum beta1 * m +
+    (1 - beta1) * g, written straight into the buffer that travels
+    (`exchange`, step_exchange.py) and landing in parts: each part's params
+    step while the later parts are still on the wire (overlap_backward).
+
+    Then p <- p - lr * (m / bc1 / denom + weight_decay * p). What the
+    optimizer keeps between steps comes in as functions of v:
+    `zero_variance(v)` gives the guard's (seen, masks) (elements v never saw
+    do not move, guards.py), `denominators(v)` sqrt(v / bc2) + eps (cached
+    while v is frozen), and `mask_(m)` applies the group's exp_avg_mask to
+    an exchanged momentum.
+    """
+    if exchange is None:
+        F.update_momentum_(exp_avgs, grads, beta1)
+        F.update_variance_(exp_avg_sqs, grads, beta2)
+    seen, masks = zero_variance(exp_avg_sqs)
+    denoms = denominators(exp_avg_sqs)
+    parts: Iterable[Sequence[int]] = [range(len(params))]
+    if exchange is not None:
+        inputs = exchange.inputs(exp_avgs)
+        if inputs is not None:  # (else backward wrote them: the same expression)
+            F.momentum_into(inputs, exp_avgs, grads, beta1)
+        parts = exchange.parts(exp_avgs, seen, masks)
+    for part in parts:
+        ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen))
+        if exchange is not None:
+            mask_(ms)
+        F.adam_step_(*only_seen(ss, ps, ms, ds), lr, weight_decay, bc1)

@@ -17,7 +17,9 @@ Shared with DiLoCo (onebit/feedback/):
 
 The optimizers' own (onebit/optim/):
 
-- `BackwardOverlap` (overlap.py): the exchange started during backward;
+- `StepExchange` (step_exchange.py): a stage's 1-bit exchange, whichever
+  path it takes (one fused buffer, or the buckets of `BackwardOverlap`,
+  overlap.py, started during backward);
 - `LateJoiners` (late.py): params that start training after v froze;
 - `StaticBuffers` (capture.py): scratch buffers kept from step to step;
 - `ZeroVarianceGuard` (guards.py): what an exchange must not move;
@@ -35,7 +37,7 @@ import contextlib
 import copy
 import time
 import warnings
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,10 +56,11 @@ from . import checkpoints
 from . import functional as F
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
-from .guards import ZeroVarianceGuard, copy_masked_, mask_unseen_
+from .guards import ZeroVarianceGuard
 from .late import LATE_KEY, LateJoiners
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
+from .step_exchange import StepExchange
 from .stage import Stage
 from .untouched import UntouchedParams
 
@@ -80,7 +83,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     contract:
 
     - required: `_update(stage, groups, grads)`, the maths of one step of
-      that stage; `_exchange_input_(...)`, what its 1-bit exchange sends;
+      that stage, written as a function with explicit inputs (as
+      `onebit_adam` in adam.py): it exchanges through `self._exchanges`
+      (step_exchange.py), writing the input itself, and comes back here
+      only when the step is done; `_exchange_input_(...)`, what its 1-bit
+      exchange sends when backward starts it (overlap.py);
     - optional, with defaults here: `rank_agreed_settings`, the names of its
       own attributes (set before calling this constructor) that every rank
       must share besides the schedule's; `_exchange_input_key(index)`
@@ -169,6 +176,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._overlap: Optional[BackwardOverlap] = None
         self._step_in_progress: Optional[int] = None  # set by step() once it agreed to go on
         self._setup_overlap(overlap_backward, bucket_cap_mb)
+        # What a stage's maths calls to exchange (step_exchange.py).
+        self._exchanges = StepExchange(self._channel.exchange, self._overlap, self.world_size)
 
     # ------------------------------------------------ the subclass contract --
     @abc.abstractmethod
@@ -251,8 +260,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         .grad counts as zero), average them in full precision when this step
         needs it, agree across ranks on skipping a non-finite step and on
         the params no rank has a gradient for (left as they were,
-        untouched.py), then let the subclass's `_update` do the maths for
-        step t.
+        untouched.py), clip each group's gradients (max_grad_norm), then
+        let the subclass's `_update` do the maths for step t.
         """
         loss = None
         if closure is not None:
@@ -298,6 +307,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if exchanged_in_buckets:  # wait for them (a GradScaler's unscaling: exchange again)
                 self._overlap.settle([ps for _, ps in groups], grads,
                                      relaunch=getattr(self, "grad_scale", None) is not None)
+            for (group, _), gs in zip(groups, grads):  # warmup: the average; else the local one
+                self._clip_(gs, group["max_grad_norm"])
             self._update(stage, groups, grads)
             self._schedule.advance(self.counters, stage)
         finally:
@@ -508,10 +519,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             t = st[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return t
 
-    def _moments(self, group, params: List[torch.Tensor], grads: List[torch.Tensor]):
-        """Clip this group's gradients (max_grad_norm) and return its fp32
-        (exp_avg, exp_avg_sq) state tensors, created on first use."""
-        self._clip_(grads, group["max_grad_norm"])
+    def _moments(self, params: List[torch.Tensor]):
+        """The params' fp32 (exp_avg, exp_avg_sq) state tensors, created on
+        first use."""
         m, v = [], []
         for p in params:  # one state lookup per param (a step pays this per tensor)
             st = self._state_of(p)
@@ -577,60 +587,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self.traffic.add(nominal, nominal, nominal, time.perf_counter() - started)
 
         self._channel.exchange.average_(key, tensors, all_reduce, self.world_size)
-
-    def _compressed_average_(self, index: int, tensors: List[torch.Tensor]) -> None:
-        """1-bit error-compensated mean across ranks of `tensors` (group
-        `index`'s trained params' order), fused into one compressed_allreduce
-        (each tensor on its own blocks); with overlap_backward, over the
-        group's buckets (overlap.py)."""
-        if self.world_size == 1 or not tensors:
-            return
-        if self._overlap is not None:
-            for _ in self._overlap.exchange_now(
-                    index, lambda b, views: torch._foreach_copy_(views, b.pick(tensors)),
-                    tensors, [True] * len(tensors), [None] * len(tensors)):
-                pass
-            return
-        self._channel.exchange.compressed_average_(GroupKey(index), tensors)
-
-    def _exchange_(self, index: int, params, grads, out: List[torch.Tensor], seen: List[bool],
-                   masks: list) -> None:
-        """out <- the 1-bit average of what this step exchanges for the
-        params of group `index` (see `_exchanged_parts`), all of it."""
-        for _ in self._exchanged_parts(index, params, grads, out, seen, masks):
-            pass
-
-    def _exchanged_parts(self, index: int, params, grads, out: List[torch.Tensor],
-                         seen: List[bool], masks: list) -> Iterator[List[int]]:
-        """out <- the 1-bit average of what this step exchanges for the
-        params of group `index` (`_exchange_input_`), zeroed where v == 0
-        (the zero-variance guard's `seen` and `masks`, guards.py) as it
-        lands, in parts: yields the positions in `out` that are ready, so
-        that the caller can update those params while the rest is still on
-        the wire. From the buckets exchanged during backward, one part each;
-        else the input is written straight into the group's fused buffer, as
-        the buckets do (no pass to update the state first and another to
-        copy it in), and exchanged now, as one part. At world size 1 nothing
-        is exchanged: out <- the input."""
-        if self._overlap is not None and self._overlap.settled:
-            yield from self._overlap.collect(index, out, seen, masks)
-            return
-        if self._overlap is not None:  # a step that could not start in backward: its buckets now
-            yield from self._overlap.exchange_now(
-                index, lambda b, views: self._exchange_input_(index, b.params, b.pick(grads),
-                                                              views, b.positions),
-                out, seen, masks)
-            return
-        if self.world_size == 1:
-            self._exchange_input_(index, params, grads, out, range(len(params)))
-            mask_unseen_(out, masks, seen)
-        else:
-            views = self._channel.exchange.exchange(
-                GroupKey(index), out,
-                lambda views: self._exchange_input_(index, params, grads, views,
-                                                    range(len(params))))
-            copy_masked_(out, views, masks, seen)
-        yield list(range(len(out)))
 
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""

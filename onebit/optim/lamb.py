@@ -146,11 +146,12 @@ class OnebitLamb(FreezeStepOptimizer):
         variance as the fresh one, as freeze_step does for the rest."""
         for p, g in zip(params, grads):
             done = LateJoiners.steps_done(self._local_state(), p)
+            self._clip_([g], group["max_grad_norm"])  # (its own norm: step() clips the rest)
             self._warmup_step(key, group, [p], [g], done + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
         beta1, beta2 = group["betas"]
-        m, v = self._moments(group, params, gs)
+        m, v = self._moments(params)
         F.update_momentum_(m, gs, beta1)
         F.update_variance_(v, gs, beta2)
         seen, _ = self._seen(i, group, v, None)
@@ -190,7 +191,7 @@ class OnebitLamb(FreezeStepOptimizer):
         return self._shards.whole_norms if self._shards.sharded else None
 
     def _compressed_step(self, i, group, params, gs, t) -> None:
-        m, v = self._moments(group, params, gs)
+        m, v = self._moments(params)
         frozen = self.trust_ratio == "frozen"
         if frozen:
             m_last = self._static.scratch("momentum before this step", i, m)
@@ -198,7 +199,11 @@ class OnebitLamb(FreezeStepOptimizer):
         # m <- the 1-bit average of the new momentum: one fused exchange for
         # the whole group (see the class doc for why it is not rescaled).
         seen, masks = self._seen(i, group, v, self.freeze_step)
-        self._exchange_(i, params, gs, m, seen, masks)
+        exchange = self._exchanges.group(i)
+        inputs = exchange.inputs(m)
+        if inputs is not None:  # (else backward wrote them: the same expression)
+            F.momentum_into(inputs, m, gs, group["betas"][0])
+        exchange.average_(m, seen, masks)
         self._mask_(group, m)
         bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
         if not frozen:  # LAMB itself, on the averaged momentum and the frozen variance

@@ -8,9 +8,9 @@ written into the bucket's own fused buffer, and its compressed allreduce
 is queued on one communication thread, so it runs while backward goes on.
 step() takes the buckets in launch order as their exchanges finish, and
 1-bit Adam (0/1 Adam at a sync) applies each bucket's update while the
-later buckets are still on the wire (`OnebitOptimizer._exchanged_parts`). An
+later buckets are still on the wire (step_exchange.py). An
 exchange that could not start in backward goes over the same buckets from
-step() (`exchange_now`), so a group's errors keep one history.
+step() (`inputs_now`, `exchange_now`), so a group's errors keep one history.
 
 Why the result is bitwise the fused one. Every tensor starts on its own
 blocks, and every sign, scale and error is decided per block
@@ -159,6 +159,7 @@ class BackwardOverlap:
                       "wait_s": 0.0}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="onebit-exchange")
         self.handoff = StreamHandoff()
+        self._now: Dict[int, List[Bucket]] = {}  # group -> buckets step() exchanges itself
 
     # ------------------------------------------------------------- hooks --
     def watch(self, params) -> None:
@@ -323,22 +324,33 @@ class BackwardOverlap:
             b.land(out, self.exchange.views(b.key, b.params), seen, masks)
             yield b.positions
 
-    def exchange_now(self, index: int, write, out: List[torch.Tensor], seen: List[bool],
-                     masks: list) -> Iterator[List[int]]:
-        """An exchange of group `index` that step() makes itself: bucket by
-        bucket, `write(bucket, views)` fills a bucket's buffer, its
-        compressed allreduce runs at once, and the result goes into `out` as
-        in `collect`. Over the buckets' buffers and errors, so that a group's
-        error feedback keeps one history whichever path a step takes (and
-        the bits stay those of the fused exchange). Exchanges launched
+    def inputs_now(self, index: int, like: List[torch.Tensor]) -> List[torch.Tensor]:
+        """For an exchange of group `index` that step() makes itself: the
+        buffers of its buckets, as views in the group's order (shaped like
+        `like`), for the caller to write the input into; `exchange_now`
+        then sends them. Over the buckets' buffers and errors, so that a
+        group's error feedback keeps one history whichever path a step takes
+        (and the bits stay those of the fused exchange). Exchanges launched
         during backward for this step are undone first."""
         if self.launched:
             self.abandon()
-        for b in plan_buckets(self.callbacks.trained(), self.cap, self.first_cap):
-            if b.index != index:
-                continue
-            views = self.exchange.exchange(b.key, b.params, lambda views, b=b: write(b, views))
-            b.land(out, views, seen, masks)
+        views: List[Optional[torch.Tensor]] = [None] * len(like)
+        self._now[index] = [b for b in plan_buckets(self.callbacks.trained(), self.cap,
+                                                    self.first_cap) if b.index == index]
+        for b in self._now[index]:
+            for j, view in zip(b.positions, self.exchange.prepare(b.key, b.params)):
+                views[j] = view
+        return views
+
+    def exchange_now(self, index: int, out: Optional[List[torch.Tensor]], seen: List[bool],
+                     masks: list) -> Iterator[List[int]]:
+        """The buckets `inputs_now` handed out, bucket by bucket: each one's
+        compressed allreduce runs at once, and the result goes into `out` as
+        in `collect` (with `out` None it stays in the buffers)."""
+        for b in self._now.pop(index):
+            self.exchange.allreduce(b.key)
+            if out is not None:
+                b.land(out, self.exchange.views(b.key, b.params), seen, masks)
             yield b.positions
 
     def abandon(self) -> None:

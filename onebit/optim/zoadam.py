@@ -9,7 +9,6 @@ from . import functional as F
 from .guards import mask_unseen_, only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
-from ..feedback.exchange import GroupKey
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
 from .stage_schedules import ZeroOneSchedule
@@ -131,7 +130,7 @@ class ZeroOneAdam(OnebitOptimizer):
             # the accumulator would hold this step's displacement alone.
             single = sync and c["lrs"][i] == 0.0
             beta1, beta2 = group["betas"]
-            m, v = self._moments(group, params, gs)
+            m, v = self._moments(params)
             if single:  # (lrs stays 0: the next interval starts here)
                 self._sync_single_(i, t, version, group, params, gs, m, v)
                 continue
@@ -139,8 +138,12 @@ class ZeroOneAdam(OnebitOptimizer):
                 F.update_variance_(v, gs, beta2)
             seen, masks = self._seen(i, group, v, version)
             # The exchanged or local gradient moves nothing v never saw.
-            if not full and not frozen:
-                self._exchange_(i, params, gs, gs, seen, masks)
+            if not full and not frozen:  # the 1-bit average of the gradients
+                exchange = self._exchanges.group(i)
+                inputs = exchange.inputs(gs)
+                if inputs is not None:  # (else backward wrote them: the same copy)
+                    F.copy_unless_same_(inputs, gs)
+                exchange.average_(gs, seen, masks)
                 self._mask_(group, gs)
             elif not full:
                 mask_unseen_(gs, masks, seen)
@@ -219,19 +222,18 @@ class ZeroOneAdam(OnebitOptimizer):
 
         A sync with no lr since the last sync takes _sync_single_ instead.
         """
-        # u * denom / lrs goes straight into the fused buffer, and the average
-        # is read from there: no pass to scale u, none to copy it back.
+        # u * denom / lrs goes straight into the buffer that travels, and the
+        # average is read from there: no pass to scale u, none to copy it back
+        # (at world size 1 the buffer is u itself).
         def mean_direction_into(views):
             F.mul_into(views, u, denom)
             torch._foreach_div_(views, lrs)
 
-        if self.world_size > 1 and self._overlap is None:
-            avg = self._channel.exchange.exchange(GroupKey(i), u, mean_direction_into)
-        else:  # the mean over one rank; with the overlap, over its buckets (as the syncs
-            # that follow a sync)
-            avg = [torch.empty_like(ui) for ui in u]
-            mean_direction_into(avg)
-            self._compressed_average_(i, avg)
+        # (Never written in backward: a sync after local steps needs u.)
+        exchange = self._exchanges.group(i)
+        avg = exchange.inputs(u)
+        mean_direction_into(avg)
+        exchange.average_(None, seen, masks)  # the average stays where the input was
         self._mask_(group, avg)
         mask_unseen_(avg, masks, seen)
         F.mul_into(m, avg, -bc1)
@@ -266,8 +268,13 @@ class ZeroOneAdam(OnebitOptimizer):
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(i, group, v, bc2, version)
         seen, masks = self._seen(i, group, v, version)
-        # m <- the average displacement, zeroed where v == 0, bucket by bucket
-        for part in self._exchanged_parts(i, params, grads, m, seen, masks):
+        exchange = self._exchanges.group(i)
+        inputs = exchange.inputs(m)
+        if inputs is not None:  # (else backward wrote them: _exchange_input_, the same maths)
+            F.momentum_into(inputs, m, grads, group["betas"][0])  # the new m, not committed
+            self._direction_into(group, params, inputs, denom, bc1, seen, masks, inputs)
+        # m <- the average direction, zeroed where v == 0, bucket by bucket
+        for part in exchange.parts(m, seen, masks):
             ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, m, denom, seen))
             self._mask_(group, ms)
             self._land_(ps, ps, ms, ds, ss, group["lr"])
