@@ -27,8 +27,11 @@ The optimizers' own (onebit/optim/):
 
 Hyper-parameter defaults live in defaults.py, the checkpoint formats in
 checkpoints.py, the maths in functional.py, the stage schedules in
-stage_schedules.py, each optimizer's stage maths in its class (adam.py,
-lamb.py, zoadam.py).
+stage_schedules.py, and each optimizer's stage maths as functions with
+explicit inputs beside its class, as torch.optim.adam's `adam()` (adam.py:
+`onebit_adam`; lamb.py: `lamb_warmup_step_`, `onebit_lamb_fresh_step_`,
+`onebit_lamb_frozen_step_`; zoadam.py: `accumulate_`, `sync_local_steps_`,
+`sync_single_`). The classes gather the state and call them.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """1-bit LAMB (Li et al., 2021, arXiv 2104.06069)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -150,40 +150,31 @@ class OnebitLamb(FreezeStepOptimizer):
             self._warmup_step(key, group, [p], [g], done + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
-        beta1, beta2 = group["betas"]
         m, v = self._moments(params)
-        F.update_momentum_(m, gs, beta1)
-        F.update_variance_(v, gs, beta2)
-        seen, _ = self._seen(i, group, v, None)
-        params, m, v = only_seen(seen, params, m, v)  # never-seen tensors stay as they are
-        if not params:
-            return
-        bc1, bc2 = self._bias_corrections(group, t, t)
-        coeffs = self._lamb_update(i, group, params, m, self._denominators(i, group, v, bc2, None), bc1)
-        for p, coeff in zip(params, coeffs):
+        coeffs = lamb_warmup_step_(
+            params, gs, m, v,
+            zero_variance=lambda v: self._seen(i, group, v, None)[0],
+            denominators=lambda v, bc2: self._denominators(i, group, v, bc2, None),
+            scratch=lambda like: self._static.scratch("update", i, like),
+            whole_norms=self._whole_norms(), beta1=group["betas"][0], beta2=group["betas"][1],
+            lr=group["lr"], weight_decay=group["weight_decay"],
+            bias_corrections=self._bias_corrections(group, t, t),
+            min_coeff=group["min_coeff"], max_coeff=group["max_coeff"])
+        self.lamb_coeffs.extend(c for c in coeffs if c is not None)
+        for p, mi, vi, coeff in zip(params, m, v, coeffs):
+            if coeff is None:  # never seen: stays as it is
+                continue
             st = self._state_of(p)
             st.setdefault("lamb_coeff_freeze", 0.0)
             st.setdefault("last_factor", 1.0)
             if coeff != 1.0:
                 st["lamb_coeff_freeze"] = (self.coeff_beta * st["lamb_coeff_freeze"]
                                            + (1.0 - self.coeff_beta) * coeff)
-        if t == self.freeze_step:  # what the compression stage's ratio starts from
-            key, src = (("exp_avg_sq_fresh", v) if self.trust_ratio == "frozen"
-                        else ("exp_avg_smoothed", m))
-            for p, x in zip(params, src):
-                self._state_of(p)[key] = x.clone()
-
-    def _lamb_update(self, i, group, params, m, denom, bc1) -> list:
-        """LAMB's step: p -= lr * clamp(||p|| / ||u||) * u with
-        u = (m / bc1) / denom + weight_decay * p. Returns the coefficients."""
-        pf = [p.float() for p in params]
-        upd = F.adam_updates(m, denom, pf, group["weight_decay"], bc1,
-                             out=self._static.scratch("update", i, m))
-        coeffs = F.lamb_trust_ratios(pf, upd, group["min_coeff"], group["max_coeff"],
-                                     whole=self._whole_norms())
-        self.lamb_coeffs.extend(coeffs)
-        F.apply_updates_(params, upd, group["lr"], coeffs)
-        return coeffs
+            if t == self.freeze_step:  # what the compression stage's ratio starts from
+                if self.trust_ratio == "frozen":
+                    st["exp_avg_sq_fresh"] = vi.clone()
+                else:
+                    st["exp_avg_smoothed"] = mi.clone()
 
     def _whole_norms(self):
         """Sharded params: the ratio is of whole parameters' norms, so each
@@ -206,69 +197,127 @@ class OnebitLamb(FreezeStepOptimizer):
         exchange.average_(m, seen, masks)
         self._mask_(group, m)
         bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
+        # freeze_step = 0 or a restored warmup: the ratio's state starts here
+        start, name = (v, "exp_avg_sq_fresh") if frozen else (m, "exp_avg_smoothed")
+        for p, x in zip(params, start):
+            if name not in self._state_of(p):
+                self._state_of(p)[name] = x.clone()
+        states = [self._state_of(p) for p in params]
+        params, m, v, states = only_seen(seen, params, m, v, states)
+        if not params:
+            return
+        denom = self._denominators(i, group, v, bc2, self.freeze_step)
+        common = dict(scratch=lambda like: self._static.scratch("update", i, like),
+                      whole_norms=self._whole_norms(), lr=group["lr"],
+                      weight_decay=group["weight_decay"], bc1=bc1,
+                      min_coeff=group["min_coeff"], max_coeff=group["max_coeff"])
         if not frozen:  # LAMB itself, on the averaged momentum and the frozen variance
-            self._fresh_ratio_step(i, group, params, m, v, seen, bc1, bc2)
-            return
-        self._frozen_ratio_step(i, group, params, m, v, m_last, seen, bc1, bc2)
-
-    def _fresh_ratio_step(self, i, group, params, m, v, seen, bc1, bc2) -> None:
-        """trust_ratio="fresh": LAMB's ratio, measured on the running average
-        of the exchanged momentum (see the class doc)."""
-        for p, mi in zip(params, m):  # freeze_step = 0 or a restored warmup: start from m
-            if "exp_avg_smoothed" not in self._state_of(p):
-                self._state_of(p)["exp_avg_smoothed"] = mi.clone()
-        smoothed = [self._state_of(p)["exp_avg_smoothed"] for p in params]
-        params, m, v, smoothed = only_seen(seen, params, m, v, smoothed)
-        if not params:
-            return
-        torch._foreach_lerp_(smoothed, m, 1.0 - self.trust_ratio_beta)
-        denom = self._denominators(i, group, v, bc2, self.freeze_step)
-        # bc1 times the ratio's update (bc1 = 1 and weight decay x bc1 below):
-        # the norm takes the 1 / bc1 instead of a pass over the buffers.
-        pf, wd = [p.float() for p in params], group["weight_decay"]
-        ref = F.adam_updates(smoothed, denom, pf, wd * bc1, 1.0,
-                             out=self._static.scratch("update", i, m))
-        coeffs = F.lamb_trust_ratios(pf, ref, group["min_coeff"], group["max_coeff"],
-                                     updates_scale=1.0 / bc1, whole=self._whole_norms())
+            coeffs = onebit_lamb_fresh_step_(params, m, denom,
+                                             [st["exp_avg_smoothed"] for st in states],
+                                             trust_ratio_beta=self.trust_ratio_beta, **common)
+        else:
+            fresh = [st["exp_avg_sq_fresh"] for st in states]
+            coeffs, factors = onebit_lamb_frozen_step_(
+                params, m, denom, [m_last[j] for j, ok in enumerate(seen) if ok], fresh,
+                [st.get("lamb_coeff_freeze", 0.0) for st in states],
+                [st.get("last_factor", 1.0) for st in states],
+                fresh_denominators=lambda fresh: F.denominators(
+                    fresh, group["eps"], group["eps_inside_sqrt"], bc2,
+                    out=self._static.scratch("fresh denominators", i, fresh)),
+                whole_maxima=self._shards.whole_maxima if self._shards.sharded else None,
+                beta1=group["betas"][0], beta2=group["betas"][1], factor_min=self.factor_min,
+                factor_max=self.factor_max, factor_threshold=self.factor_threshold, **common)
+            for st, factor in zip(states, factors):
+                st["last_factor"] = factor
         self.lamb_coeffs.extend(coeffs)
-        # The step itself never materialises the update (a decay and an addcdiv).
-        F.adam_step_(params, m, denom, group["lr"], wd, bc1, scales=coeffs)
 
-    def _frozen_ratio_step(self, i, group, params, m, v, m_last, seen, bc1, bc2) -> None:
-        """The paper's compression-stage update (trust_ratio="frozen")."""
-        beta1, beta2 = group["betas"]
-        for p, vi in zip(params, v):  # freeze_step = 0: the fresh variance starts at v
-            if "exp_avg_sq_fresh" not in self._state_of(p):
-                self._state_of(p)["exp_avg_sq_fresh"] = vi.clone()
-        fresh = [self._state_of(p)["exp_avg_sq_fresh"] for p in params]
-        params, m, v, m_last, fresh = only_seen(seen, params, m, v, m_last, fresh)
-        if not params:
-            return
-        # The gradient implied by the momentum change feeds the fresh variance:
-        # g = (m - beta1 * m_last) / (1 - beta1), computed in m_last's buffer.
-        g_rec = m_last
-        torch._foreach_mul_(g_rec, -beta1 / (1.0 - beta1))
-        torch._foreach_add_(g_rec, m, alpha=1.0 / (1.0 - beta1))
-        F.update_variance_(fresh, g_rec, beta2)
-        denom = self._denominators(i, group, v, bc2, self.freeze_step)
-        denom_fresh = F.denominators(fresh, group["eps"], group["eps_inside_sqrt"], bc2,
-                                     out=self._static.scratch("fresh denominators", i, fresh))
-        ratio_maxes = F.max_ratios_(denom, denom_fresh, self._shards.whole_maxima
-                                    if self._shards.sharded else None)
-        pf = [p.float() for p in params]
-        # The update before weight decay, then after, in the same buffer.
-        upd = F.adam_updates(m, denom, pf, 0.0, bc1, out=self._static.scratch("update", i, m))
-        prelim_norms = upd_norms = F.norms(upd, self._whole_norms())
-        if group["weight_decay"]:
-            torch._foreach_add_(upd, pf, alpha=group["weight_decay"])
-            upd_norms = F.norms(upd, self._whole_norms())
-        coeffs = []
-        for p, rmax, pn, un in zip(params, ratio_maxes, prelim_norms, upd_norms):
-            st = self._state_of(p)
-            factor = F.lamb_frozen_factor(rmax, pn, un, group["weight_decay"],
-                                          st.get("last_factor", 1.0), self.factor_min,
-                                          self.factor_max, self.factor_threshold)
-            st["last_factor"] = factor
-            coeffs.append(st.get("lamb_coeff_freeze", 0.0) * factor)
-        self.lamb_coeffs.extend(coeffs)
-        F.apply_updates_(params, upd, group["lr"], coeffs)
+
+Tensors = List[torch.Tensor]
+
+
+def lamb_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, *, scratch, whole_norms,
+               lr: float, weight_decay: float, bc1: float, min_coeff: float,
+               max_coeff: float) -> List[float]:
+    """LAMB's step: p -= lr * clamp(||p|| / ||u||) * u with u = (m / bc1) /
+    denom + weight_decay * p, built in `scratch(like)`. `whole_norms`
+    completes shard norms into whole-parameter ones (None: unsharded).
+    Returns each tensor's coefficient."""
+    pf = [p.float() for p in params]
+    upd = F.adam_updates(exp_avgs, denoms, pf, weight_decay, bc1, out=scratch(exp_avgs))
+    coeffs = F.lamb_trust_ratios(pf, upd, min_coeff, max_coeff, whole=whole_norms)
+    F.apply_updates_(params, upd, lr, coeffs)
+    return coeffs
+
+
+def lamb_warmup_step_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                      *, zero_variance: Callable[[Tensors], List[bool]],
+                      denominators: Callable[[Tensors, float], Tensors], scratch, whole_norms,
+                      beta1: float, beta2: float, lr: float, weight_decay: float,
+                      bias_corrections: Tuple[float, float], min_coeff: float,
+                      max_coeff: float) -> List[Optional[float]]:
+    """One warmup step of 1-bit LAMB on one group (`grads` averaged across
+    ranks): LAMB itself. Returns each tensor's trust ratio, None for the
+    tensors v never saw (they do not move)."""
+    F.update_momentum_(exp_avgs, grads, beta1)
+    F.update_variance_(exp_avg_sqs, grads, beta2)
+    seen = zero_variance(exp_avg_sqs)
+    ps, ms, vs = only_seen(seen, params, exp_avgs, exp_avg_sqs)
+    if not ps:
+        return [None] * len(params)
+    bc1, bc2 = bias_corrections
+    coeffs = iter(lamb_step_(ps, ms, denominators(vs, bc2), scratch=scratch,
+                             whole_norms=whole_norms, lr=lr, weight_decay=weight_decay, bc1=bc1,
+                             min_coeff=min_coeff, max_coeff=max_coeff))
+    return [next(coeffs) if ok else None for ok in seen]
+
+
+def onebit_lamb_fresh_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors,
+                            smoothed: Tensors, *, scratch, whole_norms, trust_ratio_beta: float,
+                            lr: float, weight_decay: float, bc1: float, min_coeff: float,
+                            max_coeff: float) -> List[float]:
+    """trust_ratio="fresh", after the exchange (`exp_avgs` hold the 1-bit
+    average): LAMB's ratio, measured on the running average `smoothed` of
+    the exchanged momentum (see OnebitLamb), over the frozen variance's
+    `denoms`. Returns the coefficients."""
+    torch._foreach_lerp_(smoothed, exp_avgs, 1.0 - trust_ratio_beta)
+    # bc1 times the ratio's update (bc1 = 1 and weight decay x bc1 below):
+    # the norm takes the 1 / bc1 instead of a pass over the buffers.
+    pf = [p.float() for p in params]
+    ref = F.adam_updates(smoothed, denoms, pf, weight_decay * bc1, 1.0, out=scratch(exp_avgs))
+    coeffs = F.lamb_trust_ratios(pf, ref, min_coeff, max_coeff, updates_scale=1.0 / bc1,
+                                 whole=whole_norms)
+    # The step itself never materialises the update (a decay and an addcdiv).
+    F.adam_step_(params, exp_avgs, denoms, lr, weight_decay, bc1, scales=coeffs)
+    return coeffs
+
+
+def onebit_lamb_frozen_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors,
+                             momentum_before: Tensors, fresh: Tensors, coeffs_at_freeze: list,
+                             last_factors: list, *, fresh_denominators, whole_maxima, scratch,
+                             whole_norms, beta1: float, beta2: float, lr: float,
+                             weight_decay: float, bc1: float, min_coeff: float, max_coeff: float,
+                             factor_min: float, factor_max: float,
+                             factor_threshold: float) -> Tuple[List[float], List[float]]:
+    """trust_ratio="frozen", the paper's compression-stage update, after
+    the exchange: the gradient implied by the momentum change feeds a fresh
+    variance, and each ratio is its coefficient at the freeze times a factor
+    from max(denom / fresh denom). Returns (coefficients, factors)."""
+    # g = (m - beta1 * m_last) / (1 - beta1), computed in m_last's buffer.
+    g_rec = momentum_before
+    torch._foreach_mul_(g_rec, -beta1 / (1.0 - beta1))
+    torch._foreach_add_(g_rec, exp_avgs, alpha=1.0 / (1.0 - beta1))
+    F.update_variance_(fresh, g_rec, beta2)
+    ratio_maxes = F.max_ratios_(denoms, fresh_denominators(fresh), whole_maxima)
+    pf = [p.float() for p in params]
+    # The update before weight decay, then after, in the same buffer.
+    upd = F.adam_updates(exp_avgs, denoms, pf, 0.0, bc1, out=scratch(exp_avgs))
+    prelim_norms = upd_norms = F.norms(upd, whole_norms)
+    if weight_decay:
+        torch._foreach_add_(upd, pf, alpha=weight_decay)
+        upd_norms = F.norms(upd, whole_norms)
+    factors = [F.lamb_frozen_factor(rmax, pn, un, weight_decay, last, factor_min, factor_max,
+                                    factor_threshold)
+               for rmax, pn, un, last in zip(ratio_maxes, prelim_norms, upd_norms, last_factors)]
+    coeffs = [c * f for c, f in zip(coeffs_at_freeze, factors)]
+    F.apply_updates_(params, upd, lr, coeffs)
+    return coeffs, factors

@@ -1,7 +1,7 @@
 """0/1 Adam (Lu et al., 2022, arXiv 2202.06009)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -12,6 +12,7 @@ from .base import OnebitOptimizer
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
 from .stage_schedules import ZeroOneSchedule
+from .step_exchange import GroupExchange
 
 
 @documents_comm_options
@@ -112,8 +113,9 @@ class ZeroOneAdam(OnebitOptimizer):
         seen, masks = self._seen(index, group, v, version)
         m = [self._state_tensor(p, "exp_avg") for p in params]
         F.momentum_into(out, m, grads, group["betas"][0])  # the new m, not committed
-        self._direction_into(group, params, out, [denom[j] for j in positions], bc1,
-                             [seen[j] for j in positions], [masks[j] for j in positions], out)
+        direction_into(params, out, [denom[j] for j in positions], bc1,
+                       [seen[j] for j in positions], [masks[j] for j in positions], out,
+                       weight_decay=group["weight_decay"])
 
     def _update(self, stage, groups, grads) -> None:
         c = self.counters
@@ -155,7 +157,8 @@ class ZeroOneAdam(OnebitOptimizer):
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
                 anchors = self._anchors(params, c["lrs"][i] == 0.0)
-                self._accumulate_(group, ps, ms, ds, *only_seen(seen, u, anchors), bc1, sync)
+                accumulate_(ps, ms, ds, *only_seen(seen, u, anchors), lr=group["lr"],
+                            weight_decay=group["weight_decay"], bc1=bc1, sync=sync)
                 c["lrs"][i] += group["lr"]
             else:
                 upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
@@ -164,27 +167,11 @@ class ZeroOneAdam(OnebitOptimizer):
                     torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
                 F.add_updates_(ps, upd)
             if sync:
-                self._sync_local_steps(i, group, params, anchors, m, u, denom, bc1, c["lrs"][i],
-                                       seen, masks)
+                sync_local_steps_(params, anchors, m, u, denom, exchange=self._exchanges.group(i),
+                                  seen=seen, masks=masks,
+                                  mask_=lambda ts, group=group: self._mask_(group, ts),
+                                  bc1=bc1, lrs=c["lrs"][i])
                 c["lrs"][i] = 0.0
-
-    def _accumulate_(self, group, ps, ms, ds, us, anchors, bc1: float, sync: bool) -> None:
-        """A frozen step's displacement d = -lr * (m / bc1 / denom + wd * p)
-        added to the accumulators u, and p moved to anchor + u -- in two or
-        three passes, without materialising d. A sync step leaves p alone:
-        the sync sets it to the new common point."""
-        if not ps:
-            return
-        lr, wd = group["lr"], group["weight_decay"]
-        if wd:
-            torch._foreach_add_(us, [p.float() for p in ps], alpha=-lr * wd)
-        torch._foreach_addcdiv_(us, ms, ds, value=-lr / bc1)
-        if not sync:
-            fp32 = [j for j, p in enumerate(ps) if p.dtype == torch.float32]
-            F.add_into([ps[j] for j in fp32], [anchors[j] for j in fp32], [us[j] for j in fp32])
-            for p, a, u in zip(ps, anchors, us):
-                if p.dtype != torch.float32:  # in fp32, rounded once
-                    p.copy_(a.float() + u)
 
     def _anchors(self, params, first: bool):
         """The last synced point of each param, kept exactly: recomputing it
@@ -202,103 +189,137 @@ class ZeroOneAdam(OnebitOptimizer):
             out.append(st["sync_point"])
         return out
 
-    def _sync_local_steps(self, i, group, params, anchors, m, u, denom, bc1, lrs, seen,
-                          masks) -> None:
-        """Replace the local steps since the last sync with their 1-bit average.
-
-        u holds this rank's displacement since the anchor (the last synced
-        point), and lrs > 0 the sum of lr over those steps. The ranks average
-        u * denom / lrs, the interval's lr-weighted mean direction (-m / bc1
-        less weight decay), the momentum is re-derived from it (m = -avg *
-        bc1) and every rank lands on anchor + lrs * avg / denom: the same
-        bits everywhere.
-
-        The exchange carries the mean direction, not the displacement u *
-        denom, so that its error buffers hold momentum units whatever the lr
-        does. In displacement units an error left by a sync at a large lr
-        came back, divided by a small lrs, as a huge m: an lr that decays to
-        about 0 and rises again (cosine with a short period, warm restarts)
-        blew the loss up.
-
-        A sync with no lr since the last sync takes _sync_single_ instead.
-        """
-        # u * denom / lrs goes straight into the buffer that travels, and the
-        # average is read from there: no pass to scale u, none to copy it back
-        # (at world size 1 the buffer is u itself).
-        def mean_direction_into(views):
-            F.mul_into(views, u, denom)
-            torch._foreach_div_(views, lrs)
-
-        # (Never written in backward: a sync after local steps needs u.)
-        exchange = self._exchanges.group(i)
-        avg = exchange.inputs(u)
-        mean_direction_into(avg)
-        exchange.average_(None, seen, masks)  # the average stays where the input was
-        self._mask_(group, avg)
-        mask_unseen_(avg, masks, seen)
-        F.mul_into(m, avg, -bc1)
-        self._land_(params, anchors, avg, denom, seen, lrs)
-        torch._foreach_zero_(u)
-
-    @staticmethod
-    def _land_(params, starts, avg, denom, seen, lrs: float) -> None:
-        """Every rank lands on the same point: start + lrs * avg / denom
-        (tensors v never saw stay where they are)."""
-        ps, as_, ais, ds = only_seen(seen, params, starts, avg, denom)
-        fp32 = [j for j, p in enumerate(ps) if p.dtype == torch.float32]
-        F.addcdiv_into(*([xs[j] for j in fp32] for xs in (ps, as_, ais, ds)), value=lrs)
-        for p, a, ai, di in zip(ps, as_, ais, ds):
-            if p.dtype != torch.float32:  # divide in fp32, round once
-                p.copy_(torch.addcdiv(a, ai, di, value=lrs).to(p.dtype))
-
     def _sync_single_(self, i, t, version, group, params, grads, m, v) -> None:
-        """A sync with no lr since the last sync (a sync that follows a sync:
-        interval 1, the default for the first local_step_scaler steps after
-        the freeze; or local steps at lr 0): u would hold this step's
-        displacement alone, so the mean direction u * denom / lr = -(m' /
-        bc1 + wd * p * denom), with m' this step's new momentum, is the
-        exchange input itself (_exchange_input_: it needs only this step's
-        gradient, so overlap_backward starts it during backward). At lr 0 it
-        is the same expression, the limit of the mean direction as lr -> 0:
-        the error buffers never see another unit. m is re-derived from the
-        average (m = -avg * bc1) and p, still the last synced point, moves in
-        place: 11 passes over the parameters, as 1-bit Adam's step."""
+        """A sync with no lr since the last sync (see sync_single_)."""
         for p in params:  # the accumulators stay 0, but exist for the local steps
             self._state_tensor(p, "momentum_accumulator")
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(i, group, v, bc2, version)
         seen, masks = self._seen(i, group, v, version)
-        exchange = self._exchanges.group(i)
-        inputs = exchange.inputs(m)
-        if inputs is not None:  # (else backward wrote them: _exchange_input_, the same maths)
-            F.momentum_into(inputs, m, grads, group["betas"][0])  # the new m, not committed
-            self._direction_into(group, params, inputs, denom, bc1, seen, masks, inputs)
-        # m <- the average direction, zeroed where v == 0, bucket by bucket
-        for part in exchange.parts(m, seen, masks):
-            ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, m, denom, seen))
-            self._mask_(group, ms)
-            self._land_(ps, ps, ms, ds, ss, group["lr"])
-            torch._foreach_mul_(ms, -bc1)
+        sync_single_(params, grads, m, denom, exchange=self._exchanges.group(i), seen=seen,
+                     masks=masks, mask_=lambda ts: self._mask_(group, ts),
+                     beta1=group["betas"][0], lr=group["lr"],
+                     weight_decay=group["weight_decay"], bc1=bc1)
 
-    @staticmethod
-    def _direction_into(group, params, m, denom, bc1: float, seen, masks, out) -> None:
-        """out <- this step's direction in momentum units, -(m / bc1 + wd *
-        p * denom) (its displacement is lr * out / denom), with m zeroed
-        where v == 0 (in the same pass where the mask is dense); 0 for the
-        tensors v never saw (they do not move)."""
-        wd = group["weight_decay"]
-        plain = [j for j, (ok, k) in enumerate(zip(seen, masks)) if ok and k is None]
-        F.mul_into([out[j] for j in plain], [m[j] for j in plain], -1.0 / bc1)
-        for mi, o, ok, k in zip(m, out, seen, masks):
-            if ok and k is None:
-                continue  # done above
-            if ok and k.is_floating_point():
-                torch.addcmul(torch.zeros((), device=o.device), mi, k, value=-1.0 / bc1, out=o)
-            elif ok:
-                torch.mul(mi, -1.0 / bc1, out=o)
-                mask_unseen_([o], [k], [ok])
-            else:
-                o.zero_()
-        ps, ds, os_ = only_seen(seen, params, denom, out)
-        if wd and ps:
-            torch._foreach_addcmul_(os_, [p.float() for p in ps], ds, value=-wd)
+
+Tensors = List[torch.Tensor]
+
+
+def accumulate_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, accumulators: Tensors,
+                anchors: Tensors, *, lr: float, weight_decay: float, bc1: float,
+                sync: bool) -> None:
+    """A frozen step's displacement d = -lr * (m / bc1 / denom + wd * p)
+    added to the accumulators u, and p moved to anchor + u -- in two or
+    three passes, without materialising d. A sync step leaves p alone:
+    the sync sets it to the new common point."""
+    if not params:
+        return
+    if weight_decay:
+        torch._foreach_add_(accumulators, [p.float() for p in params], alpha=-lr * weight_decay)
+    torch._foreach_addcdiv_(accumulators, exp_avgs, denoms, value=-lr / bc1)
+    if not sync:
+        fp32 = [j for j, p in enumerate(params) if p.dtype == torch.float32]
+        F.add_into([params[j] for j in fp32], [anchors[j] for j in fp32],
+                   [accumulators[j] for j in fp32])
+        for p, a, u in zip(params, anchors, accumulators):
+            if p.dtype != torch.float32:  # in fp32, rounded once
+                p.copy_(a.float() + u)
+
+
+def sync_local_steps_(params: Tensors, anchors: Tensors, exp_avgs: Tensors,
+                      accumulators: Tensors, denoms: Tensors, *, exchange: GroupExchange,
+                      seen, masks, mask_: Callable[[Tensors], None], bc1: float,
+                      lrs: float) -> None:
+    """Replace the local steps since the last sync with their 1-bit average.
+
+    u (`accumulators`) holds this rank's displacement since the anchor (the
+    last synced point), and lrs > 0 the sum of lr over those steps. The
+    ranks average u * denom / lrs, the interval's lr-weighted mean direction
+    (-m / bc1 less weight decay), the momentum is re-derived from it (m =
+    -avg * bc1) and every rank lands on anchor + lrs * avg / denom: the same
+    bits everywhere.
+
+    The exchange carries the mean direction, not the displacement u *
+    denom, so that its error buffers hold momentum units whatever the lr
+    does. In displacement units an error left by a sync at a large lr
+    came back, divided by a small lrs, as a huge m: an lr that decays to
+    about 0 and rises again (cosine with a short period, warm restarts)
+    blew the loss up.
+
+    A sync with no lr since the last sync takes sync_single_ instead.
+    """
+    # u * denom / lrs goes straight into the buffer that travels, and the
+    # average is read from there: no pass to scale u, none to copy it back
+    # (at world size 1 the buffer is u itself). Never written in backward:
+    # a sync after local steps needs u.
+    avg = exchange.inputs(accumulators)
+    F.mul_into(avg, accumulators, denoms)
+    torch._foreach_div_(avg, lrs)
+    exchange.average_(None, seen, masks)  # the average stays where the input was
+    mask_(avg)
+    mask_unseen_(avg, masks, seen)
+    F.mul_into(exp_avgs, avg, -bc1)
+    land_(params, anchors, avg, denoms, seen, lrs)
+    torch._foreach_zero_(accumulators)
+
+
+def land_(params: Tensors, starts: Tensors, avg: Tensors, denoms: Tensors, seen,
+          lrs: float) -> None:
+    """Every rank lands on the same point: start + lrs * avg / denom
+    (tensors v never saw stay where they are)."""
+    ps, as_, ais, ds = only_seen(seen, params, starts, avg, denoms)
+    fp32 = [j for j, p in enumerate(ps) if p.dtype == torch.float32]
+    F.addcdiv_into(*([xs[j] for j in fp32] for xs in (ps, as_, ais, ds)), value=lrs)
+    for p, a, ai, di in zip(ps, as_, ais, ds):
+        if p.dtype != torch.float32:  # divide in fp32, round once
+            p.copy_(torch.addcdiv(a, ai, di, value=lrs).to(p.dtype))
+
+
+def sync_single_(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Tensors, *,
+                 exchange: GroupExchange, seen, masks, mask_: Callable[[Tensors], None],
+                 beta1: float, lr: float, weight_decay: float, bc1: float) -> None:
+    """A sync with no lr since the last sync (a sync that follows a sync:
+    interval 1, the default for the first local_step_scaler steps after
+    the freeze; or local steps at lr 0): u would hold this step's
+    displacement alone, so the mean direction u * denom / lr = -(m' /
+    bc1 + wd * p * denom), with m' this step's new momentum, is the
+    exchange input itself (it needs only this step's gradient, so
+    overlap_backward starts it during backward: ZeroOneAdam._exchange_input_).
+    At lr 0 it is the same expression, the limit of the mean direction as
+    lr -> 0: the error buffers never see another unit. m is re-derived from
+    the average (m = -avg * bc1) and p, still the last synced point, moves
+    in place: 11 passes over the parameters, as 1-bit Adam's step."""
+    inputs = exchange.inputs(exp_avgs)
+    if inputs is not None:  # (else backward wrote them: the same maths)
+        F.momentum_into(inputs, exp_avgs, grads, beta1)  # the new m, not committed
+        direction_into(params, inputs, denoms, bc1, seen, masks, inputs,
+                       weight_decay=weight_decay)
+    # m <- the average direction, zeroed where v == 0, bucket by bucket
+    for part in exchange.parts(exp_avgs, seen, masks):
+        ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen))
+        mask_(ms)
+        land_(ps, ps, ms, ds, ss, lr)
+        torch._foreach_mul_(ms, -bc1)
+
+
+def direction_into(params: Tensors, exp_avgs: Tensors, denoms: Tensors, bc1: float, seen,
+                   masks, out: Tensors, *, weight_decay: float) -> None:
+    """out <- this step's direction in momentum units, -(m / bc1 + wd * p *
+    denom) (its displacement is lr * out / denom), with m zeroed where v ==
+    0 (in the same pass where the mask is dense); 0 for the tensors v never
+    saw (they do not move)."""
+    plain = [j for j, (ok, k) in enumerate(zip(seen, masks)) if ok and k is None]
+    F.mul_into([out[j] for j in plain], [exp_avgs[j] for j in plain], -1.0 / bc1)
+    for mi, o, ok, k in zip(exp_avgs, out, seen, masks):
+        if ok and k is None:
+            continue  # done above
+        if ok and k.is_floating_point():
+            torch.addcmul(torch.zeros((), device=o.device), mi, k, value=-1.0 / bc1, out=o)
+        elif ok:
+            torch.mul(mi, -1.0 / bc1, out=o)
+            mask_unseen_([o], [k], [ok])
+        else:
+            o.zero_()
+    ps, ds, os_ = only_seen(seen, params, denoms, out)
+    if weight_decay and ps:
+        torch._foreach_addcmul_(os_, [p.float() for p in ps], ds, value=-weight_decay)
