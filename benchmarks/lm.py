@@ -23,7 +23,8 @@ average gradients in full precision):
     gradient-averaging warmup of --diloco-warmup of the steps
   DiLoCo-stream vs DiLoCo-fp32: streaming DiLoCo-1bit, --fragments
     fragments synced at staggered steps, each exchange --overlap-steps
-    inner steps behind on the communication thread
+    inner steps behind on the communication thread, each landing keeping
+    --keep-local-progress of the rank's steps since the launch
   What a PyTorch user picks instead, each vs torch.optim.Adam:
     Adam-fp16, Adam-bf16: DDP with torch's fp16_compress_hook or
       bf16_compress_hook (gradients all-reduced in half precision), Adam;
@@ -251,6 +252,8 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         diloco = onebit.DiLoCo(model, opt, sync_every=a["sync_every"], outer_lr=_outer_lr(name, a),
                                fragments=a.get("fragments", 4) if streaming else 1,
                                overlap_steps=a.get("overlap_steps", 1) if streaming else 0,
+                               keep_local_progress=a.get("keep_local_progress", 0.0)
+                               if streaming else 0.0,
                                outer_momentum=a["outer_momentum"], nesterov=a["nesterov"],
                                warmup_steps=int(a.get("diloco_warmup", 0.0) * a["steps"]),
                                compression=DILOCO[name], block_size=a["block_size"],
@@ -379,7 +382,10 @@ def run(args: argparse.Namespace) -> bool:
         print(f"# DiLoCo: sync_every={a['sync_every']} outer_lr={a['outer_lr']} "
               f"later_outer_lr={a.get('later_outer_lr')} (bf16/fp32: "
               f"{a.get('later_outer_lr_full')}) from {a.get('later_from', LATER_FROM):.0%} "
-              f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}")
+              f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}"
+              + (f" stream: fragments={a.get('fragments', 4)} overlap_steps="
+                 f"{a.get('overlap_steps', 1)} keep_local_progress="
+                 f"{a.get('keep_local_progress', 0.0)}" if "DiLoCo-stream" in a["only"] else ""))
     print(f"#{'optimizer':>12} {'baseline':>11} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} {'B/step':>9} {'base B/step':>11} finite ok")
     rows, runs = compare(a)
@@ -458,6 +464,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DiLoCo-stream: fragments synced at staggered inner steps")
     p.add_argument("--overlap-steps", dest="overlap_steps", type=int_arg(0), default=1,
                    help="DiLoCo-stream: inner steps each fragment's exchange runs behind")
+    p.add_argument("--keep-local-progress", dest="keep_local_progress", type=float, default=0.0,
+                   help="DiLoCo-stream: share of a rank's steps since a fragment's launch that "
+                        "its landing keeps (DiLoCo's keep_local_progress)")
     p.add_argument("--powersgd-adamw", dest="powersgd_adamw", action="store_true",
                    help="PowerSGD rows: AdamW (weight decay 0.01) instead of Adam")
     p.add_argument("--backend", default=None,

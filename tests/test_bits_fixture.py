@@ -121,6 +121,10 @@ DILOCO = {
     # fragments land 2 inner steps after their launch, some after the lr's switch
     "DiLoCo 1bit streaming": dict(sync_every=6, fragments=3, overlap_steps=2, warmup_steps=4,
                                   outer_momentum=0.5, nesterov=True, outer_lr="stepped"),
+    # the same, each landing re-adding the rank's own steps since the launch
+    "DiLoCo 1bit streaming, local progress kept": dict(
+        sync_every=6, fragments=3, overlap_steps=2, warmup_steps=4, outer_momentum=0.5,
+        nesterov=True, outer_lr="stepped", keep_local_progress=1.0),
 }
 
 

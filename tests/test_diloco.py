@@ -51,7 +51,7 @@ def _grad(rank, step, i):
 
 
 def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
-           outer="nesterov", warmup=0, fragments=1, overlap=0, dcp_dir=None):
+           outer="nesterov", warmup=0, fragments=1, overlap=0, dcp_dir=None, keep=0.0):
     """This rank's params after every inner step (inner step -> arrays), its
     checkpoint after inner step `save_at`, and comm_stats(). With `dcp_dir`,
     DiLoCo's shared state goes through torch.distributed.checkpoint there."""
@@ -62,7 +62,8 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
     inner = torch.optim.SGD(params, lr=INNER_LR)
     diloco = onebit.DiLoCo(params, inner, sync_every=H, compression=compression,
                            block_size=BLOCK, timeout_s=30, warmup_steps=warmup,
-                           fragments=fragments, overlap_steps=overlap, **_outer_settings(outer))
+                           fragments=fragments, overlap_steps=overlap, keep_local_progress=keep,
+                           **_outer_settings(outer))
     if start is not None:  # a resume: this rank's checkpoint
         start = torch.load(io.BytesIO(start), weights_only=False)
         for p, v in zip(params, start["params"]):
@@ -107,7 +108,8 @@ def _same(xs, ys):
     return all(np.array_equal(x, y) for x, y in zip(xs, ys))
 
 
-def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, delay=0):
+def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, delay=0,
+              keep=0.0):
     """float64: every rank's params after every inner step (inner step ->
     one list per rank), and the inner steps after which each fragment's
     outer step landed. After `warmup` inner steps on the ranks' mean
@@ -116,7 +118,8 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
     gradients after inner step (f + 1) * H // F of each round, averages
     them (1-bit: with its own carried errors), and `delay` steps later its
     anchors take the outer SGD step and every rank's params take the anchors'
-    values (Streaming DiLoCo with update alpha 0)."""
+    values (Streaming DiLoCo with update alpha 0), plus `keep` times what
+    the rank's own steps moved them since the launch."""
     mu, nesterov = (_outer_settings(outer)[k] for k in ("outer_momentum", "nesterov"))
     fragments = fragments or [list(range(len(SIZES)))]
     anchor = [x.double().numpy().reshape(-1) for x in _init()]
@@ -146,27 +149,30 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
                     errors[f] = (worker, server)
                 else:
                     avg = [sum(d[k] for d in deltas) / world for k in range(len(members))]
-                pending[f] = (past + delay, avg)
+                pending[f] = (past + delay, avg,
+                              [[params[rank][i].copy() for i in members] for rank in range(world)])
         for f, members in enumerate(fragments):
             if f in pending and pending[f][0] == past:  # land: the outer step
-                avg = pending.pop(f)[1]
+                _, avg, launched = pending.pop(f)
                 lr = _outer_lr_at(outer, step + 1)
                 # torch.optim.SGD: buf = mu * buf + g (g itself at first); the
                 # step is g + mu * buf with Nesterov, buf without (g when mu = 0)
-                for i, g in zip(members, avg):
+                for k, (i, g) in enumerate(zip(members, avg)):
                     buf[i] = g.copy() if i not in buf else mu * buf[i] + g
                     anchor[i] = anchor[i] - lr * (g + mu * buf[i] if nesterov else buf[i])
                     for rank in range(world):
-                        params[rank][i] = anchor[i].copy()
+                        progress = params[rank][i] - launched[rank][k]
+                        params[rank][i] = anchor[i] + keep * progress
                 landed.setdefault(step + 1, []).append(f)
         out[step + 1] = [[p.copy() for p in ps] for ps in params]
     return out, landed
 
 
-def _check_against_simulation(results, expected, compression, tol, world, fragments=None):
+def _check_against_simulation(results, expected, compression, tol, world, fragments=None,
+                              identical_landings=True):
     """Every rank's params after every inner step within `tol` (relative)
     of the simulation's; where a fragment's outer step landed, its params
-    bitwise the same on every rank."""
+    bitwise the same on every rank (unless each keeps its own progress)."""
     steps, landed = expected
     fragments = fragments or [list(range(len(SIZES)))]
     assert sorted(results[0][0]) == sorted(steps)
@@ -176,7 +182,7 @@ def _check_against_simulation(results, expected, compression, tol, world, fragme
             want = np.concatenate(want_ranks[rank])
             err = np.max(np.abs(got - want)) / np.max(np.abs(want))
             assert err < tol, f"inner step {step}, rank {rank}: {compression} is {err:.2e} away"
-    for step, which in landed.items():
+    for step, which in (landed.items() if identical_landings else ()):
         for i in (i for f in which for i in fragments[f]):
             for rank in range(1, world):
                 assert np.array_equal(results[0][0][step][i], results[rank][0][step][i]), \
@@ -207,9 +213,9 @@ def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression
         assert stats["worker_error_norm"] > 0 and stats["server_error_norm"] > 0
 
 
-def _resume(rank, world, saved, fragments=1, overlap=0, dcp_dir=None):
+def _resume(rank, world, saved, fragments=1, overlap=0, dcp_dir=None, keep=0.0):
     return _train(rank, world, "1bit", ROUNDS, saved[rank], None, "nesterov", 0, fragments,
-                  overlap, dcp_dir)
+                  overlap, dcp_dir, keep)
 
 
 def _resume_without_errors(rank, world, saved):
@@ -235,18 +241,21 @@ def _resume_without_errors(rank, world, saved):
     return sum("restarted from zero" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("fragments, overlap, save_at, dcp", [
-    (1, 0, 2 * H, False), (3, 2, 7, False), (3, 2, 7, True)])
-def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_at, dcp, tmp_path):
+@pytest.mark.parametrize("fragments, overlap, save_at, dcp, keep", [
+    (1, 0, 2 * H, False, 0.0), (3, 2, 7, False, 0.0), (3, 2, 7, True, 0.0),
+    (3, 2, 7, False, 1.0), (3, 2, 7, True, 1.0)])
+def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_at, dcp, keep,
+                                                       tmp_path):
     """Plain DiLoCo saved after round 2; streaming (3 fragments, 2 steps of
     overlap) saved after inner step 7, with two exchanges in flight, by
-    torch.save and by torch.distributed.checkpoint."""
+    torch.save and by torch.distributed.checkpoint; with keep_local_progress,
+    their launch points go with each rank's error state."""
     world = 3
     dcp_dir = str(tmp_path / "dcp") if dcp else None
     straight = run_workers(_train, world, "1bit", ROUNDS, None, save_at, "nesterov", 0,
-                           fragments, overlap, dcp_dir, timeout=120)
+                           fragments, overlap, dcp_dir, keep, timeout=120)
     saved = [r[1] for r in straight]
-    resumed = run_workers(_resume, world, saved, fragments, overlap, dcp_dir, timeout=120)
+    resumed = run_workers(_resume, world, saved, fragments, overlap, dcp_dir, keep, timeout=120)
     for rank in range(world):
         assert sorted(resumed[rank][0]) == list(range(save_at + 1, ROUNDS * H + 1))
         for step, params in resumed[rank][0].items():
@@ -256,23 +265,30 @@ def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_
         assert run_workers(_resume_without_errors, world, saved, timeout=120) == [1] * world
 
 
-@pytest.mark.parametrize("compression, outer, fragments, overlap", [
-    ("1bit", "default", [[0], [1, 2]], 0), ("1bit", "nesterov", [[0], [1], [2]], 2),
-    ("none", "default", [[0], [1], [2]], 1), ("1bit", "later", [[0], [1], [2]], 1)])
-def test_streaming_matches_the_float64_simulation(compression, outer, fragments, overlap):
+@pytest.mark.parametrize("compression, outer, fragments, overlap, keep", [
+    ("1bit", "default", [[0], [1, 2]], 0, 0.0), ("1bit", "nesterov", [[0], [1], [2]], 2, 0.0),
+    ("none", "default", [[0], [1], [2]], 1, 0.0), ("1bit", "later", [[0], [1], [2]], 1, 0.0),
+    ("1bit", "default", [[0], [1], [2]], 2, 1.0), ("none", "nesterov", [[0], [1], [2]], 2, 0.5)])
+def test_streaming_matches_the_float64_simulation(compression, outer, fragments, overlap, keep):
     """Fragments synced at staggered inner steps, each exchange running
     `overlap` inner steps behind on the communication thread; the split by
     the middle element of each param (185, 300 and 3 elements). With the
     "later" schedule the second round's fragments land on either side of
     its switch (after inner steps 5, 6 and 7; the switch at 6), so each
-    fragment must take the lr of its own landing."""
+    fragment must take the lr of its own landing. With `keep`, a landing
+    adds that share of each rank's own steps since the launch back."""
     world = 3
     results = run_workers(_train, world, compression, ROUNDS, None, None, outer, 0,
-                          len(fragments), overlap, timeout=120)
-    expected = _simulate(world, compression, outer, 0, fragments, overlap)
+                          len(fragments), overlap, None, keep, timeout=120)
+    expected = _simulate(world, compression, outer, 0, fragments, overlap, keep)
     landed = _check_against_simulation(results, expected, compression,
-                                       2e-4 if compression == "1bit" else 1e-5, world, fragments)
+                                       2e-4 if compression == "1bit" else 1e-5, world, fragments,
+                                       identical_landings=keep == 0)
     assert results[0][2]["step"] == sum(len(fs) for fs in landed.values())
+    if keep:  # each rank kept its own steps: the landed params differ between ranks
+        step, which = next(iter(landed.items()))
+        i = fragments[which[0]][0]
+        assert not np.array_equal(results[0][0][step][i], results[1][0][step][i])
 
 
 def _nan_on_one_rank(rank, world):
@@ -384,7 +400,8 @@ def _disagree(rank, world, what):
 
 @pytest.mark.parametrize("what, named", [("sync_every", "sync_every"),
                                          ("params", "the synced parameters"),
-                                         ("fragments", "fragments and overlap_steps"),
+                                         ("fragments", "fragments, overlap_steps and "
+                                                        "keep_local_progress"),
                                          ("outer_lr", "outer optimizer")])
 def test_ranks_that_disagree_get_a_clear_error_on_every_rank(what, named):
     for message in run_workers(_disagree, 3, what, timeout=60):

@@ -36,9 +36,13 @@ Streaming DiLoCo (Douillard et al., 2025): `fragments=F` syncs F slices of
 the model at staggered inner steps (fragments.py), and `overlap_steps=tau`
 runs each fragment's exchange on a communication thread while the next tau
 inner steps go on; its outer step then lands, from the pseudo-gradient
-measured at the launch, and the fragment's params are set to its new
-anchor (torchft's fragment_update_alpha = 0): every rank again holds the
-same values there. The thread has a process group of its own, so its
+measured at the launch. By default the fragment's params are then set to
+its new anchor (torchft's fragment_update_alpha = 0): every rank again
+holds the same values there, and the tau inner steps taken since the
+launch are lost. `keep_local_progress=1` adds this rank's own progress
+since the launch back on top of the new anchor instead (the anchors are
+still the same everywhere; the params differ by what each rank did in those
+tau steps, as they do between rounds anyway). The thread has a process group of its own, so its
 collectives never interleave with the training loop's. `fragments=1,
 overlap_steps=0` is plain DiLoCo.
 """
@@ -78,6 +82,8 @@ class _FragmentRound:
     round has landed by then (overlap_steps < sync_every)."""
 
     deltas: List[torch.Tensor]
+    # This rank's params at the launch (fp32), for keep_local_progress.
+    launch_points: Optional[List[torch.Tensor]] = None
     skipped: Optional[bool] = None
     closed: bool = False  # a proposal from close() that no rank launched (_catch_up)
     future: Optional[Future] = None  # returns the event after the exchange's device work
@@ -114,6 +120,12 @@ class DiLoCo:
       (0: the inner step that launches it waits for it); below sync_every.
     compression: "1bit" (error-feedback 1-bit, see the module doc), "bf16"
       or "none" (fp32).
+    keep_local_progress: with overlap_steps > 0, the share in [0, 1] of
+      this rank's progress since a fragment's launch (its params then and
+      now) that the fragment keeps on top of its new anchor when the outer
+      step lands: 0 (the default) drops it, 1 re-adds all of it. It costs a
+      copy of the fragment's params per exchange in flight, saved with
+      this rank's `error_feedback_state_dict` (docs/diloco.md).
     process_group, timeout_s (keyword-only, as the options after them):
       the data-parallel group and the deadline of
       each collective (a dead rank is a CommunicationError, never a hang).
@@ -129,13 +141,15 @@ class DiLoCo:
                  outer_lr: Union[float, Callable[[int], float]] = 1.3,
                  outer_momentum: float = 0.0, nesterov: bool = False,
                  compression: str = "1bit", warmup_steps: int = 0, fragments: int = 1,
-                 overlap_steps: int = 0, *, process_group=None,
+                 overlap_steps: int = 0, *, keep_local_progress: float = 0.0,
+                 process_group=None,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype="float32", comm_backend_name: Optional[str] = None) -> None:
         check_positive_int("sync_every", sync_every)
         check_positive_int("warmup_steps", warmup_steps, minimum=0)
         check_positive_int("fragments", fragments)
         check_positive_int("overlap_steps", overlap_steps, minimum=0)
+        check_number("keep_local_progress", keep_local_progress, low=0.0, high=1.0)
         # A schedule is read at every landing; its first value is checked now.
         self._outer_lr_at = outer_lr if callable(outer_lr) else None
         first_lr = outer_lr(0) if callable(outer_lr) else outer_lr
@@ -162,6 +176,7 @@ class DiLoCo:
         self.sync_every, self.compression = sync_every, compression
         self.warmup_steps = warmup_steps
         self.fragments, self.overlap_steps = fragments, overlap_steps
+        self.keep_local_progress = float(keep_local_progress)
         self.inner_optimizer, self.process_group = inner_optimizer, process_group
         self.world_size = (dist.get_world_size(process_group)
                            if collectives.is_distributed("DiLoCo") else 1)
@@ -182,7 +197,8 @@ class DiLoCo:
                                                                 self.params[0].device)
             RankAgreement("DiLoCo", process_group, self.timeout_s).check_fields({
                 "sync_every and warmup_steps": (sync_every, warmup_steps),
-                "fragments and overlap_steps": (fragments, overlap_steps),
+                "fragments, overlap_steps and keep_local_progress": (
+                    fragments, overlap_steps, self.keep_local_progress),
                 "the synced parameters (shapes, dtypes)": [(tuple(p.shape), str(p.dtype))
                                                            for p in self.params],
                 "compression and wire format": (compression, block_size, str(self.scale_dtype),
@@ -370,6 +386,8 @@ class DiLoCo:
         else:
             deltas = [a - p.float() for a, p in zip(anchors, params)]
         job = self._in_flight[fragment] = _FragmentRound(deltas)
+        if self._keeps_progress():
+            job.launch_points = [p.detach().float().clone() for p in params]
         self.launches += 1
         number = self.launches
 
@@ -415,12 +433,22 @@ class DiLoCo:
         for a, d in zip(anchors, job.deltas):
             a.grad = d
         self.outer_optimizer.step()  # SGD steps only the anchors that have a .grad
-        for p, a in zip(params, anchors):
+        for a in anchors:
             a.grad = None
-            p.copy_(a)
+        if job.launch_points is None:
+            for p, a in zip(params, anchors):
+                p.copy_(a)
+        else:  # anchor + keep * (p - p at the launch), in fp32, rounded once
+            for p, a, start in zip(params, anchors, job.launch_points):
+                p.copy_(torch.add(a, p.float() - start, alpha=self.keep_local_progress))
         self.rounds = round_no
         self._channel.telemetry.end_step(round_no, self.compression, skipped=False)
         return True
+
+    def _keeps_progress(self) -> bool:
+        """Whether a landing adds local progress back: only an exchange that
+        runs behind inner steps has any."""
+        return self.keep_local_progress > 0 and self.overlap_steps > 0
 
     def _average_(self, fragment: int, deltas: List[torch.Tensor]) -> None:
         if self.backend is not None:  # 1-bit: `deltas` are views of the buffer (_launch)
@@ -623,8 +651,23 @@ class DiLoCo:
         """This rank's worker and server errors (they differ on every rank):
         with them, a resume at the same world size is bitwise identical."""
         self._settle()
-        return self._channel.state_dict(self._error_layouts(), self.params[0].device,
-                                        {"rounds": self.rounds})
+        state = self._channel.state_dict(self._error_layouts(), self.params[0].device,
+                                         {"rounds": self.rounds})
+        if self._keeps_progress():
+            state["launch_points"] = self._launch_points_state()
+        return state
+
+    def _launch_points_state(self) -> dict:
+        """Every fragment's launch points (zeros when none is in flight: the
+        same structure at every step, for DCP), in this rank's error state:
+        they differ on every rank."""
+        out = {}
+        for f in range(self.plan.count):
+            job = self._in_flight.get(f)
+            points = job.launch_points if job is not None else None
+            out[str(f)] = ([x.clone() for x in points] if points is not None
+                           else [torch.zeros_like(a) for a in self._members(f)[1]])
+        return out
 
     def error_feedback_key(self) -> str:
         """The key for this rank's errors in a DCP checkpoint (as the
@@ -635,8 +678,14 @@ class DiLoCo:
         """Restore this rank's errors; at another world size, rank, round,
         block size or wire format they restart from zero and this returns
         False. Call it after `load_state_dict`."""
-        return self._channel.load_state_dict(state, self._error_layouts(),
-                                             {"rounds": self.rounds})
+        loaded = self._channel.load_state_dict(state, self._error_layouts(),
+                                               {"rounds": self.rounds})
+        points = state.get("launch_points") if loaded else None
+        for f, job in self._in_flight.items():  # without them a landing drops the progress
+            if self._keeps_progress() and points is not None and str(f) in points:
+                job.launch_points = [local(x).to(a.device).float()
+                                     for x, a in zip(points[str(f)], self._members(f)[1])]
+        return loaded
 
 
 @dataclass(frozen=True)
