@@ -42,8 +42,9 @@ holds the same values there, and the tau inner steps taken since the
 launch are lost. `keep_local_progress=1` adds this rank's own progress
 since the launch back on top of the new anchor instead (the anchors are
 still the same everywhere; the params differ by what each rank did in those
-tau steps, as they do between rounds anyway). The thread has a process group of its own, so its
-collectives never interleave with the training loop's. `fragments=1,
+tau steps, as they do between rounds anyway). The thread has a process
+group of its own, so its collectives never interleave with the training
+loop's. `fragments=1,
 overlap_steps=0` is plain DiLoCo.
 """
 from __future__ import annotations
@@ -125,7 +126,8 @@ class DiLoCo:
       now) that the fragment keeps on top of its new anchor when the outer
       step lands: 0 (the default) drops it, 1 re-adds all of it. It costs a
       copy of the fragment's params per exchange in flight, saved with
-      this rank's `error_feedback_state_dict` (docs/diloco.md).
+      this rank's `error_feedback_state_dict` (docs/usage.md, streaming
+      DiLoCo; measured in docs/benchmarks.md: not better here at tau = 3).
     process_group, timeout_s (keyword-only, as the options after them):
       the data-parallel group and the deadline of
       each collective (a dead rank is a CommunicationError, never a hang).

@@ -112,10 +112,9 @@ class ZeroOneAdam(OnebitOptimizer):
         denom = self._denominators(index, group, v, bc2, version)
         seen, masks = self._seen(index, group, v, version)
         m = [self._state_tensor(p, "exp_avg") for p in params]
-        F.momentum_into(out, m, grads, group["betas"][0])  # the new m, not committed
-        direction_into(params, out, [denom[j] for j in positions], bc1,
-                       [seen[j] for j in positions], [masks[j] for j in positions], out,
-                       weight_decay=group["weight_decay"])
+        single_sync_input_into(out, params, m, grads, [denom[j] for j in positions], bc1,
+                               [seen[j] for j in positions], [masks[j] for j in positions],
+                               beta1=group["betas"][0], weight_decay=group["weight_decay"])
 
     def _update(self, stage, groups, grads) -> None:
         c = self.counters
@@ -290,16 +289,27 @@ def sync_single_(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Ten
     the average (m = -avg * bc1) and p, still the last synced point, moves
     in place: 11 passes over the parameters, as 1-bit Adam's step."""
     inputs = exchange.inputs(exp_avgs)
-    if inputs is not None:  # (else backward wrote them: the same maths)
-        F.momentum_into(inputs, exp_avgs, grads, beta1)  # the new m, not committed
-        direction_into(params, inputs, denoms, bc1, seen, masks, inputs,
-                       weight_decay=weight_decay)
+    if inputs is not None:  # (else backward wrote them: the same function)
+        single_sync_input_into(inputs, params, exp_avgs, grads, denoms, bc1, seen, masks,
+                               beta1=beta1, weight_decay=weight_decay)
     # m <- the average direction, zeroed where v == 0, bucket by bucket
     for part in exchange.parts(exp_avgs, seen, masks):
         ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen))
         mask_(ms)
         land_(ps, ps, ms, ds, ss, lr)
         torch._foreach_mul_(ms, -bc1)
+
+
+def single_sync_input_into(out: Tensors, params: Tensors, exp_avgs: Tensors, grads: Tensors,
+                           denoms: Tensors, bc1: float, seen, masks, *, beta1: float,
+                           weight_decay: float) -> None:
+    """What a sync that follows a sync exchanges, into `out`: the direction
+    of this step's new momentum beta1 * m + (1 - beta1) * g (m itself is
+    not committed). Written by step() (sync_single_) or, for a bucket,
+    during backward (ZeroOneAdam._exchange_input_): one expression, so the
+    two paths give the same bits."""
+    F.momentum_into(out, exp_avgs, grads, beta1)
+    direction_into(params, out, denoms, bc1, seen, masks, out, weight_decay=weight_decay)
 
 
 def direction_into(params: Tensors, exp_avgs: Tensors, denoms: Tensors, bc1: float, seen,
