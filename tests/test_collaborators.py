@@ -12,7 +12,7 @@ from onebit.backends.stats import TrafficStats
 from onebit.feedback.agreement import ReplicaDivergenceError, RankAgreement, nonfinite_flag
 from onebit.optim.base import OnebitOptimizer
 from onebit.optim.capture import StaticBuffers
-from onebit.optim.late import LATE_KEY, LateJoiners
+from onebit.optim.late import FROZEN, LATE, LATE_KEY, TRAINED, LateJoiners
 from onebit.optim.stage import Stage
 from onebit.feedback.telemetry import StepTelemetry
 
@@ -84,11 +84,12 @@ def test_late_joiners_take_their_own_warmup_then_join():
     frozen.requires_grad_(False)
     state = {old: {"exp_avg_sq": torch.ones(2)}}
     groups = [{"params": [old, new, frozen]}]
-    late.mark(_defaultdict(state), groups, variance_frozen=False)  # v has not frozen: nobody
-    assert not late.params(state, groups[0])
+    codes = late.codes(_defaultdict(state), groups, variance_frozen=False)  # v not frozen: nobody
+    assert not late.params(state, groups[0]) and codes == [[TRAINED, TRAINED, FROZEN]]
     state = _defaultdict(state)
-    late.mark(state, groups, variance_frozen=True)
+    codes = late.codes(state, groups, variance_frozen=True)
     assert late.params(state, groups[0]) == [new]  # not the one with v, not the frozen one
+    assert codes == [[TRAINED, LATE, FROZEN]]
     assert state[new][LATE_KEY] == 0 and LateJoiners.steps_done(state, new) == 0
     LateJoiners.advance(state, [new])
     assert late.is_late(state, new)
@@ -99,7 +100,7 @@ def test_late_joiners_take_their_own_warmup_then_join():
 def test_no_late_joiners_without_a_warmup():
     late, p = LateJoiners(warmup_length=0), torch.nn.Parameter(torch.zeros(1))
     state = _defaultdict({})
-    late.mark(state, [{"params": [p]}], variance_frozen=True)
+    assert late.codes(state, [{"params": [p]}], variance_frozen=True) == [[TRAINED]]
     assert not late.is_late(state, p) and LATE_KEY not in state[p]
 
 

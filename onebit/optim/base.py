@@ -60,7 +60,7 @@ from . import functional as F
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
 from .guards import ZeroVarianceGuard
-from .late import LATE_KEY, LateJoiners
+from .late import LATE, LATE_KEY, TRAINED, LateJoiners
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
 from .step_exchange import StepExchange
@@ -68,8 +68,6 @@ from .stage import Stage
 from .untouched import UntouchedParams
 
 
-# A param's code in a step (OnebitOptimizer._notice_trainable_changes).
-_FROZEN, _TRAINED, _LATE = 0, 1, 2
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
@@ -276,14 +274,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
         t = stage.step
-        self._late.mark(self.state, self.param_groups, stage.variance_frozen)
-        # One pass over the params decides who trains and who is late (the
-        # codes of _notice_trainable_changes): a step pays it per tensor.
-        codes = self._notice_trainable_changes()
+        # One pass over the params decides who trains and who is late: a
+        # step pays it per tensor.
+        codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
+        self._notice_trainable_changes(codes)
         groups = [(self._with_float_lr(g), self._shards.locals(
-            [p for p, c in zip(g["params"], code) if c == _TRAINED]))
+            [p for p, c in zip(g["params"], code) if c == TRAINED]))
             for g, code in zip(self.param_groups, codes)]
-        late = [(g, self._shards.locals([p for p, c in zip(raw["params"], code) if c == _LATE]))
+        late = [(g, self._shards.locals([p for p, c in zip(raw["params"], code) if c == LATE]))
                 for (g, _), raw, code in zip(groups, self.param_groups, codes)]
         grads = [self._gradients(ps) for _, ps in groups]
         late_grads = [self._gradients(ps) for _, ps in late]
@@ -490,21 +488,18 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _trained_lists(self) -> List[List[torch.Tensor]]:
         return [self._trainable(g) for g in self.param_groups]
 
-    def _notice_trainable_changes(self) -> List[List[int]]:
-        """Keep the digest of which params train (requires_grad) current; when
-        it changes (layers frozen or unfrozen, a param group added), forget
-        everything laid out for the old set: flat buffers, error-feedback
-        buffers (they restart from zero), cached denominators and guards,
-        scratch buffers. Returns each group's codes: _FROZEN, _TRAINED, or
-        _LATE (a late joiner in its own warmup, late.py)."""
-        signature = [[p.requires_grad + (p.requires_grad and self._late.is_late(self.state, p))
-                      for p in g["params"]] for g in self.param_groups]
+    def _notice_trainable_changes(self, signature: List[List[int]]) -> None:
+        """Keep the digest of which params train current (`signature`: each
+        group's codes from LateJoiners.codes); when it changes (layers
+        frozen or unfrozen, a param group added, a late joiner joining),
+        forget everything laid out for the old set: flat buffers,
+        error-feedback buffers (they restart from zero), cached denominators
+        and guards, scratch buffers."""
         if signature != self._trainable_signature:
             if self._trainable_signature is not None:
                 self._forget_layouts()
             self._trainable_signature = signature
             self._trainable_digest = collectives.stable_digest(signature)
-        return signature
 
     def _local_state(self):
         """`self.state`, which a sharded param's local shard (what the maths
@@ -525,32 +520,38 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _moments(self, params: List[torch.Tensor]):
         """The params' fp32 (exp_avg, exp_avg_sq) state tensors, created on
         first use."""
-        m, v = [], []
-        for p in params:  # one state lookup per param (a step pays this per tensor)
-            st = self._state_of(p)
-            m.append(st.get("exp_avg"))
-            v.append(st.get("exp_avg_sq"))
-            if m[-1] is None or v[-1] is None:
-                m[-1], v[-1] = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
+        # A step pays this per tensor: one state lookup per param, no calls.
+        state, owner = self.state, self._shards.owner
+        states = [state[owner(p)] for p in params]
+        m = [st.get("exp_avg") for st in states]
+        v = [st.get("exp_avg_sq") for st in states]
+        for i, p in enumerate(params):
+            if m[i] is None or v[i] is None:
+                m[i], v[i] = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
         return m, v
 
     def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
         """fp32 gradients, unscaled when a GradScaler handed us its scale."""
-        grads = []
-        for p in params:
-            g = self._shards.grad(p)
-            if g is None:
-                g = torch.zeros_like(p, dtype=torch.float32)
-            elif g.is_sparse:
-                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-            else:
-                g = g.detach()
-                g = g.float() if g.dtype != torch.float32 else g
-            grads.append(g)
+        grads = [self._shards.grad(p) for p in params]
+        # The usual case (every gradient there, dense fp32, outside autograd)
+        # in one pass: a step over thousands of small tensors pays per tensor.
+        if not all(g is not None and g.dtype is torch.float32 and not g.requires_grad
+                   and not g.is_sparse for g in grads):
+            grads = [self._fp32_gradient(p, g) for p, g in zip(params, grads)]
         scale = getattr(self, "grad_scale", None)
         if scale is not None and grads:
             torch._foreach_mul_(grads, (1.0 / scale.double()).float().item())
         return grads
+
+    def _fp32_gradient(self, p: torch.Tensor, g: Optional[torch.Tensor]) -> torch.Tensor:
+        """`p`'s gradient `g` as a dense fp32 tensor outside autograd (zeros
+        where it has none)."""
+        if g is None:
+            return torch.zeros_like(p, dtype=torch.float32)
+        if g.is_sparse:
+            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        g = g.detach()
+        return g.float() if g.dtype != torch.float32 else g
 
     def _device(self) -> torch.device:
         for g in self.param_groups:

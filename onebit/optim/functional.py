@@ -173,6 +173,14 @@ def adam_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, lr: float,
     same bits as stepping it whole."""
     if not params:
         return
+    if scales is None and all(p.dtype is torch.float32 for p in params):
+        # The usual case with scalars, not per-tensor lists of them (the same
+        # values, so the same bits): a step over thousands of small tensors
+        # pays for every per-tensor list it builds.
+        if weight_decay:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr / bc1)
+        return
     scales = [1.0] * len(params) if scales is None else scales
     fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
     if fp32:

@@ -18,6 +18,7 @@ import torch
 
 
 LATE_KEY = "late_steps"  # state[p][LATE_KEY]: its own warmup steps so far
+FROZEN, TRAINED, LATE = 0, 1, 2  # a param's code in a step (LateJoiners.codes)
 
 
 class LateJoiners:
@@ -32,14 +33,26 @@ class LateJoiners:
         st = state.get(p)
         return st is not None and st.get(LATE_KEY, self.warmup_length) < self.warmup_length
 
-    def mark(self, state, param_groups, variance_frozen: bool) -> None:
-        """Params that train now, once v froze, without ever having had state."""
-        if not variance_frozen or self.warmup_length == 0:
-            return
+    def codes(self, state, param_groups, variance_frozen: bool) -> List[List[int]]:
+        """Each group's params as codes: FROZEN (no grad), TRAINED, or LATE.
+        Once v froze, a param that trains now without ever having had state
+        is marked late (its own warmup starts). One pass, one state lookup
+        per param: a step over thousands of small tensors pays per tensor."""
+        marking, warm = variance_frozen and self.warmup_length > 0, self.warmup_length
+        out = []
         for group in param_groups:
+            row = []
             for p in group["params"]:
-                if p.requires_grad and "exp_avg_sq" not in state.get(p, {}):
-                    state[p][LATE_KEY] = 0
+                if not p.requires_grad:
+                    row.append(FROZEN)
+                    continue
+                st = state.get(p)
+                if marking and (st is None or "exp_avg_sq" not in st):
+                    st = state[p]
+                    st[LATE_KEY] = 0
+                row.append(LATE if st is not None and st.get(LATE_KEY, warm) < warm else TRAINED)
+            out.append(row)
+        return out
 
     def params(self, state, group) -> List[torch.Tensor]:
         """Group `group`'s late joiners."""
