@@ -84,3 +84,42 @@ class CUDAPackbitsBuilder(SharedLibraryBuilder):
             warnings.warn(f"onebit: the CUDA packbits kernel is unusable ({first}); using cupy's",
                           RuntimeWarning, stacklevel=2)
             return kernels
+
+
+def candidate_kernels() -> dict:
+    """The CUDA library's candidate kernels, timed against the defaults by
+    `python -m onebit.bench kernels --device cuda` and held to the CPU
+    kernel's bits by the GPU tests, as callables over tensors with the
+    defaults' signatures: "compress" (compress_tiled) and "decode"
+    (decode_words). Empty where the library exports none."""
+    import ctypes
+
+    lib = CUDAPackbitsBuilder().open_library()
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    found = {}
+
+    def launcher(name, argtypes):
+        f = getattr(lib, name, None)
+        if f is not None:
+            f.argtypes, f.restype = argtypes + [p], i32
+        return f
+
+    compress = launcher("onebit_cuda_compress_tiled", [p, i64, p, i64, i64, p, i32, p, p])
+    decode = launcher("onebit_cuda_decode_words", [p, i64, i32, p, i64, i64, p])
+
+    def run(f, device, *args):
+        with torch.cuda.device(device):
+            rc = f(*args, _current_stream(device))
+        if rc:
+            raise RuntimeError(f"candidate CUDA kernel failed with error {rc}")
+
+    if compress is not None:
+        found["compress"] = lambda buf, err, counts, block, scales_out, bits_out: run(
+            compress, err.device, buf.data_ptr(), buf.numel(), err.data_ptr(), err.numel(), block,
+            counts.data_ptr(), scales_out.numel() // counts.numel(), scales_out.data_ptr(),
+            bits_out.data_ptr())
+    if decode is not None:
+        found["decode"] = lambda bits, scales, block, cols, out: run(
+            decode, out.device, bits.data_ptr(), bits.stride(0), bits.shape[0], scales.data_ptr(),
+            block, cols, out.data_ptr())
+    return found

@@ -124,8 +124,9 @@ def onebit_adam(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
         if inputs is not None:  # (else backward wrote them: the same expression)
             F.momentum_into(inputs, exp_avgs, grads, beta1)
         parts = exchange.parts(exp_avgs, seen, masks)
-    for part in parts:
-        ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen))
+    for part in parts:  # (disjoint: a part as long as the list is all of it)
+        ps, ms, ds, ss = ((params, exp_avgs, denoms, seen) if len(part) == len(params) else
+                          ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen)))
         if exchange is not None:
             mask_(ms)
         F.adam_step_(*only_seen(ss, ps, ms, ds), lr, weight_decay, bc1)
