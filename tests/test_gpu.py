@@ -32,8 +32,7 @@ def test_cuda_shared_library_links_exports_the_launchers_and_carries_ptx(tmp_pat
     lib = builder.build()
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
                              text=True, check=True).stdout.split()
-    for name in ("pack", "decode", "compensate", "pack_error", "compress", "compress_tiled",
-                 "decode_words"):
+    for name in ("pack", "decode", "compensate", "pack_error", "compress"):
         assert f"onebit_cuda_{name}" in symbols
     plain = builder.run_compiler([*builder.FLAGS, "-no-compress", "-shared",
                                   *map(str, builder.sources())], tmp_path / "plain.so")
@@ -180,16 +179,13 @@ def test_cuda_decode_of_several_rows_is_bit_exact_against_cpu(rows):
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [8, 64, 256, 512, 24])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_candidate_tiled_compress_is_bit_exact_against_cpu(block, scale_dtype, offset):
-    """The candidate compress (a tile through shared memory, 16-byte loads)
-    gives the CPU kernel's error, scales and bits: several tiles and a
-    short last one, a block straddling the end of buf, an all-zero block,
-    blocks with few real elements. Block 24 and an err one element off
-    alignment take the default kernel, which must then give the same."""
-    from onebit.builders.cuda import candidate_kernels
-
-    gpu, cpu = candidate_kernels(), CPUPackbitsBuilder().load()
-    assert "compress" in gpu, "the CUDA library exports no compress_tiled"
+def test_cuda_compress_on_tiles_and_octets_is_bit_exact_against_cpu(block, scale_dtype, offset):
+    """compress's two kernels give the CPU kernel's error, scales and bits:
+    the tiled one (power-of-two blocks, aligned buffers) over several tiles
+    and a short last one, and the octet one (block 24; an err one element
+    off alignment), with a block straddling the end of buf, an all-zero
+    block and blocks with few real elements."""
+    gpu, cpu = CUDAPackbitsBuilder().load(), CPUPackbitsBuilder().load()
     g = torch.Generator().manual_seed(block + offset)
     n = block * 3 * 1117
     n_buf = n - 29 - block
@@ -200,7 +196,7 @@ def test_candidate_tiled_compress_is_bit_exact_against_cpu(block, scale_dtype, o
     counts = torch.full((n // block,), float(block), dtype=torch.float64)
     counts[-2:] = torch.tensor([max(block - 29.0, 3.0), 1.0])
     res = []
-    for k, dev in ((cpu.compress, "cpu"), (gpu["compress"], "cuda")):
+    for k, dev in ((cpu.compress, "cpu"), (gpu.compress, "cuda")):
         err = torch.zeros(n + offset, device=dev)[offset:]
         err.copy_(err0.to(dev))
         scales = torch.empty(scale_dtype.itemsize * (n // block), dtype=torch.uint8, device=dev)
@@ -208,30 +204,5 @@ def test_candidate_tiled_compress_is_bit_exact_against_cpu(block, scale_dtype, o
         k(buf.to(dev), err, counts.to(dev), block, scales, bits)
         res.append([t.cpu() for t in (err, scales, bits)])
     for name, a, b in zip(("error", "scales", "bits"), *res):
-        assert torch.equal(a, b), f"the candidate kernel's {name} differ from the CPU kernel's"
+        assert torch.equal(a, b), f"the CUDA kernel's {name} differ from the CPU kernel's"
 
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [4, 8, 32])
-@pytest.mark.parametrize("extra", [0, 11])
-def test_candidate_word_decode_is_bit_exact_against_cpu(rows, extra):
-    """The candidate decode (a word of each row per thread) on rows whose
-    length is a multiple of 4 (word loads) or not (byte loads), blocks of
-    40 (not a multiple of 32: a word spans two blocks), a ragged tail, and
-    an output off alignment."""
-    from onebit.builders.cuda import candidate_kernels
-
-    gpu, cpu = candidate_kernels(), CPUPackbitsBuilder().load()
-    g = torch.Generator().manual_seed(rows + extra)
-    block, cols = 40, 40 * 97 + 16
-    row_bytes = (cols + 7) // 8 + extra + (4 - ((cols + 7) // 8 + extra) % 4) % 4 * (extra == 0)
-    bits = torch.randint(0, 256, (rows, row_bytes), generator=g, dtype=torch.uint8)
-    nblocks = -(-cols // block)
-    scales = torch.rand(rows * nblocks, generator=g) * torch.logspace(-3, 3, rows * nblocks)
-    want = torch.empty(cols + 1)
-    cpu.decode(bits, scales, block, cols, want[1:])
-    for offset in (0, 1):
-        out = torch.zeros(cols + 1, device="cuda")
-        gpu["decode"](bits.cuda(), scales.cuda(), block, cols, out[offset:offset + cols])
-        assert torch.equal(out[offset:offset + cols].cpu(), want[1:]), offset

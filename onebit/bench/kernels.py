@@ -114,32 +114,14 @@ def measure_shares(n: int, device: torch.device, repeat: int) -> Dict[str, Dict[
     copy_rate = least_bytes("copy") * n / seconds["copy"]
     result = {k: {"ms": t * 1e3, "share": least_bytes(k) * n / t / copy_rate}
               for k, t in seconds.items()}
-    candidates = candidate_kernels(device)
-    if "compress" in candidates:
-        t = timed(lambda: candidates["compress"](x, err, counts, BLOCK, scale_bytes, bits), repeat)
-        result["compress*"] = {"ms": t * 1e3, "share": least_bytes("compress") * n / t / copy_rate}
     for rows in (1, 2, 8, 32):
         cols = max(8, n // rows)  # n bits in all: rows chunks of a message, decoded at once
         row_bits = torch.randint(0, 256, (rows, cols // 8), generator=g, dtype=torch.uint8).to(device)
         row_scales = (torch.rand(rows * -(-cols // BLOCK), generator=g) + 0.5).to(device)
-        decodes = {f"decode x{rows}": kernels.decode}
-        if rows >= 4 and "decode" in candidates:
-            decodes[f"decode x{rows}*"] = candidates["decode"]
-        for name, decode in decodes.items():
-            t = timed(lambda: decode(row_bits, row_scales, BLOCK, cols, out[:cols]), repeat)
-            result[name] = {"ms": t * 1e3, "share": least_bytes("decode", rows) * cols / t / copy_rate}
+        t = timed(lambda: kernels.decode(row_bits, row_scales, BLOCK, cols, out[:cols]), repeat)
+        result[f"decode x{rows}"] = {
+            "ms": t * 1e3, "share": least_bytes("decode", rows) * cols / t / copy_rate}
     return result
-
-
-def candidate_kernels(device: torch.device) -> Dict[str, Callable]:
-    """A device's candidate kernels (rows marked * in the shares table):
-    the CUDA library's, which replace the defaults where they measure
-    faster; none elsewhere."""
-    if device.type != "cuda":
-        return {}
-    from ..builders.cuda import candidate_kernels as cuda_candidates
-
-    return cuda_candidates()
 
 
 def measure(n: int, repeat: int) -> Dict[str, float]:
@@ -210,9 +192,6 @@ def run_shares(args: argparse.Namespace, device: torch.device) -> List[Dict]:
           "decode xR: R rows of n/R columns")
     names = ["copy", "pack", "compensate", "pack_error", "compress",
              "decode x1", "decode x2", "decode x8", "decode x32"]
-    if candidate_kernels(device):
-        print("# rows marked *: candidate kernels (onebit.builders.cuda.candidate_kernels)")
-        names += ["compress*", "decode x8*", "decode x32*"]
     table = Table([("count", 10, "d")] + [(f"{k}", 11, "s") for k in names])
     table.header()
     out = []

@@ -345,18 +345,15 @@ __global__ void compress_kernel(const float* __restrict__ buf, int64_t n_buf,
   }
 }
 
-
-// Candidates measured against the kernels above in one GPU run (bench
-// kernels --device cuda prints both; tests/test_gpu.py holds them to the
-// CPU kernel's bits), the faster to become the default.
-//
-// compress_tiled_kernel: compress with 16-byte loads and stores. A thread
-// block owns a tile of kTile elements: it reads x = buf + err with
-// coalesced float4 loads into shared memory, then each octet sums a block's
-// squares from there in the one order (lane j: elements j, j + 8, ... in
-// turn, then octet_sum), then every thread writes its err = x -/+ s as
-// float4 and its signs. The octet kernel above loads 4 bytes per lane, in
-// 32-byte runs 1 KB apart (50% of the copy bandwidth on an H200).
+// compress_tiled_kernel: what compress runs for power-of-two blocks on
+// 16-byte-aligned buffers (the default layout), with 16-byte loads and
+// stores. A thread block owns a tile of kTile elements: it reads x = buf +
+// err with coalesced float4 loads into shared memory, then each octet sums
+// a block's squares from there in the one order (lane j: elements j, j +
+// 8, ... in turn, then octet_sum), then every thread writes its err = x -/+
+// s as float4 and its signs. On an H200 at 2^28 elements: 96% of the copy
+// bandwidth, where compress_kernel (4 bytes per lane, in 32-byte runs 1 KB
+// apart) reached 49%; it stays for other blocks and unaligned buffers.
 constexpr int kTile = 8192;               // elements per thread block: 32 per thread
 constexpr int kPadEvery = 256, kPad = 8;  // 8 floats after every 256: an octet per bank run
 
@@ -443,60 +440,6 @@ __global__ void compress_tiled_kernel(const float* __restrict__ buf, int64_t n_b
   }
 }
 
-// decode_words_kernel: from 4 rows, one thread per four bytes of a row (32
-// elements), read as one 4-byte word per row where the rows allow: a
-// quarter of decode_bytes_kernel's load instructions per element. The same
-// per-element order (rows in turn from 0), so the same bits.
-__global__ void decode_words_kernel(const uint8_t* __restrict__ bits, int64_t row_bytes,
-                                    int rows, const float* __restrict__ scales, int64_t block,
-                                    int64_t cols, bool words, bool vec, float* __restrict__ out) {
-  const float inv = 1.0f / float(rows);
-  const int64_t nblocks = (cols + block - 1) / block;
-  const int64_t nwords = (cols + 31) / 32;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < nwords; q += stride) {
-    const int64_t j0 = q * 32;
-    const bool whole = j0 + 32 <= cols;
-    int64_t k[4];
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {  // (a byte past the tail keeps the last block: never read)
-      const int64_t kb = (j0 + 8 * b) / block;
-      k[b] = kb < nblocks ? kb : nblocks - 1;
-    }
-    float acc[32];
-#pragma unroll
-    for (int t = 0; t < 32; ++t) acc[t] = 0.0f;
-    for (int r = 0; r < rows; ++r) {
-      const uint8_t* row = bits + r * row_bytes;
-      uint32_t word = 0;
-      if (words && whole) {
-        word = *reinterpret_cast<const uint32_t*>(row + 4 * q);
-      } else {
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-          if (j0 + 8 * b < cols) word |= uint32_t(row[4 * q + b]) << (8 * b);
-      }
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const float s = scales[r * nblocks + k[b]];
-#pragma unroll
-        for (int t = 0; t < 8; ++t) acc[8 * b + t] += signed_scale(word, 8 * b + t, s);
-      }
-    }
-    if (vec && whole) {
-      float4* dst = reinterpret_cast<float4*>(out + j0);
-#pragma unroll
-      for (int t = 0; t < 8; ++t)
-        dst[t] = make_float4(acc[4 * t] * inv, acc[4 * t + 1] * inv, acc[4 * t + 2] * inv,
-                             acc[4 * t + 3] * inv);
-    } else {
-#pragma unroll
-      for (int t = 0; t < 32; ++t)
-        if (j0 + t < cols) out[j0 + t] = acc[t] * inv;
-    }
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -566,47 +509,20 @@ int onebit_cuda_compress(const float* buf, int64_t n_buf, float* err, int64_t n,
   if (block <= 0 || block % 8 || n % block || (scale_bytes != 4 && scale_bytes != 2))
     return int(cudaErrorInvalidValue);
   if (n == 0) return 0;
+  const bool tiled = block <= kTile && (block & (block - 1)) == 0 && aligned16(buf) &&
+                     aligned16(err) && (n + kTile - 1) / kTile <= int64_t(0x7fffffff);
+  if (tiled) {
+    compress_tiled_kernel<<<int((n + kTile - 1) / kTile), kThreads, 0, stream>>>(
+        buf, n_buf, err, n, int(block), counts, scale_bytes, scales_out, bits_out);
+    return int(cudaGetLastError());
+  }
   const int grid = octet_grid(n / block);
-  if (block <= 8 * 32)  // the default 256 and below: x held in registers
+  if (block <= 8 * 32)  // blocks up to 256: x held in registers
     compress_kernel<32><<<grid, kThreads, 0, stream>>>(buf, n_buf, err, n, block, counts,
                                                        scale_bytes, scales_out, bits_out);
   else
     compress_kernel<0><<<grid, kThreads, 0, stream>>>(buf, n_buf, err, n, block, counts,
                                                       scale_bytes, scales_out, bits_out);
-  return int(cudaGetLastError());
-}
-
-
-// The candidates (see compress_tiled_kernel): where one does not apply (a
-// block that is not a power of two, unaligned pointers; under 4 rows) the
-// default kernel runs, so each is a drop-in for its default.
-int onebit_cuda_compress_tiled(const float* buf, int64_t n_buf, float* err, int64_t n,
-                               int64_t block, const double* counts, int scale_bytes,
-                               uint8_t* scales_out, uint8_t* bits_out, cudaStream_t stream) {
-  const bool tiled = block >= 8 && block <= kTile && (block & (block - 1)) == 0 &&
-                     aligned16(buf) && aligned16(err) && n % block == 0 &&
-                     (scale_bytes == 4 || scale_bytes == 2);
-  if (!tiled)
-    return onebit_cuda_compress(buf, n_buf, err, n, block, counts, scale_bytes, scales_out,
-                                bits_out, stream);
-  if (n == 0) return 0;
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  if (tiles > int64_t(0x7fffffff)) return int(cudaErrorInvalidValue);
-  compress_tiled_kernel<<<int(tiles), kThreads, 0, stream>>>(buf, n_buf, err, n, int(block),
-                                                             counts, scale_bytes, scales_out,
-                                                             bits_out);
-  return int(cudaGetLastError());
-}
-
-int onebit_cuda_decode_words(const uint8_t* bits, int64_t row_bytes, int rows,
-                             const float* scales, int64_t block, int64_t cols, float* out,
-                             cudaStream_t stream) {
-  if (rows < 4) return onebit_cuda_decode(bits, row_bytes, rows, scales, block, cols, out, stream);
-  if (cols == 0) return 0;
-  if (block <= 0 || block % 8) return int(cudaErrorInvalidValue);
-  const bool words = row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(bits) % 4 == 0;
-  decode_words_kernel<<<grid_for((cols + 31) / 32), kThreads, 0, stream>>>(
-      bits, row_bytes, rows, scales, block, cols, words, aligned16(out), out);
   return int(cudaGetLastError());
 }
 
