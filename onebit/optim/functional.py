@@ -13,6 +13,7 @@ correction.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from typing import List, Optional, Sequence
 
@@ -50,8 +51,16 @@ def foreach_pays(tensors: Tensors) -> bool:
     return sum(t.numel() for t in tensors) < int(below) * len(tensors)
 
 
+def as_fp32(tensors: Tensors) -> Tensors:
+    """The tensors in fp32: the list itself where every one already is (a
+    step over thousands of small tensors pays for each .float() call)."""
+    if all(t.dtype is torch.float32 for t in tensors):
+        return tensors
+    return [t.float() for t in tensors]
+
+
 def _same(a: Tensors, b: Tensors) -> bool:
-    return all(x is y for x, y in zip(a, b))
+    return a is b or all(map(operator.is_, a, b))
 
 
 def copy_unless_same_(out: Tensors, src: Tensors) -> None:
@@ -243,7 +252,7 @@ def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
     is 0. u is `updates` times `updates_scale` (a pass saved where the
     caller's buffers hold a multiple of the update). `whole`: see norms."""
     # One host sync for both lists of norms.
-    both = norms([p.float() for p in params] + list(updates), whole)
+    both = norms(as_fp32(params) + list(updates), whole)
     out = []
     for w, u in zip(both[:len(params)], both[len(params):]):
         u *= updates_scale

@@ -199,10 +199,10 @@ class OnebitLamb(FreezeStepOptimizer):
         bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
         # freeze_step = 0 or a restored warmup: the ratio's state starts here
         start, name = (v, "exp_avg_sq_fresh") if frozen else (m, "exp_avg_smoothed")
-        for p, x in zip(params, start):
-            if name not in self._state_of(p):
-                self._state_of(p)[name] = x.clone()
         states = [self._state_of(p) for p in params]
+        for st, x in zip(states, start):
+            if name not in st:
+                st[name] = x.clone()
         params, m, v, states = only_seen(seen, params, m, v, states)
         if not params:
             return
@@ -242,7 +242,7 @@ def lamb_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, *, scratch, 
     denom + weight_decay * p, built in `scratch(like)`. `whole_norms`
     completes shard norms into whole-parameter ones (None: unsharded).
     Returns each tensor's coefficient."""
-    pf = [p.float() for p in params]
+    pf = F.as_fp32(params)
     upd = F.adam_updates(exp_avgs, denoms, pf, weight_decay, bc1, out=scratch(exp_avgs))
     coeffs = F.lamb_trust_ratios(pf, upd, min_coeff, max_coeff, whole=whole_norms)
     F.apply_updates_(params, upd, lr, coeffs)
@@ -282,7 +282,7 @@ def onebit_lamb_fresh_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors,
     torch._foreach_lerp_(smoothed, exp_avgs, 1.0 - trust_ratio_beta)
     # bc1 times the ratio's update (bc1 = 1 and weight decay x bc1 below):
     # the norm takes the 1 / bc1 instead of a pass over the buffers.
-    pf = [p.float() for p in params]
+    pf = F.as_fp32(params)
     ref = F.adam_updates(smoothed, denoms, pf, weight_decay * bc1, 1.0, out=scratch(exp_avgs))
     coeffs = F.lamb_trust_ratios(pf, ref, min_coeff, max_coeff, updates_scale=1.0 / bc1,
                                  whole=whole_norms)
@@ -308,7 +308,7 @@ def onebit_lamb_frozen_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors
     torch._foreach_add_(g_rec, exp_avgs, alpha=1.0 / (1.0 - beta1))
     F.update_variance_(fresh, g_rec, beta2)
     ratio_maxes = F.max_ratios_(denoms, fresh_denominators(fresh), whole_maxima)
-    pf = [p.float() for p in params]
+    pf = F.as_fp32(params)
     # The update before weight decay, then after, in the same buffer.
     upd = F.adam_updates(exp_avgs, denoms, pf, 0.0, bc1, out=scratch(exp_avgs))
     prelim_norms = upd_norms = F.norms(upd, whole_norms)

@@ -160,7 +160,7 @@ class ZeroOneAdam(OnebitOptimizer):
                             weight_decay=group["weight_decay"], bc1=bc1, sync=sync)
                 c["lrs"][i] += group["lr"]
             else:
-                upd = F.adam_updates(ms, ds, [p.float() for p in ps], group["weight_decay"], bc1,
+                upd = F.adam_updates(ms, ds, F.as_fp32(ps), group["weight_decay"], bc1,
                                      out=self._static.scratch("update", i, ms))
                 if upd:  # (empty when no tensor of the group has seen a gradient)
                     torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
@@ -190,8 +190,9 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _sync_single_(self, i, t, version, group, params, grads, m, v) -> None:
         """A sync with no lr since the last sync (see sync_single_)."""
-        for p in params:  # the accumulators stay 0, but exist for the local steps
-            self._state_tensor(p, "momentum_accumulator")
+        for p, st in zip(params, [self._state_of(p) for p in params]):
+            if "momentum_accumulator" not in st:  # stays 0, but exists for the local steps
+                self._state_tensor(p, "momentum_accumulator")
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(i, group, v, bc2, version)
         seen, masks = self._seen(i, group, v, version)
@@ -214,7 +215,7 @@ def accumulate_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, accumulator
     if not params:
         return
     if weight_decay:
-        torch._foreach_add_(accumulators, [p.float() for p in params], alpha=-lr * weight_decay)
+        torch._foreach_add_(accumulators, F.as_fp32(params), alpha=-lr * weight_decay)
     torch._foreach_addcdiv_(accumulators, exp_avgs, denoms, value=-lr / bc1)
     if not sync:
         fp32 = [j for j, p in enumerate(params) if p.dtype == torch.float32]
@@ -332,4 +333,4 @@ def direction_into(params: Tensors, exp_avgs: Tensors, denoms: Tensors, bc1: flo
             o.zero_()
     ps, ds, os_ = only_seen(seen, params, denoms, out)
     if weight_decay and ps:
-        torch._foreach_addcmul_(os_, [p.float() for p in ps], ds, value=-weight_decay)
+        torch._foreach_addcmul_(os_, F.as_fp32(ps), ds, value=-weight_decay)
