@@ -15,7 +15,8 @@ average gradients in full precision):
   OnebitAdam  vs torch.optim.Adam           freeze_step = --freeze * steps
   ZeroOneAdam vs torch.optim.Adam           var_freeze_step = --freeze * steps
   OnebitLamb  vs LAMB (OnebitLamb kept in warmup: the same code, uncompressed)
-  DiLoCo-1bit vs DiLoCo-fp32, DiLoCo-bf16 vs DiLoCo-fp32, DiLoCo-fp32 vs Adam:
+  DiLoCo-1bit vs DiLoCo-fp32, DiLoCo-2bit vs DiLoCo-fp32 (the ternary wire),
+  DiLoCo-bf16 vs DiLoCo-fp32, DiLoCo-fp32 vs Adam:
     onebit.DiLoCo over inner AdamW (weight decay 0: Adam's maths, local
     steps), an outer step every --sync-every steps (outer SGD: --outer-lr,
     --outer-momentum, --nesterov; DiLoCo's defaults; --later-outer-lr and
@@ -64,20 +65,23 @@ from onebit.optim.lamb import TRUST_RATIOS
 TRUST_RATIO = TRUST_RATIOS[0]  # OnebitLamb's default
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam"),
-         ("DiLoCo-1bit", "DiLoCo-fp32"), ("DiLoCo-stream", "DiLoCo-fp32"),
+         ("DiLoCo-1bit", "DiLoCo-fp32"), ("DiLoCo-2bit", "DiLoCo-fp32"),
+         ("DiLoCo-stream", "DiLoCo-fp32"),
          ("DiLoCo-bf16", "DiLoCo-fp32"), ("DiLoCo-fp32", "Adam"),
          ("Adam-fp16", "Adam"), ("Adam-bf16", "Adam"), ("PowerSGD-r1", "Adam"),
          ("PowerSGD-r2", "Adam"), ("PowerSGD-r4", "Adam")]
 DEFAULT_PAIRS = [p[0] for p in PAIRS[:3]]  # the optimizers' figure; DiLoCo with --only
 # Held-out loss gap goals, %; None: reported, not judged.
 GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0, "DiLoCo-1bit": 1.0,
+         "DiLoCo-2bit": 1.0,
          "DiLoCo-stream": None, "DiLoCo-bf16": 1.0, "DiLoCo-fp32": None,
          "Adam-fp16": None, "Adam-bf16": None, "PowerSGD-r1": None, "PowerSGD-r2": None,
          "PowerSGD-r4": None}
 # DDP comm hooks (the baselines a user would pick): name -> (hook kind, PowerSGD rank)
 HOOKS = {"Adam-fp16": ("fp16", 0), "Adam-bf16": ("bf16", 0), "PowerSGD-r1": ("powersgd", 1),
          "PowerSGD-r2": ("powersgd", 2), "PowerSGD-r4": ("powersgd", 4)}
-DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-stream": "1bit", "DiLoCo-bf16": "bf16",
+DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-2bit": "2bit", "DiLoCo-stream": "1bit",
+          "DiLoCo-bf16": "bf16",
           "DiLoCo-fp32": "none"}
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "pydocs.txt.gz")
 
@@ -158,9 +162,10 @@ LATER_FROM = 0.2  # --later-from's default: the measured switch at H = 16 (docs/
 
 def _outer_lr(name: str, a: dict):
     """DiLoCo's outer lr: --outer-lr, and from --later-from of the steps on
-    --later-outer-lr for the 1-bit rows or --later-outer-lr-full for the
+    --later-outer-lr for the 1-bit and 2-bit rows or --later-outer-lr-full for the
     bf16 / fp32 rows (each form at its own settings, in one run)."""
-    later = a.get("later_outer_lr" if DILOCO[name] == "1bit" else "later_outer_lr_full")
+    compressed = DILOCO[name] in ("1bit", "2bit")
+    later = a.get("later_outer_lr" if compressed else "later_outer_lr_full")
     if later is None:
         return a["outer_lr"]
     import onebit
@@ -453,7 +458,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nesterov", dest="nesterov", action="store_true",
                    help="DiLoCo: Nesterov momentum in the outer SGD (DiLoCo's published 0.7, 0.9)")
     p.add_argument("--later-outer-lr", dest="later_outer_lr", type=float, default=None,
-                   help="DiLoCo-1bit/-stream: the outer lr from --later-from of the steps on")
+                   help="DiLoCo-1bit/-2bit/-stream: the outer lr from --later-from of the steps on")
     p.add_argument("--later-outer-lr-full", dest="later_outer_lr_full", type=float, default=None,
                    help="DiLoCo-bf16/-fp32: the outer lr from --later-from of the steps on")
     p.add_argument("--later-from", dest="later_from", type=float, default=LATER_FROM,

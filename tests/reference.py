@@ -45,7 +45,22 @@ def compress(x, real, block, round_scale):
     return q, np.where(real, x - q, 0.0), s
 
 
-def compressed_round(xs, worker_errors, server_errors, real, block, round_scale=lambda s: s):
+def ternary(x, real, block, round_scale):
+    """The 2-bit code (Ternary Weight Networks, Li and Liu 2016): per block,
+    t = 0.7 * mean |x| over its real positions; q = s * sign(x) where |x| >
+    t, else 0, with s = the mean |x| over those positions (0 if none).
+    Returns (q, new error, scales) as `compress` does."""
+    xb, rb = x.reshape(-1, block), real.reshape(-1, block)
+    a = np.where(rb, np.abs(xb), 0.0)
+    t = 0.7 * (a.sum(1) / np.maximum(rb.sum(1), 1))
+    kept = rb & (a > t[:, None])
+    s = round_scale(np.where(kept, a, 0.0).sum(1) / np.maximum(kept.sum(1), 1))
+    q = np.where(kept, s[:, None] * sign(xb), 0.0).reshape(-1)
+    return q, np.where(real, x - q, 0.0), s
+
+
+def compressed_round(xs, worker_errors, server_errors, real, block, round_scale=lambda s: s,
+                     quantize=compress):
     """One compressed allreduce of already placed buffers xs[i] (N each,
     zeros where `real` is False) across len(xs) simulated ranks.
     Returns (output[N], new worker_errors, new server_errors, c[N])."""
@@ -53,7 +68,7 @@ def compressed_round(xs, worker_errors, server_errors, real, block, round_scale=
     chunk = n // p
     qs, new_w = [], []
     for i in range(p):
-        q, err, _ = compress(xs[i] + worker_errors[i], real, block, round_scale)
+        q, err, _ = quantize(xs[i] + worker_errors[i], real, block, round_scale)
         qs.append(q)
         new_w.append(err)
     out, new_s, server_values = np.zeros(n), [], np.zeros(n)
@@ -61,7 +76,7 @@ def compressed_round(xs, worker_errors, server_errors, real, block, round_scale=
         part = slice(k * chunk, (k + 1) * chunk)
         c = np.mean([q[part] for q in qs], axis=0) + server_errors[k]
         c = np.where(real[part], c, 0.0)
-        q, err, _ = compress(c, real[part], block, round_scale)
+        q, err, _ = quantize(c, real[part], block, round_scale)
         new_s.append(err)
         out[part] = q
         server_values[part] = c
@@ -75,13 +90,15 @@ def place(tensors, offsets, n):
     return x
 
 
-def reference_round(tensors, worker_errors, server_errors, block, round_scale=lambda s: s):
+def reference_round(tensors, worker_errors, server_errors, block, round_scale=lambda s: s,
+                    quantize=compress):
     """One compressed allreduce across p simulated ranks.
 
     tensors: p lists (one per rank) of 1-D arrays, the same sizes on every rank.
     worker_errors: p arrays of N; server_errors: p arrays of N/p.
     round_scale: what the wire does to a scale (identity for fp32 within the
-    tests' tolerance; bf16 rounding for 16-bit scales).
+    tests' tolerance; bf16 rounding for 16-bit scales). quantize: `compress`
+    (1 bit) or `ternary` (2 bits).
     Returns (outputs: one array per tensor, new worker_errors, new
     server_errors, server_values[N]) where server_values holds each chunk's
     compensated value c (the tests skip positions whose sign is a coin toss).
@@ -92,7 +109,7 @@ def reference_round(tensors, worker_errors, server_errors, block, round_scale=la
     assert len(worker_errors[0]) == n, (len(worker_errors[0]), n)
     xs = [place(ts, offsets, n) for ts in tensors]
     out, new_w, new_s, c = compressed_round(xs, worker_errors, server_errors, real, block,
-                                            round_scale)
+                                            round_scale, quantize)
     return [out[o:o + s] for o, s in zip(offsets, sizes)], new_w, new_s, c
 
 

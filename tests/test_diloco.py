@@ -144,8 +144,10 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
             offset = (f + 1) * H // len(fragments)
             if past >= offset and (past - offset) % H == 0:  # launch: measure and average
                 deltas = [[anchor[i] - params[rank][i] for i in members] for rank in range(world)]
-                if compression == "1bit":
-                    avg, worker, server, _ = reference.reference_round(deltas, *errors[f], BLOCK)
+                if compression in ("1bit", "2bit"):
+                    avg, worker, server, _ = reference.reference_round(
+                        deltas, *errors[f], BLOCK,
+                        quantize=reference.ternary if compression == "2bit" else reference.compress)
                     errors[f] = (worker, server)
                 else:
                     avg = [sum(d[k] for d in deltas) / world for k in range(len(members))]
@@ -193,7 +195,8 @@ def _check_against_simulation(results, expected, compression, tol, world, fragme
 @pytest.mark.parametrize("compression, tol, outer, warmup", [
     ("1bit", 2e-4, "nesterov", 0), ("none", 1e-5, "nesterov", 0), ("bf16", 2e-2, "nesterov", 0),
     ("1bit", 2e-4, "default", 0), ("1bit", 2e-4, "default", 5), ("none", 1e-5, "default", 5),
-    ("1bit", 2e-4, "later", 0), ("none", 1e-5, "later", 2)])
+    ("1bit", 2e-4, "later", 0), ("none", 1e-5, "later", 2), ("2bit", 2e-4, "nesterov", 0),
+    ("2bit", 2e-4, "default", 5)])
 def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression, tol, outer,
                                                                      warmup):
     world = 3
@@ -208,8 +211,8 @@ def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression
     ratio = {"none": 1.0, "bf16": 2.0}.get(compression)
     if ratio is not None:
         assert stats["total_compression_ratio"] == pytest.approx(ratio, rel=1e-3)
-    else:  # 1/8 byte of sign plus 4/64 of scale per element, each way
-        assert stats["total_compression_ratio"] > 8
+    else:  # 1/8 byte of sign (2bit: 1/4 of code) plus 4/64 of scale per element, each way
+        assert stats["total_compression_ratio"] > (8 if compression == "1bit" else 5)
         assert stats["worker_error_norm"] > 0 and stats["server_error_norm"] > 0
 
 
@@ -268,7 +271,8 @@ def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_
 @pytest.mark.parametrize("compression, outer, fragments, overlap, keep", [
     ("1bit", "default", [[0], [1, 2]], 0, 0.0), ("1bit", "nesterov", [[0], [1], [2]], 2, 0.0),
     ("none", "default", [[0], [1], [2]], 1, 0.0), ("1bit", "later", [[0], [1], [2]], 1, 0.0),
-    ("1bit", "default", [[0], [1], [2]], 2, 1.0), ("none", "nesterov", [[0], [1], [2]], 2, 0.5)])
+    ("1bit", "default", [[0], [1], [2]], 2, 1.0), ("none", "nesterov", [[0], [1], [2]], 2, 0.5),
+    ("2bit", "default", [[0], [1], [2]], 2, 0.0)])
 def test_streaming_matches_the_float64_simulation(compression, outer, fragments, overlap, keep):
     """Fragments synced at staggered inner steps, each exchange running
     `overlap` inner steps behind on the communication thread; the split by
@@ -282,7 +286,8 @@ def test_streaming_matches_the_float64_simulation(compression, outer, fragments,
                           len(fragments), overlap, None, keep, timeout=120)
     expected = _simulate(world, compression, outer, 0, fragments, overlap, keep)
     landed = _check_against_simulation(results, expected, compression,
-                                       2e-4 if compression == "1bit" else 1e-5, world, fragments,
+                                       2e-4 if compression in ("1bit", "2bit") else 1e-5, world,
+                                       fragments,
                                        identical_landings=keep == 0)
     assert results[0][2]["step"] == sum(len(fs) for fs in landed.values())
     if keep:  # each rank kept its own steps: the landed params differ between ranks

@@ -40,9 +40,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import ops
 from ..collectives import stable_digest
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_block_size
+from .codecs import SignCodec
 from .layout import BlockLayout
 from .pipeline import CallTimer, PieceTuner, PipelineStage, piece_ranges, run_pipelined
 from .stats import TrafficStats, fp32_allreduce_bytes
@@ -60,9 +60,9 @@ class _Piece:
     """Message buffers of one pipelined piece: elements [a, b) of every chunk."""
 
     def __init__(self, a: int, b: int, p: int, block: int, scale_bytes: int,
-                 device: torch.device) -> None:
+                 device: torch.device, codec) -> None:
         self.a, self.b = a, b
-        self.chunk_bytes = (b - a) // 8
+        self.chunk_bytes = codec.code_bytes(b - a)  # the codes, then the scales
         row = self.chunk_bytes + (b - a) // block * scale_bytes
         u8 = dict(dtype=torch.uint8, device=device)
         self.send, self.recv = torch.empty(p, row, **u8), torch.empty(p, row, **u8)
@@ -72,20 +72,22 @@ class _Piece:
 class _Buffers:
     """Scratch for one layout, allocated once and reused every call."""
 
-    def __init__(self, layout: BlockLayout, scale_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layout: BlockLayout, scale_dtype: torch.dtype, device: torch.device,
+                 codec) -> None:
         block = layout.block
-        self.layout, self.scale_dtype, self.device = layout, scale_dtype, device
+        self.layout, self.scale_dtype, self.device, self.codec = layout, scale_dtype, device, codec
         self.server_x = torch.empty(layout.chunk, dtype=torch.float32, device=device)
         self._pieces: Dict[int, list] = {}
         # Message bytes per rank and phase: the same for any piece count.
-        self.row_bytes = layout.chunk // 8 + layout.chunk // block * scale_dtype.itemsize
+        self.row_bytes = codec.code_bytes(layout.chunk) + layout.chunk // block * scale_dtype.itemsize
 
     def pieces(self, count: int) -> list:
         made = self._pieces.get(count)
         if made is None:
             lay = self.layout
             made = self._pieces[count] = [
-                _Piece(a, b, lay.world_size, lay.block, self.scale_dtype.itemsize, self.device)
+                _Piece(a, b, lay.world_size, lay.block, self.scale_dtype.itemsize, self.device,
+                       self.codec)
                 for a, b in piece_ranges(lay.chunk, lay.block, count)]
         return made
 
@@ -130,14 +132,17 @@ class CompressedAllreduceBase:
       piece_size: elements per pipelined piece; 0: no pipelining; None (the
         default): time both on the first calls of each layout and keep the
         faster (pipeline.py). It never changes a bit of the result.
+      codec: what each element carries (codecs.py): SignCodec (1 bit, the
+        default) or TernaryCodec (2 bits: -1, 0, +1 times the scale).
     """
 
     name = "base"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE, check_finite: bool = True,
-                 piece_size: Optional[int] = None) -> None:
+                 piece_size: Optional[int] = None, codec=SignCodec) -> None:
         check_block_size(block_size)
+        self.codec = codec
         self.pipeline = PieceTuner(piece_size)
         self.piece_size = piece_size
         if scale_dtype not in SCALE_DTYPES:
@@ -237,12 +242,13 @@ class CompressedAllreduceBase:
         if key in self._agreed or self.size == 1:
             return
         mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
-                             stable_digest(list(layout.sizes))], dtype=torch.int64)
+                             stable_digest(list(layout.sizes)), self.codec.bits],
+                            dtype=torch.int64)
         rows = [tuple(r) for r in self.share(mine).tolist()]
         if len(set(rows)) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size N, block size, "
-                             "scale bytes, tensor sizes): " + ", ".join(
-                                 f"rank {r}: N={v[0]} B={v[1]} scale bytes={v[2]}"
+                             "scale bytes, tensor sizes, bits per element): " + ", ".join(
+                                 f"rank {r}: N={v[0]} B={v[1]} scale bytes={v[2]} bits={v[4]}"
                                  for r, v in enumerate(rows)) + "; every rank must pass the same")
         self._agreed.add(key)
 
@@ -313,12 +319,12 @@ class CompressedAllreduceBase:
         key = (layout.key, device)
         buf = self._buffers.get(key)
         if buf is None:
-            buf = self._buffers[key] = _Buffers(layout, self.scale_dtype, device)
+            buf = self._buffers[key] = _Buffers(layout, self.scale_dtype, device, self.codec)
         count = self.pipeline.count(layout.key, layout.padded, self.size)
         # The tuner's clock (device events), only on the calls it times.
         timer = CallTimer(device) if self.pipeline.timing(layout.key) else None
         plan = _AllreducePlan(buffer_m, worker_error, server_error, layout, buf, self.rank,
-                              self.scale_dtype)
+                              self.scale_dtype, self.codec)
         comm_s = 0.0
 
         def on_wire(call, *args):  # starting and waiting count as communication time
@@ -350,8 +356,9 @@ class _AllreducePlan:
 
     def __init__(self, buffer_m: torch.Tensor, worker_error: torch.Tensor,
                  server_error: torch.Tensor, layout: BlockLayout, buffers: _Buffers, rank: int,
-                 scale_dtype: torch.dtype) -> None:
+                 scale_dtype: torch.dtype, codec) -> None:
         device = buffer_m.device
+        self.codec = codec
         self.buffer_m, self.worker_error, self.server_error = buffer_m, worker_error, server_error
         self.layout, self.buffers, self.rank, self.scale_dtype = layout, buffers, rank, scale_dtype
         self.block, self.chunk, self.device = layout.block, layout.chunk, device
@@ -373,7 +380,7 @@ class _AllreducePlan:
         a, b, cb, block, chunk = pc.a, pc.b, pc.chunk_bytes, self.block, self.chunk
         for k in range(self.layout.world_size):
             lo = k * chunk
-            ops.compress(self.src[lo + a:max(lo + a, min(lo + b, self.numel))],
+            self.codec.compress(self.src[lo + a:max(lo + a, min(lo + b, self.numel))],
                          self.worker_error[lo + a:lo + b],
                          self.counts_rows[k, a // block:b // block],
                          block, self.scale_dtype, pc.send[k, cb:], pc.send[k, :cb])
@@ -385,11 +392,11 @@ class _AllreducePlan:
         mine = self.rank * self.chunk
         my_pads = self.layout.pads(self.device, mine + a, mine + b)
         x, err = self.buffers.server_x[a:b], self.server_error[a:b]
-        ops.decode_mean(pc.recv, self._scales(pc.recv, cb), b - a, x, self.block)
+        self.codec.decode_mean(pc.recv, self._scales(pc.recv, cb), b - a, x, self.block)
         x.index_fill_(0, my_pads, 0.0)
         err.index_fill_(0, my_pads, 0.0)
-        ops.compress(x, err, self.layout.counts(self.device, mine + a, mine + b), self.block,
-                     self.scale_dtype, pc.server_msg[cb:], pc.server_msg[:cb])
+        self.codec.compress(x, err, self.layout.counts(self.device, mine + a, mine + b),
+                            self.block, self.scale_dtype, pc.server_msg[cb:], pc.server_msg[:cb])
         err.index_fill_(0, my_pads, 0.0)
 
     def decode(self, pc: _Piece) -> None:
@@ -400,8 +407,8 @@ class _AllreducePlan:
             lo = k * chunk + pc.a
             hi = min(k * chunk + pc.b, self.numel)
             if lo < hi:
-                ops.decode_mean(pc.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
-                                hi - lo, self.src[lo:hi], block)
+                self.codec.decode_mean(pc.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
+                                       hi - lo, self.src[lo:hi], block)
 
     def finish(self) -> None:
         """Zeros back in the pads; the result into buffer_m if it was copied."""

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE
 from .base import CompressedAllreduceBase, Finished
+from .codecs import SignCodec
 
 
 class CompressedBackend(CompressedAllreduceBase):
@@ -18,7 +19,7 @@ class CompressedBackend(CompressedAllreduceBase):
     Args:
       group: the data-parallel process group (default: the world). Chunk k of
         the buffer is served by rank k *of this group*.
-      block_size, scale_dtype, check_finite, piece_size: see CompressedAllreduceBase.
+      block_size, scale_dtype, check_finite, piece_size, codec: see CompressedAllreduceBase.
       timeout_s: deadline of each collective (default $ONEBIT_TIMEOUT_S or
         300 s); past it, or when a peer dies, CommunicationError names the phase.
     """
@@ -28,9 +29,9 @@ class CompressedBackend(CompressedAllreduceBase):
     def __init__(self, group=None, check_finite: bool = True,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
-                 piece_size: Optional[int] = None) -> None:
+                 piece_size: Optional[int] = None, codec=SignCodec) -> None:
         super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite,
-                         piece_size=piece_size)
+                         piece_size=piece_size, codec=codec)
         self.timeout_s = collectives.check_timeout(timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CompressedBackend needs torch.distributed initialised "

@@ -12,8 +12,9 @@ Here Δ travels through the same block-scaled error-compensated 1-bit
 allreduce as the optimizers' gradients (`compression="1bit"`, the default):
 what the signs and scales could not carry stays in this rank's worker and
 server errors and joins the next round's Δ, so nothing is lost, only
-delayed. `"bf16"` and `"none"` (fp32) are the baselines, as full-precision
-all-reduces.
+delayed. `"2bit"` sends -1, 0 or +1 times each block's scale instead
+(backends/codecs.py), with the same error feedback. `"bf16"` and `"none"`
+(fp32) are the baselines, as full-precision all-reduces.
 
 Use, around the usual loop (no DDP wrapper: inner steps are local):
 
@@ -57,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..backends.codecs import CODECS, SignCodec, TernaryCodec
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from ..checks import check_flag, check_number, check_positive_int
 from ..feedback.agreement import RankAgreement, nonfinite_flag
@@ -68,7 +70,7 @@ from ..wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, sc
 from .fragments import FragmentPlan
 from .misuse import ParamWriteWatch, ddp_in_call_stack
 
-COMPRESSIONS = ("1bit", "bf16", "none")
+COMPRESSIONS = ("1bit", "2bit", "bf16", "none")
 _DDP_MISUSE = ("DiLoCo: the model is wrapped in DistributedDataParallel, which all-reduces every "
                "gradient at every step, in full precision: DiLoCo would save nothing. DiLoCo's "
                "inner steps are local: pass the bare model, with no DDP wrapper")
@@ -119,8 +121,10 @@ class DiLoCo:
       each keeps its own error buffers. Default 1.
     overlap_steps: tau, inner steps a fragment's exchange runs behind
       (0: the inner step that launches it waits for it); below sync_every.
-    compression: "1bit" (error-feedback 1-bit, see the module doc), "bf16"
-      or "none" (fp32).
+    compression: "1bit" (error-feedback 1-bit, see the module doc),
+      "2bit" (error-feedback ternary: -1, 0 or +1 times each block's scale,
+      onebit/backends/codecs.py; over the "compressed" backend), "bf16" or
+      "none" (fp32).
     keep_local_progress: with overlap_steps > 0, the share in [0, 1] of
       this rank's progress since a fragment's launch (its params then and
       now) that the fragment keeps on top of its new anchor when the outer
@@ -221,11 +225,15 @@ class DiLoCo:
             if self._shards.sharded:
                 self._agree_group = (exchange_group(self._shards.mesh_group) if overlap_steps
                                      else self._shards.mesh_group)
-            if compression == "1bit":
-                self.backend = open_backend(self._shards.comm_backend(comm_backend_name),
-                                            self._round_group, timeout_s=self.timeout_s,
+            if compression in CODECS:
+                codec = CODECS[compression]
+                name = self._shards.comm_backend(comm_backend_name)
+                if codec is TernaryCodec and name is None:  # the one backend that takes it
+                    name = "compressed"
+                self.backend = open_backend(name, self._round_group, timeout_s=self.timeout_s,
                                             cuda_aware=False, block_size=block_size,
-                                            scale_dtype=self.scale_dtype)
+                                            scale_dtype=self.scale_dtype,
+                                            codec=None if codec is SignCodec else codec)
         # The last synced point, kept in fp32 whatever the params' dtype: the
         # outer optimizer steps it, and the params are set from it.
         self.anchors = [p.detach().float().clone() for p in self._locals()]

@@ -23,12 +23,19 @@ from .telemetry import StepTelemetry
 
 
 def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda_aware: bool,
-                 block_size: int, scale_dtype: torch.dtype):
+                 block_size: int, scale_dtype: torch.dtype, codec=None):
     """The compressed backend `name` (None: the default for this job) for an owner that checks its inputs for
     NaN/Inf itself (agreeing across ranks before anything is exchanged). MPI
     has its own communicator and no deadlines; torch.distributed backends
-    take the process group and the deadline."""
+    take the process group and the deadline. `codec` (backends/codecs.py;
+    None: the signs) is taken by the "compressed" backend only."""
     name = backend_name(name)
+    if codec is not None:
+        if name != "compressed":
+            raise ValueError(f"a {codec.name} wire runs over the 'compressed' backend only, "
+                             f"not {name!r}")
+        return get_backend(name, group=group, check_finite=False, block_size=block_size,
+                           scale_dtype=scale_dtype, timeout_s=timeout_s, codec=codec)
     if name.startswith("mpi"):
         return get_backend(name, group=None, check_finite=False, block_size=block_size,
                            scale_dtype=scale_dtype, cuda_aware=cuda_aware)
