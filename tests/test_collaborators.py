@@ -254,6 +254,26 @@ def test_channel_restores_only_its_own_identity_and_the_notice_follows():
         channel.restart_notice.before_step()  # restored: nothing to warn about
 
 
+def test_channel_names_a_code_other_than_the_signs_and_restores_only_under_it():
+    """Errors carried under the 2-bit code are not the signs': the identity
+    names the code (and, for the signs, stays what it was, so older
+    checkpoints still load)."""
+    from types import SimpleNamespace
+
+    from onebit.backends.codecs import SignCodec, TernaryCodec
+    from onebit.feedback.channel import ErrorFeedbackChannel
+
+    def channel(codec):
+        return ErrorFeedbackChannel("X", SimpleNamespace(codec=codec, stats=TrafficStats()),
+                                    1, 0, 64, {})
+
+    assert "code" not in channel(SignCodec).identity({"step": 1})
+    assert channel(TernaryCodec).identity({"step": 1})["code"] == "2bit"
+    saved = channel(SignCodec).state_dict({}, CPU, {"step": 5})
+    assert not channel(TernaryCodec).load_state_dict(saved, {}, {"step": 5})
+    assert channel(SignCodec).load_state_dict(saved, {}, {"step": 5})
+
+
 def test_feedback_diloco_and_shards_import_nothing_from_optim():
     """The layering issue 45 asked for: DiLoCo and the optimizers are peers
     over onebit.feedback, which knows neither."""

@@ -177,17 +177,18 @@ def test_cuda_decode_of_several_rows_is_bit_exact_against_cpu(rows):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block", [8, 64, 256, 512, 24])
+@pytest.mark.parametrize("block", [8, 64, 256, 512, 8192, 24, 16384])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_cuda_compress_on_tiles_and_octets_is_bit_exact_against_cpu(block, scale_dtype, offset):
     """compress's two kernels give the CPU kernel's error, scales and bits:
-    the tiled one (power-of-two blocks, aligned buffers) over several tiles
-    and a short last one, and the octet one (block 24; an err one element
-    off alignment), with a block straddling the end of buf, an all-zero
-    block and blocks with few real elements."""
+    the tiled one (power-of-two blocks up to the tile, 8192, on aligned
+    buffers) over several tiles and a short last one, and the octet one
+    (block 24, block 16384, or an err one element off alignment), with a
+    block straddling the end of buf, an all-zero block and blocks with few
+    real elements."""
     gpu, cpu = CUDAPackbitsBuilder().load(), CPUPackbitsBuilder().load()
     g = torch.Generator().manual_seed(block + offset)
-    n = block * 3 * 1117
+    n = block * (3 * 1117 if block <= 512 else 7)
     n_buf = n - 29 - block
     buf = torch.randn(n_buf, generator=g) * torch.logspace(-6, 3, n_buf)
     buf[block:2 * block] = 0.0
@@ -205,4 +206,3 @@ def test_cuda_compress_on_tiles_and_octets_is_bit_exact_against_cpu(block, scale
         res.append([t.cpu() for t in (err, scales, bits)])
     for name, a, b in zip(("error", "scales", "bits"), *res):
         assert torch.equal(a, b), f"the CUDA kernel's {name} differ from the CPU kernel's"
-

@@ -191,6 +191,37 @@ def test_edge_cases_empty_params_no_grad_and_groups(cls):
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_gradients_of_every_kind_step_as_their_fp32_values(cls):
+    """What step() reads as a gradient: one that autograd still holds
+    (backward with create_graph) as its value, outside autograd, and a
+    missing one as zeros: the same steps as plain gradients. A sparse one
+    is refused by name, before anything moves. (fp16 gradients come with
+    fp16 params: test_low_precision_params_keep_fp32_state.)"""
+    torch.manual_seed(1)
+    start = [torch.randn(5), torch.randn(3), torch.randn(4)]
+    kw = {"var_freeze_step": 2} if cls is ZeroOneAdam else {"freeze_step": 2}
+    odd = [torch.nn.Parameter(t.clone()) for t in start]
+    plain = [torch.nn.Parameter(t.clone()) for t in start]
+    opts = cls(odd, lr=1e-2, **kw), cls(plain, lr=1e-2, **kw)
+    for step in range(5):
+        g = [torch.randn(5), torch.randn(3)]
+        held = g[1].clone().requires_grad_() * 1.0  # has a grad_fn, as after create_graph
+        odd[0].grad, odd[1].grad, odd[2].grad = g[0].clone(), held, None
+        plain[0].grad, plain[1].grad, plain[2].grad = g[0].clone(), g[1].clone(), torch.zeros(4)
+        for opt in opts:
+            opt.step()
+        assert odd[1].grad is held and held.grad_fn is not None
+        for a, b in zip(odd, plain):
+            assert torch.equal(a, b), step
+    sparse = torch.nn.Parameter(torch.randn(4))
+    sparse.grad = torch.randn(4).to_sparse()
+    before = sparse.detach().clone()
+    with pytest.raises(ValueError, match="does not support sparse gradients"):
+        cls([sparse], lr=1e-2, **kw).step()
+    assert torch.equal(sparse, before)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_a_parameter_listed_twice_is_refused_by_name(cls):
     # torch.optim warns and updates such a parameter twice per step; here it
     # would be exchanged twice too (it diverged, silently).

@@ -1,4 +1,5 @@
-"""The error-compensated 1-bit allreduce, written once.
+"""The error-compensated compressed allreduce (1 bit per element, or the
+2-bit code of codecs.py), written once.
 
 A backend supplies only how bytes move: `rank`, `size`, and two collectives
 on uint8 tensors, each started without waiting and returning a handle whose
@@ -26,7 +27,8 @@ scale decision is local to its block.
 Wire layout. Chunk k (elements [k*N/p, (k+1)*N/p)) is served by rank k.
 It travels as one message row per pipelined piece (pipeline.py: piece j is
 the same block-aligned sub-range j of every chunk; one piece unless the
-buffer is large): the piece's packed signs (docs/design.md's bit order), then the
+buffer is large): the piece's packed codes (the signs, docs/design.md's bit
+order; or the codec's), then the
 scales of its blocks in block order, each a little-endian fp32 (4 bytes) or
 bf16 (2 bytes, the top half of the fp32) per `scale_dtype`. The signs and
 their scales travel in one collective per phase and piece. The piece count
@@ -273,8 +275,9 @@ class CompressedAllreduceBase:
     def compressed_allreduce(self, buffer_m: torch.Tensor, worker_error: torch.Tensor,
                              server_error: torch.Tensor, local_rank=None,
                              layout: Optional[BlockLayout] = None) -> torch.Tensor:
-        """Average `buffer_m` across ranks with 1-bit error-compensated
-        compression, one scale per block of `block_size` elements.
+        """Average `buffer_m` across ranks with error-compensated compression
+        (the codec's: 1-bit signs by default), one scale per block of
+        `block_size` elements.
 
         buffer_m: any float dtype and shape, numel <= N. worker_error: fp32 [N],
         N = error_sizes(numel)[0] (a multiple of block_size * p). server_error:
@@ -291,7 +294,7 @@ class CompressedAllreduceBase:
         1. Check the arguments, the buffer's values (`check_finite`) and,
            the first time a layout is seen, that every rank has the same.
         2. Take buffer_m as one flat fp32 buffer, zeros in the pads.
-        3. Worker: add worker_error to every chunk, compress it to signs and
+        3. Worker: add worker_error to every chunk, compress it to codes and
            block scales (row k of the all-to-all), keep what they missed in
            worker_error.
         4. All-to-all: rank k receives every rank's row k.
@@ -381,9 +384,9 @@ class _AllreducePlan:
         for k in range(self.layout.world_size):
             lo = k * chunk
             self.codec.compress(self.src[lo + a:max(lo + a, min(lo + b, self.numel))],
-                         self.worker_error[lo + a:lo + b],
-                         self.counts_rows[k, a // block:b // block],
-                         block, self.scale_dtype, pc.send[k, cb:], pc.send[k, :cb])
+                                self.worker_error[lo + a:lo + b],
+                                self.counts_rows[k, a // block:b // block],
+                                block, self.scale_dtype, pc.send[k, cb:], pc.send[k, :cb])
 
     def server(self, pc: _Piece) -> None:
         """Step 5: serve [a, b) of this rank's chunk: average the p decoded

@@ -84,4 +84,3 @@ class CUDAPackbitsBuilder(SharedLibraryBuilder):
             warnings.warn(f"onebit: the CUDA packbits kernel is unusable ({first}); using cupy's",
                           RuntimeWarning, stacklevel=2)
             return kernels
-

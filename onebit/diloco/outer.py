@@ -80,7 +80,7 @@ _DDP_MISUSE = ("DiLoCo: the model is wrapped in DistributedDataParallel, which a
 class _FragmentRound:
     """A fragment's pseudo-gradients from their launch to their outer step:
     `deltas` hold the average once `skipped` is known (the thread's `future`
-    has finished, or there was none). With 1-bit compression they are views
+    has finished, or there was none). With 1-bit or 2-bit compression they are views
     of the fragment's exchange buffer, which its next launch rewrites: the
     round has landed by then (overlap_steps < sync_every)."""
 
@@ -389,7 +389,7 @@ class DiLoCo:
         closing: a proposal from `close()`, exchanged only if some rank
         launches this exchange from its loop (`_catch_up`)."""
         params, anchors = self._members(fragment)
-        if self.backend is not None:  # straight into the 1-bit exchange's buffer: no copies
+        if self.backend is not None:  # straight into the compressed exchange's buffer: no copies
             deltas = self._channel.exchange.prepare(GroupKey(fragment), anchors)
             for d, a, p in zip(deltas, anchors, params):
                 torch.sub(a, p, out=d)
@@ -461,7 +461,7 @@ class DiLoCo:
         return self.keep_local_progress > 0 and self.overlap_steps > 0
 
     def _average_(self, fragment: int, deltas: List[torch.Tensor]) -> None:
-        if self.backend is not None:  # 1-bit: `deltas` are views of the buffer (_launch)
+        if self.backend is not None:  # compressed: `deltas` are views of the buffer (_launch)
             self._channel.exchange.allreduce(GroupKey(fragment))
             return
         if self.world_size == 1:

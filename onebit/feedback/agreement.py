@@ -62,12 +62,14 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
     does, in one pass with no temporaries, 5x faster here than the max-norm.
     Decided on the device: no host sync."""
     flag = torch.zeros((), dtype=torch.int64, device=device)
-    tensors = [t for g in grads_by_group for t in g]
+    # Empty tensors stay out: torch 2.2-2.5's CUDA _foreach_norm gave wrong
+    # norms for lists holding them across several launches (pytorch#140066).
+    tensors = [t for g in grads_by_group for t in g if t.numel()]
     # One verdict per device where the gradients live, then one copy of it
     # to `device` (not a copy per tensor: from a GPU to a gloo group's host
-    # that was a device-to-host copy per tensor). An empty tensor's norm is
-    # 0. The usual case, one device, takes no per-tensor Python beyond the
-    # device set (a step over thousands of small tensors pays per tensor).
+    # that was a device-to-host copy per tensor). The usual case, one
+    # device, takes no per-tensor Python beyond the device set (a step over
+    # thousands of small tensors pays per tensor).
     devices = {t.device for t in tensors}
     by_device = ([tensors] if len(devices) == 1 else
                  [[t for t in tensors if t.device == d] for d in devices])

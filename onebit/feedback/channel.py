@@ -75,10 +75,15 @@ class ErrorFeedbackChannel:
     # --------------------------------------------------------- checkpoints --
     def identity(self, position: Dict[str, int]) -> Dict[str, object]:
         """What saved errors are valid for: this rank of this world size, the
-        wire, the owner's `position` (its step or round) and the shard."""
+        wire, the owner's `position` (its step or round) and the shard. A
+        code other than the signs (DiLoCo's 2-bit) is named too: errors
+        carried under one code are not the other's. (The signs are not, so
+        checkpoints saved before codes had names still load.)"""
+        codec = getattr(self.backend, "codec", None)
+        code = {"code": codec.name} if codec is not None and codec.bits != 1 else {}
         return {"rank": self.rank, "world_size": self.world_size,
                 "wire_format": WIRE_FORMAT_VERSION, "block_size": self.block_size,
-                **position, **self.shard_identity}
+                **code, **position, **self.shard_identity}
 
     def key(self, prefix: str) -> str:
         """This rank's key in a DCP checkpoint. It names the world size too:

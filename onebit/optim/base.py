@@ -520,7 +520,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _moments(self, params: List[torch.Tensor]):
         """The params' fp32 (exp_avg, exp_avg_sq) state tensors, created on
         first use."""
-        # A step pays this per tensor: one state lookup per param, no calls.
+        # A step pays this per tensor: one state lookup per param.
         state, owner = self.state, self._shards.owner
         states = [state[owner(p)] for p in params]
         m = [st.get("exp_avg") for st in states]

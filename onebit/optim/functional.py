@@ -252,7 +252,7 @@ def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
     is 0. u is `updates` times `updates_scale` (a pass saved where the
     caller's buffers hold a multiple of the update). `whole`: see norms."""
     # One host sync for both lists of norms.
-    both = norms(as_fp32(params) + list(updates), whole)
+    both = norms([*as_fp32(params), *updates], whole)
     out = []
     for w, u in zip(both[:len(params)], both[len(params):]):
         u *= updates_scale

@@ -190,8 +190,8 @@ class ZeroOneAdam(OnebitOptimizer):
 
     def _sync_single_(self, i, t, version, group, params, grads, m, v) -> None:
         """A sync with no lr since the last sync (see sync_single_)."""
-        for p, st in zip(params, [self._state_of(p) for p in params]):
-            if "momentum_accumulator" not in st:  # stays 0, but exists for the local steps
+        for p in params:  # the accumulators stay 0, but exist for the local steps
+            if "momentum_accumulator" not in self._state_of(p):
                 self._state_tensor(p, "momentum_accumulator")
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(i, group, v, bc2, version)
