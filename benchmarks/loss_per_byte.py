@@ -45,27 +45,48 @@ def frontier(runs: List[dict]) -> List[dict]:
     return sorted(points, key=lambda p: (p["megabytes"], p["loss"]))
 
 
+def mean_curves(runs: List[dict]) -> List[dict]:
+    """One curve per label: its seeds' losses and bytes averaged point by
+    point (a label's seeds share the evaluation steps)."""
+    by: dict = {}
+    for r in runs:
+        by.setdefault(r["label"], []).append(r)
+    out = []
+    for label, rs in by.items():
+        n = min(len(r["losses"]) for r in rs)
+        out.append({"label": label,
+                    "losses": [sum(r["losses"][i] for r in rs) / len(rs) for i in range(n)],
+                    "megabytes": [sum(r["megabytes"][i] for r in rs) / len(rs) for i in range(n)]})
+    return out
+
+
 def plot(runs: List[dict], path: str) -> None:
+    """Each label's mean curve; its final point a star where it is on the
+    frontier, a hollow circle where another label beats it for the bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(8.5, 5.4))
     # one color per form, one line style per H: a form's curves read left to right
     forms = sorted({r["label"].split(" ")[0] for r in runs})
-    colors = {form: plt.cm.tab10(i % 10) for i, form in enumerate(forms)}
-    styles = {"H=4": ":", "H=16": "-", "H=64": "--"}
-    shown = set()
-    for r in runs:
-        form, _, h = r["label"].partition(" ")
-        ax.plot(r["megabytes"], r["losses"], styles.get(h, "-"), color=colors[form], linewidth=1,
-                label=None if r["label"] in shown else r["label"])
-        shown.add(r["label"])
+    colors = {form: plt.cm.tab20(i % 20) for i, form in enumerate(forms)}
+    styles = {"H=4": ":", "H=16": "-", "H=32": "-.", "H=64": "--"}
+    on = {p["label"]: p["on_frontier"] for p in frontier(runs)}
+    for c in mean_curves(runs):
+        form, _, h = c["label"].partition(" ")
+        ax.plot(c["megabytes"], c["losses"], styles.get(h, "-"), color=colors[form],
+                linewidth=1.2, label=c["label"] + (" *" if on[c["label"]] else ""))
+        ax.plot(c["megabytes"][-1:], c["losses"][-1:], "*" if on[c["label"]] else "o",
+                color=colors[form], markersize=11 if on[c["label"]] else 6,
+                markerfacecolor=colors[form] if on[c["label"]] else "none")
     ax.set_xscale("log")
     ax.set_xlabel("MB sent per rank (log)")
-    ax.set_ylabel("held-out loss")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("held-out loss (mean over seeds)")
+    ax.set_title("* on the frontier: no other method reaches a lower loss with no more bytes",
+                 fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -77,7 +98,7 @@ def run(args: argparse.Namespace) -> bool:
     print(f"{'run':>22} {'seed':>4} {'held-out':>9} {'MB/rank':>10}")
     for r in runs:
         print(f"{r['label']:>22} {r['seed']:>4} {r['losses'][-1]:9.4f} {r['megabytes'][-1]:10.3f}")
-    print(f"# frontier: mean over seeds; * where no other reaches a lower loss with no more bytes")
+    print("# frontier: mean over seeds; * where no other reaches a lower loss with no more bytes")
     for p in frontier(runs):
         print(f"# {p['label']:>20} {p['loss']:9.4f} {p['megabytes']:10.3f} "
               f"{'*' if p['on_frontier'] else ''}")

@@ -429,3 +429,13 @@ def test_the_frontier_marks_only_points_nothing_beats_for_the_bytes():
             {"label": "C", "losses": [3.4], "megabytes": [9.0]}]
     assert [(p["label"], p["loss"], p["megabytes"], p["on_frontier"]) for p in frontier(runs)] == [
         ("A", 3.5, 2.0, True), ("B", 3.6, 5.0, False), ("C", 3.4, 9.0, True)]
+
+
+def test_mean_curves_average_each_labels_seeds_point_by_point():
+    from benchmarks.loss_per_byte import mean_curves
+
+    runs = [{"label": "A", "losses": [5.0, 4.0], "megabytes": [1.0, 2.0]},
+            {"label": "B", "losses": [6.0], "megabytes": [9.0]},
+            {"label": "A", "losses": [3.0, 2.0, 1.0], "megabytes": [1.0, 4.0, 8.0]}]
+    assert mean_curves(runs) == [{"label": "A", "losses": [4.0, 3.0], "megabytes": [1.0, 3.0]},
+                                 {"label": "B", "losses": [6.0], "megabytes": [9.0]}]
