@@ -327,7 +327,7 @@ class CompressedAllreduceBase:
         # The tuner's clock (device events), only on the calls it times.
         timer = CallTimer(device) if self.pipeline.timing(layout.key) else None
         plan = _AllreducePlan(buffer_m, worker_error, server_error, layout, buf, self.rank,
-                              self.scale_dtype, self.codec)
+                              self.scale_dtype)
         comm_s = 0.0
 
         def on_wire(call, *args):  # starting and waiting count as communication time
@@ -359,9 +359,9 @@ class _AllreducePlan:
 
     def __init__(self, buffer_m: torch.Tensor, worker_error: torch.Tensor,
                  server_error: torch.Tensor, layout: BlockLayout, buffers: _Buffers, rank: int,
-                 scale_dtype: torch.dtype, codec) -> None:
+                 scale_dtype: torch.dtype) -> None:
         device = buffer_m.device
-        self.codec = codec
+        self.codec = buffers.codec
         self.buffer_m, self.worker_error, self.server_error = buffer_m, worker_error, server_error
         self.layout, self.buffers, self.rank, self.scale_dtype = layout, buffers, rank, scale_dtype
         self.block, self.chunk, self.device = layout.block, layout.chunk, device

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..backends.codecs import CODECS, SignCodec, TernaryCodec
+from ..backends.codecs import CODECS
 from ..backends.stats import TrafficStats, fp32_allreduce_bytes
 from ..checks import check_flag, check_number, check_positive_int
 from ..feedback.agreement import RankAgreement, nonfinite_flag
@@ -226,14 +226,11 @@ class DiLoCo:
                 self._agree_group = (exchange_group(self._shards.mesh_group) if overlap_steps
                                      else self._shards.mesh_group)
             if compression in CODECS:
-                codec = CODECS[compression]
-                name = self._shards.comm_backend(comm_backend_name)
-                if codec is TernaryCodec and name is None:  # the one backend that takes it
-                    name = "compressed"
-                self.backend = open_backend(name, self._round_group, timeout_s=self.timeout_s,
+                self.backend = open_backend(self._shards.comm_backend(comm_backend_name),
+                                            self._round_group, timeout_s=self.timeout_s,
                                             cuda_aware=False, block_size=block_size,
                                             scale_dtype=self.scale_dtype,
-                                            codec=None if codec is SignCodec else codec)
+                                            codec=CODECS[compression])
         # The last synced point, kept in fp32 whatever the params' dtype: the
         # outer optimizer steps it, and the params are set from it.
         self.anchors = [p.detach().float().clone() for p in self._locals()]

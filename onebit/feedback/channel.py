@@ -15,6 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from ..backends import backend_name, get_backend
+from ..backends.codecs import SignCodec
 from ..backends.stats import TrafficStats
 from ..wire import WIRE_FORMAT_VERSION
 from .exchange import ErrorFeedbackExchange
@@ -23,19 +24,21 @@ from .telemetry import StepTelemetry
 
 
 def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda_aware: bool,
-                 block_size: int, scale_dtype: torch.dtype, codec=None):
+                 block_size: int, scale_dtype: torch.dtype, codec=SignCodec):
     """The compressed backend `name` (None: the default for this job) for an owner that checks its inputs for
     NaN/Inf itself (agreeing across ranks before anything is exchanged). MPI
     has its own communicator and no deadlines; torch.distributed backends
-    take the process group and the deadline. `codec` (backends/codecs.py;
-    None: the signs) is taken by the "compressed" backend only."""
-    name = backend_name(name)
-    if codec is not None:
+    take the process group and the deadline. A `codec` other than the signs
+    (backends/codecs.py) is taken by the "compressed" backend only, which
+    is then the default whatever the job's."""
+    if codec is not SignCodec:
+        name = "compressed" if name is None else backend_name(name)
         if name != "compressed":
             raise ValueError(f"a {codec.name} wire runs over the 'compressed' backend only, "
                              f"not {name!r}")
         return get_backend(name, group=group, check_finite=False, block_size=block_size,
                            scale_dtype=scale_dtype, timeout_s=timeout_s, codec=codec)
+    name = backend_name(name)
     if name.startswith("mpi"):
         return get_backend(name, group=None, check_finite=False, block_size=block_size,
                            scale_dtype=scale_dtype, cuda_aware=cuda_aware)
