@@ -124,15 +124,23 @@ def test_cuda_block_compensate_and_pack_error_match_cpu(block):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 3, 32])
-def test_cuda_decode_of_several_rows_is_bit_exact_against_cpu(rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 32, 33, 70])
+@pytest.mark.parametrize("block", [8, 24, 64, 256])
+@pytest.mark.parametrize("row_pad", [11, 16])
+def test_cuda_decode_of_several_rows_is_bit_exact_against_cpu(rows, block, row_pad):
     """decode_mean's rows (strided, as message rows are) on the vector path
     and, with an output one element off alignment and a ragged tail, on the
-    scalar one."""
+    scalar one; each of the three kernels (1-3 rows, 4-15, from 16); the
+    tiled one's rows in one pass and in several (33, 70),
+    its scales staged (blocks from 64) or read in place, rows it loads in
+    16-byte vectors (a stride of whole 16 bytes) or byte by byte; several
+    tiles, the last one partial."""
     gpu, cpu = CUDAPackbitsBuilder().load(), CPUPackbitsBuilder().load()
-    g = torch.Generator().manual_seed(rows)
-    block, cols = 64, 64 * 37 + 13
-    row_bytes = (cols + 7) // 8 + 11  # the message rows' trailing scale bytes
+    g = torch.Generator().manual_seed(rows * block + row_pad)
+    cols = 2048 * 3 + 8 * 37 + 5
+    nbytes = (cols + 7) // 8
+    # the message rows' trailing scale bytes; or padded to a 16-byte stride
+    row_bytes = nbytes + 11 if row_pad == 11 else -(-nbytes // 16) * 16 + 16
     bits = torch.randint(0, 256, (rows, row_bytes), generator=g, dtype=torch.uint8)
     scales = torch.rand(rows * -(-cols // block), generator=g) * torch.logspace(-3, 3, rows * -(-cols // block))
     want = torch.empty(cols + 1)

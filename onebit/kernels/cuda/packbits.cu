@@ -78,7 +78,7 @@ __global__ void pack_kernel(const T* __restrict__ x, int64_t n, bool vec,
 }
 
 // out[j] = (1/rows) * sum_r (bit(r, j) ? s : -s), s = scales[r, j / block], j < cols.
-// Two kernels, each the faster on an H200 for its row counts (same bits:
+// Three kernels, each the faster on an H200 for its row counts (same bits:
 // each element sums its rows in turn from 0, as every kernel does).
 //
 // Up to 3 rows (the decode of each chunk, one row; small groups): one
@@ -116,7 +116,7 @@ __global__ void decode_quads_kernel(const uint8_t* __restrict__ bits, int64_t ro
   }
 }
 
-// From 4 rows (a server's decode of p rows): one thread per byte of a row,
+// From 4 to 15 rows (a server's decode of p rows): one thread per byte of a row,
 // its eight elements going out as two 16-byte stores: 45% at 8 rows and 27%
 // at 32, where the four-element kernel reached 29% and 15% (it reads every
 // row's byte twice as often).
@@ -147,6 +147,90 @@ __global__ void decode_bytes_kernel(const uint8_t* __restrict__ bits, int64_t ro
       for (int t = 0; t < 8; ++t)
         if (j0 + t < cols) out[j0 + t] = acc[t] * inv;
     }
+  }
+}
+
+// From 16 rows (a server's decode at 16 ranks and more), in tiles: a thread
+// block owns 2048 columns, 256 bytes of each row. It first stages those
+// bytes of up to kDecodeRowsPerPass rows in shared memory, with 16-byte
+// loads where the rows allow, and (for blocks of at least 64) the rows'
+// scales for the tile, so that every global load of a pass is in flight
+// before any is needed; the kernels above load one byte and one scale per
+// row in turn. Then thread t sums byte t's eight elements over the rows,
+// from row 0 in turn as every kernel does (the same bits). On an H200,
+// 2^28 bits in all: 31% of the copy bandwidth at 32 rows (27% for the
+// bytes kernel) and 25% at 64 (21%); slower than the kernels above below
+// 16 rows (39% against 63% at one row, 45% against 45% at 8).
+// Held to 32 registers (8 blocks of 256 threads per SM; a few bytes
+// spill): unbounded it took about 70 and measured slower at every row count.
+constexpr int kDecodeBytes = kThreads;              // bytes of each row per tile
+constexpr int64_t kDecodeCols = 8 * kDecodeBytes;   // columns per tile
+constexpr int kDecodeRowsPerPass = 32;              // 8 KB of bits in shared memory
+constexpr int64_t kDecodeStagedBlock = 64;          // from here the tile's scales are staged
+constexpr int kDecodeSpan = int(kDecodeCols / kDecodeStagedBlock) + 1;  // blocks a tile touches
+constexpr int kDecodeTiledRows = 16;
+
+template <bool kStagedScales>
+__global__ void __launch_bounds__(kThreads, 8)
+decode_tiled_kernel(const uint8_t* __restrict__ bits, int64_t row_bytes, int rows,
+                    const float* __restrict__ scales, int64_t block, int64_t cols, bool vec_in,
+                    bool vec_out, float* __restrict__ out) {
+  __shared__ __align__(16) uint8_t tile[kDecodeRowsPerPass][kDecodeBytes];
+  __shared__ float staged[kStagedScales ? kDecodeRowsPerPass : 1][kStagedScales ? kDecodeSpan : 1];
+  const int t = threadIdx.x;
+  const float inv = 1.0f / float(rows);
+  const int64_t nblocks = (cols + block - 1) / block;
+  const int64_t nbytes = (cols + 7) / 8;
+  const int64_t byte0 = int64_t(blockIdx.x) * kDecodeBytes;
+  const int live = int(nbytes - byte0 < kDecodeBytes ? nbytes - byte0 : kDecodeBytes);
+  // The launcher keeps nbytes below 2^32: 32-bit divisions, once per thread.
+  const uint32_t block_bytes = uint32_t(block / 8);
+  const int64_t k0 = uint32_t(byte0) / block_bytes;      // the tile's first block
+  const int64_t k = uint32_t(byte0 + t) / block_bytes;   // this thread's block
+  const int span = int((uint32_t(byte0 + live - 1) / block_bytes) - k0) + 1;
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int r0 = 0; r0 < rows; r0 += kDecodeRowsPerPass) {
+    const int nr = rows - r0 < kDecodeRowsPerPass ? rows - r0 : kDecodeRowsPerPass;
+    const uint8_t* src = bits + int64_t(r0) * row_bytes + byte0;
+    if (vec_in && live == kDecodeBytes) {
+      constexpr int kPerRow = kDecodeBytes / 16;
+#pragma unroll 4
+      for (int i = t; i < nr * kPerRow; i += kThreads) {
+        const int r = i / kPerRow, part = i % kPerRow;
+        reinterpret_cast<uint4*>(tile[r])[part] =
+            reinterpret_cast<const uint4*>(src + int64_t(r) * row_bytes)[part];
+      }
+    } else {
+#pragma unroll 8
+      for (int r = 0; r < nr; ++r)
+        if (t < live) tile[r][t] = src[int64_t(r) * row_bytes + t];
+    }
+    if (kStagedScales) {
+      for (int i = t; i < nr * span; i += kThreads) {
+        const int r = i / span, c = i % span;
+        staged[r][c] = scales[int64_t(r0 + r) * nblocks + k0 + c];
+      }
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int r = 0; r < nr; ++r) {
+      const uint32_t byte = tile[r][t];
+      const float s = kStagedScales ? staged[r][k - k0] : scales[int64_t(r0 + r) * nblocks + k];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] += signed_scale(byte, e, s);
+    }
+    __syncthreads();  // the next pass overwrites the tile
+  }
+  if (t >= live) return;
+  const int64_t j0 = (byte0 + t) * 8;
+  if (vec_out && j0 + 8 <= cols) {
+    float4* dst = reinterpret_cast<float4*>(out + j0);
+    dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+    dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (j0 + e < cols) out[j0 + e] = acc[e] * inv;
   }
 }
 
@@ -471,12 +555,23 @@ int onebit_cuda_decode(const uint8_t* bits, int64_t row_bytes, int rows, const f
                        int64_t block, int64_t cols, float* out, cudaStream_t stream) {
   if (cols == 0) return 0;
   if (block <= 0 || block % 8) return int(cudaErrorInvalidValue);
-  if (rows < 4)
+  const int64_t nbytes = (cols + 7) / 8;
+  if (rows >= kDecodeTiledRows && nbytes < (int64_t(1) << 32) - kDecodeBytes) {
+    const unsigned grid = unsigned((nbytes + kDecodeBytes - 1) / kDecodeBytes);
+    const bool vec_in = aligned16(bits) && row_bytes % 16 == 0;
+    if ((kDecodeCols + block - 1) / block + 1 <= kDecodeSpan)  // the most blocks a tile touches
+      decode_tiled_kernel<true><<<grid, kThreads, 0, stream>>>(
+          bits, row_bytes, rows, scales, block, cols, vec_in, aligned16(out), out);
+    else
+      decode_tiled_kernel<false><<<grid, kThreads, 0, stream>>>(
+          bits, row_bytes, rows, scales, block, cols, vec_in, aligned16(out), out);
+  } else if (rows < 4) {
     decode_quads_kernel<<<grid_for((cols + 3) / 4), kThreads, 0, stream>>>(
         bits, row_bytes, rows, scales, block, cols, aligned16(out), out);
-  else
+  } else {
     decode_bytes_kernel<<<grid_for((cols + 7) / 8), kThreads, 0, stream>>>(
         bits, row_bytes, rows, scales, block, cols, aligned16(out), out);
+  }
   return int(cudaGetLastError());
 }
 
