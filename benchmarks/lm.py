@@ -8,7 +8,10 @@ to the token embedding. Text: benchmarks/data/pydocs.txt.gz (CPython's
 docstrings and reference topics, see benchmarks/make_lm_corpus.py), split
 into words and punctuation; the --vocab most frequent words are the
 vocabulary (the rest map to <unk>), so most embedding rows are absent from
-any one batch. The last 10% of the text is held out.
+any one batch. The last 10% of the text is held out. `--model gpt2`:
+Hugging Face's GPT-2 (--dim, --layers, --heads, --context) over the
+corpus's first 400k characters instead, one token each (issue 46's small
+GPT-2).
 
 Pairs (equal steps, the same seeds, --nproc local gloo ranks; the baselines
 average gradients in full precision):
@@ -51,6 +54,7 @@ import json
 import math
 import os
 import re
+import time
 from typing import Dict, List
 
 import torch
@@ -129,6 +133,48 @@ class TinyGPT(torch.nn.Module):
         for b in self.blocks:
             x = b(x, self.mask[:t, :t])
         return self.ln(x) @ self.tok.weight.t()  # tied output head
+
+
+def load_chars():
+    """(train ids, held-out ids, vocabulary size) of the corpus's first
+    400k characters, one token each; the last 10% held out."""
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        text = f.read()[:400_000]
+    index = {c: i for i, c in enumerate(sorted(set(text)))}
+    ids = torch.tensor([index[c] for c in text], dtype=torch.int64)
+    cut = int(0.9 * len(ids))
+    return ids[:cut], ids[cut:], len(index)
+
+
+class GPT2Logits(torch.nn.Module):
+    """transformers' GPT2LMHeadModel, returning logits as TinyGPT does."""
+
+    def __init__(self, vocab: int, a: dict) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.gpt2 = GPT2LMHeadModel(GPT2Config(
+            vocab_size=vocab, n_positions=a["context"], n_embd=a["dim"], n_layer=a["layers"],
+            n_head=a["heads"], bos_token_id=0, eos_token_id=0))
+
+    def forward(self, ids):
+        return self.gpt2(ids).logits
+
+
+def load_data(a: dict):
+    """--model's (train ids, held-out ids, vocabulary size): words for
+    TinyGPT, characters for GPT-2."""
+    return load_chars() if a.get("model") == "gpt2" else load_tokens(a["vocab"])
+
+
+def model_name(a: dict) -> str:
+    return "GPT-2 (characters)" if a.get("model") == "gpt2" else "TinyGPT"
+
+
+def make_model(vocab: int, a: dict) -> torch.nn.Module:
+    if a.get("model") == "gpt2":
+        return GPT2Logits(vocab, a)
+    return TinyGPT(vocab, a["dim"], a["layers"], a["heads"], a["context"])
 
 
 def make_optimizer(name: str, params, a: dict, group=None):
@@ -238,9 +284,9 @@ def _hook_bytes(model: torch.nn.Module, name: str, a: dict, world: int, steps: i
 
 def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     """One run; returns rank 0's held-out loss curve and whether every step was finite."""
-    train_ids, held_ids, vocab = load_tokens(a["vocab"])
+    train_ids, held_ids, vocab = load_data(a)
     torch.manual_seed(seed)
-    model = TinyGPT(vocab, a["dim"], a["layers"], a["heads"], a["context"])
+    model = make_model(vocab, a)
     for p in model.parameters():  # torch.optim.Adam does not broadcast: start equal anyway
         dist.broadcast(p.data, 0)
     shards = a.get("shards") or 1
@@ -271,8 +317,10 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     held = sample_batch(held_ids, torch.Generator().manual_seed(7), a["eval_batch"], a["context"])
     curve, finite, error_norms, sent_by_then = [], True, [], []
+    step_seconds = []  # this rank's wall time of each step, the held-out evaluations left out
 
     for t in range(1, a["steps"] + 1):
+        start = time.perf_counter()
         x = sample_batch(train_ids, gen, a["batch"], a["context"])
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, vocab),
@@ -285,6 +333,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
                     p.grad /= world
         opt.step()
         sched.step()
+        step_seconds.append(time.perf_counter() - start)  # host tensors: the work is done
         finite = finite and math.isfinite(loss.item()) and all(
             bool(torch.isfinite(p.to_local() if shards > 1 else p).all())
             for p in model.parameters())
@@ -303,7 +352,7 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         sent = _bytes_sent(opt, numel, replicas, a["steps"])
     return {"optimizer": name, "seed": seed, "curve": curve, "final": curve[-1][1], "finite": finite,
             "error_norms": error_norms, "bytes_per_step": sent / a["steps"],
-            "bytes_sent": sent_by_then}
+            "bytes_sent": sent_by_then, "step_seconds": step_seconds}
 
 
 def _bytes_sent(opt, numel: int, world: int, steps: int) -> float:
@@ -373,7 +422,7 @@ def plot(runs: List[Dict], path: str) -> None:
 
 def run(args: argparse.Namespace) -> bool:
     a = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
-    print(f"# benchmarks.lm: TinyGPT d={a['dim']} layers={a['layers']} context={a['context']} "
+    print(f"# benchmarks.lm: {model_name(a)} d={a['dim']} layers={a['layers']} context={a['context']} "
           f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
           f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}, "
           f"trust_ratio={a.get('trust_ratio', TRUST_RATIO)}) "
@@ -419,6 +468,8 @@ def check_arguments(args: argparse.Namespace) -> None:
                          f"({args.ranks_per_node})")
     if args.shards and args.nproc % args.shards:
         raise ValueError(f"--nproc ({args.nproc}) must be a multiple of --shards ({args.shards})")
+    if args.shards and getattr(args, "model", None) == "gpt2":
+        raise ValueError("--shards shards TinyGPT's blocks; --model gpt2 runs unsharded")
     if args.shards and any(n in HOOKS for n in args.only):
         raise ValueError(f"--shards does not apply to the DDP hook rows {sorted(HOOKS)}")
     if args.dim % args.heads:
@@ -438,6 +489,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LAMB's lr is this times --lr (10: LAMB's best on the default model)")
     p.add_argument("--trust-ratio", dest="trust_ratio", choices=TRUST_RATIOS, default=TRUST_RATIO,
                    help="OnebitLamb's compression-stage trust ratio")
+    p.add_argument("--model", choices=["tinygpt", "gpt2"], default="tinygpt",
+                   help="TinyGPT over words, or Hugging Face's GPT-2 over characters (--dim, "
+                        "--layers, --heads, --context; needs transformers)")
     p.add_argument("--vocab", type=int_arg(1), default=4096, help="words in the vocabulary (+ <unk>)")
     p.add_argument("--dim", type=int_arg(1), default=64)
     p.add_argument("--layers", type=int_arg(1), default=2)

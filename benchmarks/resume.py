@@ -19,7 +19,6 @@ buffers" case.
 from __future__ import annotations
 
 import argparse
-import gzip
 import io
 import itertools
 import json
@@ -38,42 +37,14 @@ NAMES = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
 RESTART = {"on": [True], "off": [False], "both": [True, False]}  # --restart: momentum_restart
 
 
-def load_chars():
-    """(train ids, held-out ids, vocabulary size) of the corpus's first
-    400k characters, one token each; the last 10% held out."""
-    with gzip.open(lm.CORPUS, "rt", encoding="utf-8") as f:
-        text = f.read()[:400_000]
-    index = {c: i for i, c in enumerate(sorted(set(text)))}
-    ids = torch.tensor([index[c] for c in text], dtype=torch.int64)
-    cut = int(0.9 * len(ids))
-    return ids[:cut], ids[cut:], len(index)
-
-
-class GPT2Logits(torch.nn.Module):
-    """transformers' GPT2LMHeadModel, returning logits as lm.TinyGPT does."""
-
-    def __init__(self, vocab: int, a: dict) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        self.gpt2 = GPT2LMHeadModel(GPT2Config(
-            vocab_size=vocab, n_positions=a["context"], n_embd=a["dim"], n_layer=a["layers"],
-            n_head=a["heads"], bos_token_id=0, eos_token_id=0))
-
-    def forward(self, ids):
-        return self.gpt2(ids).logits
-
-
 def _segment(rank: int, world: int, name: str, a: dict, start: Optional[bytes],
              first: int, save_at: Optional[int], restart: bool = True) -> Dict:
     """Steps first..a["steps"] of one run on `world` ranks, from the
     checkpoint `start` (None: from scratch). Returns rank 0's held-out curve
     and, at step `save_at`, its checkpoint."""
-    gpt2 = a["model"] == "gpt2"
-    train_ids, held_ids, vocab = load_chars() if gpt2 else lm.load_tokens(a["vocab"])
+    train_ids, held_ids, vocab = lm.load_data(a)
     torch.manual_seed(a["seed"])
-    model = GPT2Logits(vocab, a) if gpt2 else \
-        lm.TinyGPT(vocab, a["dim"], a["layers"], a["heads"], a["context"])
+    model = lm.make_model(vocab, a)
     opt = lm.make_optimizer(name, model.parameters(), a)
     if start is not None:
         ckpt = torch.load(io.BytesIO(start), weights_only=False)
@@ -142,7 +113,7 @@ def measure(a: dict) -> List[Dict]:
 
 def run(args: argparse.Namespace) -> bool:
     a = {k: v for k, v in vars(args).items() if k != "json"}
-    print(f"# benchmarks.resume: {'GPT-2 (characters)' if a['model'] == 'gpt2' else 'TinyGPT'} "
+    print(f"# benchmarks.resume: {lm.model_name(a)} "
           f"d={a['dim']} layers={a['layers']} steps={a['steps']} "
           f"freeze={a['freeze']:.0%} lr={a['lr']} schedule={a['schedule']} "
           f"saved at step {max(1, int(a['save_at'] * a['steps']))}, without error buffers; "
@@ -179,7 +150,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lm.add_arguments(p)
     p.set_defaults(only=NAMES, nproc=2, seeds=[0])
     p.add_argument("--seed", type=int_arg(0), default=0)
-    p.add_argument("--model", choices=["tinygpt", "gpt2"], default="tinygpt")
     p.add_argument("--restart", choices=sorted(RESTART), default="both",
                    help="resume with the optimizers' momentum_restart on, off, or each")
     p.add_argument("--save-at", dest="save_at", type=float, default=0.5,

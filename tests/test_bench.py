@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow  # each runs the bench's own ranks or a fresh interpreter; the fast tier (-m "not slow") leaves these out
@@ -329,11 +330,14 @@ def test_local_ranks_use_gloo_without_a_device_per_rank():
     ["step", "--optimizers", "adamw"], ["step", "--steps", "0"],
     ["lm", "--nproc", "3", "--ranks-per-node", "2"], ["lm", "--ranks-per-node", "0"],
     ["probe", "--params", "0"], ["probe", "--iters", "0"],
+    ["time_to_target", "--target-pct", "-1"], ["time_to_target", "--methods", "OnebitAdam"],
+    ["time_to_target", "--steps", "0"],
 ])
 def test_bad_bench_flags_are_usage_errors(flags):
     """argparse's usage error and exit status 2, at once: no loop, no traceback."""
     # The research benchmarks moved to the checkout's benchmarks/ and share the flag handling.
-    module = ["benchmarks." + flags.pop(0)] if flags[0] in ("lm", "soak") else ["onebit.bench"]
+    module = (["benchmarks." + flags.pop(0)] if flags[0] in ("lm", "soak", "time_to_target")
+              else ["onebit.bench"])
     proc = subprocess.run([sys.executable, "-m", *module, *flags], capture_output=True,
                           text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2, (flags, proc.stdout, proc.stderr)
@@ -439,3 +443,103 @@ def test_mean_curves_average_each_labels_seeds_point_by_point():
             {"label": "A", "losses": [3.0, 2.0, 1.0], "megabytes": [1.0, 4.0, 8.0]}]
     assert mean_curves(runs) == [{"label": "A", "losses": [4.0, 3.0], "megabytes": [1.0, 3.0]},
                                  {"label": "B", "losses": [6.0], "megabytes": [9.0]}]
+
+
+def test_steps_to_target_interpolates_the_first_crossing():
+    """Worked out by hand on piecewise-linear curves."""
+    from benchmarks.time_to_target import steps_to_target
+
+    down = [(10, 5.0), (20, 4.0), (30, 3.0)]
+    assert steps_to_target(down, 3.5) == 25.0
+    assert steps_to_target(down, 4.0) == 20.0
+    assert steps_to_target(down, 5.0) == 10.0  # already there at the first evaluation
+    assert steps_to_target(down, 2.9) is None
+    # the first crossing, not the last: 10 + 10 * (5 - 3.5) / (5 - 3)
+    assert steps_to_target([(10, 5.0), (20, 3.0), (30, 4.0), (40, 3.2)], 3.5) == 17.5
+
+
+def test_bytes_by_interpolates_from_nothing_sent_at_step_0():
+    from benchmarks.time_to_target import bytes_by
+
+    curve = [(10, 5.0), (20, 4.0)]
+    assert bytes_by(curve, [100.0, 300.0], 5) == 50.0
+    assert bytes_by(curve, [100.0, 300.0], 15) == 200.0
+    assert bytes_by(curve, [100.0, 300.0], 20) == 300.0
+
+
+def test_seconds_by_counts_a_fractional_step_by_its_share():
+    from benchmarks.time_to_target import seconds_by
+
+    assert seconds_by([1.0, 2.0, 3.0, 4.0], 2.5) == 1.0 + 2.0 + 0.5 * 3.0
+    assert seconds_by([1.0, 2.0, 3.0, 4.0], 4) == 10.0
+    assert seconds_by([1.0, 2.0], 0) == 0.0
+
+
+def test_time_to_target_rows_against_the_fp16_hook_worked_by_hand():
+    """Adam ends at 4.0, so the target at 2% is 4.08. Each curve crosses it
+    where worked out below; the fp16 hook's time is the mean of its two
+    rows, 3.0 s; a method that never gets there has no time."""
+    from benchmarks.time_to_target import summarise
+
+    def run(name, curve, seconds, sent=(4.0e6, 8.0e6)):
+        return {"optimizer": name, "curve": curve, "final": curve[-1][1], "step_seconds": seconds,
+                "bytes_sent": list(sent)}
+
+    runs = [run("Adam-fp16", [(2, 5.0), (4, 4.0)], [1.0, 1.0, 1.0, 1.0]),       # at 3.84: 3.84 s
+            run("Adam", [(2, 5.0), (4, 4.0)], [2.0] * 4),                        # 3.84 steps: 7.68 s
+            run("OnebitAdam", [(2, 4.08), (4, 3.5)], [0.25, 0.25, 0.5, 0.5],    # at 2: 0.5 s
+                (1.0e6, 1.5e6)),
+            run("PowerSGD-r4", [(2, 5.0), (4, 4.5)], [0.1] * 4),                 # never
+            run("Adam-fp16 again", [(2, 5.0), (4, 4.0)], [0.5, 0.5, 0.75, 1.0])]  # 2.16 s
+    target, rows = summarise(runs, 2.0, freeze_step=1)
+    assert target == pytest.approx(4.08)
+    by = {r["method"]: r for r in rows}
+    assert by["Adam-fp16"]["steps"] == pytest.approx(3.84)
+    assert by["Adam-fp16"]["seconds"] == pytest.approx(3.84)
+    assert by["Adam-fp16 again"]["seconds"] == pytest.approx(0.5 + 0.5 + 0.75 + 0.84 * 1.0)
+    against = (3.84 + 2.59) / 2
+    assert by["Adam"]["seconds"] == pytest.approx(7.68)
+    assert by["Adam"]["x_fp16"] == pytest.approx(against / 7.68)
+    assert by["OnebitAdam"]["steps"] == 2.0 and by["OnebitAdam"]["seconds"] == 0.5
+    assert by["OnebitAdam"]["x_fp16"] == pytest.approx(against / 0.5)
+    assert by["PowerSGD-r4"]["steps"] is None and by["PowerSGD-r4"]["x_fp16"] is None
+    # bytes by the target: 4 MB at step 2, 8 MB at 4, so 4 + 4 * 0.92 at 3.84
+    assert by["Adam-fp16"]["megabytes"] == pytest.approx(4.0 + 4.0 * 0.92)
+    assert by["OnebitAdam"]["megabytes"] == pytest.approx(1.0)
+    assert by["OnebitAdam"]["bytes_x_fp16"] == pytest.approx(7.68)
+    assert by["PowerSGD-r4"]["megabytes"] is None and by["PowerSGD-r4"]["bytes_x_fp16"] is None
+    assert by["OnebitAdam"]["seconds_per_step"] == pytest.approx(0.375)
+    assert by["OnebitAdam"]["seconds_per_step_to_freeze"] == pytest.approx(0.25)
+    assert by["OnebitAdam"]["seconds_per_step_after"] == pytest.approx(1.25 / 3)
+    assert [r["method"] for r in rows] == [r["optimizer"] for r in runs]
+
+
+@pytest.mark.slow
+def test_time_to_target_runs_the_lm_training_and_times_every_step(tmp_path):
+    """Two local ranks, 8 steps (4 of them OnebitAdam's warmup: fewer leave
+    it with too poor a variance to stay finite): each run times all 8 steps; each row's
+    time is the run's own clock at the crossing, found again here with
+    numpy on a fine grid of the curve and the cumulative step times."""
+    out = tmp_path / "ttt.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.time_to_target", "--steps", "8",
+                           "--freeze", "0.5", "--every", "2", "--nproc", "2", "--methods", "Adam", "OnebitAdam",
+                           "--target-pct", "3", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["optimizer"] for r in data["runs"]] == ["Adam-fp16", "Adam", "OnebitAdam",
+                                                      "Adam-fp16 again"]
+    adam = next(r for r in data["runs"] if r["optimizer"] == "Adam")
+    assert data["target"] == pytest.approx(adam["final"] * 1.03)
+    for run, row in zip(data["runs"], data["results"]):
+        assert len(run["step_seconds"]) == 8 and min(run["step_seconds"]) > 0
+        steps = np.array([0.0] + [s for s, _ in run["curve"]])
+        grid = np.linspace(run["curve"][0][0], 8, 600001)
+        loss = np.interp(grid, steps[1:], [x for _, x in run["curve"]])
+        hit = grid[np.argmax(loss <= data["target"])] if (loss <= data["target"]).any() else None
+        if hit is None:
+            assert row["seconds"] is None
+            continue
+        clock = np.interp(hit, np.arange(9), np.concatenate([[0.0], np.cumsum(run["step_seconds"])]))
+        assert row["steps"] == pytest.approx(hit, abs=1e-4)
+        assert row["seconds"] == pytest.approx(clock, rel=1e-3)
