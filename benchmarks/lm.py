@@ -423,7 +423,8 @@ def plot(runs: List[Dict], path: str) -> None:
 def run(args: argparse.Namespace) -> bool:
     a = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     print(f"# benchmarks.lm: {model_name(a)} d={a['dim']} layers={a['layers']} context={a['context']} "
-          f"vocab={a['vocab']}+1, ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
+          + (f"vocab={a['vocab']}+1, " if a.get("model") != "gpt2" else "")
+          + f"ranks={a['nproc']} batch={a['batch']}/rank steps={a['steps']} "
           f"freeze={a['freeze']:.0%} lr={a['lr']} (LAMB x{a['lamb_lr_scale']:g}, "
           f"trust_ratio={a.get('trust_ratio', TRUST_RATIO)}) "
           f"schedule={a['schedule']}" + (f" warmup={a['warmup']:.0%}" if a['schedule'] == "cosine" else "")
