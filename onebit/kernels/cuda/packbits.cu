@@ -116,6 +116,21 @@ __global__ void decode_quads_kernel(const uint8_t* __restrict__ bits, int64_t ro
   }
 }
 
+// Eight sums from output element j0 on, times 1/rows: two 16-byte stores
+// where `out` is aligned and the eight are whole, else one by one up to cols.
+__device__ __forceinline__ void store_mean8(float* __restrict__ out, int64_t j0, int64_t cols,
+                                            bool vec, const float (&acc)[8], float inv) {
+  if (vec && j0 + 8 <= cols) {
+    float4* dst = reinterpret_cast<float4*>(out + j0);
+    dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+    dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+  } else {
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+      if (j0 + t < cols) out[j0 + t] = acc[t] * inv;
+  }
+}
+
 // From 4 to 15 rows (a server's decode of p rows): one thread per byte of a row,
 // its eight elements going out as two 16-byte stores: 45% at 8 rows and 27%
 // at 32, where the four-element kernel reached 29% and 15% (it reads every
@@ -138,15 +153,7 @@ __global__ void decode_bytes_kernel(const uint8_t* __restrict__ bits, int64_t ro
 #pragma unroll
       for (int t = 0; t < 8; ++t) acc[t] += signed_scale(byte, t, s);
     }
-    if (vec && j0 + 8 <= cols) {
-      float4* dst = reinterpret_cast<float4*>(out + j0);
-      dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
-      dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
-    } else {
-#pragma unroll
-      for (int t = 0; t < 8; ++t)
-        if (j0 + t < cols) out[j0 + t] = acc[t] * inv;
-    }
+    store_mean8(out, j0, cols, vec, acc, inv);
   }
 }
 
@@ -222,16 +229,7 @@ decode_tiled_kernel(const uint8_t* __restrict__ bits, int64_t row_bytes, int row
     __syncthreads();  // the next pass overwrites the tile
   }
   if (t >= live) return;
-  const int64_t j0 = (byte0 + t) * 8;
-  if (vec_out && j0 + 8 <= cols) {
-    float4* dst = reinterpret_cast<float4*>(out + j0);
-    dst[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
-    dst[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (j0 + e < cols) out[j0 + e] = acc[e] * inv;
-  }
+  store_mean8(out, (byte0 + t) * 8, cols, vec_out, acc, inv);
 }
 
 // A block's sum of squares in the order every kernel uses (the CPU kernel's
