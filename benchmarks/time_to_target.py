@@ -87,6 +87,13 @@ def bytes_by(curve: Sequence[Tuple[int, float]], bytes_sent: Sequence[float],
     return points[-1][1]
 
 
+def _mean_step(per_seed: List[Sequence[float]]) -> Optional[float]:
+    """The seeds' mean of their mean step time; None where a seed has no steps."""
+    if not all(per_seed):
+        return None
+    return sum(sum(p) / len(p) for p in per_seed) / len(per_seed)
+
+
 def summarise(runs: List[Dict], target_pct: float, freeze_step: int = 0
               ) -> Tuple[float, List[Dict]]:
     """(target, rows): per method, in run order, the mean over its seeds of
@@ -104,15 +111,13 @@ def summarise(runs: List[Dict], target_pct: float, freeze_step: int = 0
         steps = [steps_to_target(r["curve"], target) for r in rs]
         reached = all(s is not None for s in steps)
         seconds = [seconds_by(r["step_seconds"], s) for r, s in zip(rs, steps)] if reached else []
-        sent = [bytes_by(r["curve"], r["bytes_sent"], s) for r, s in zip(rs, steps)] if reached else []
-        def mean_time(part):
-            return sum(sum(p) / len(p) for p in part) / len(part) if all(part) else None
-
+        sent = ([bytes_by(r["curve"], r["bytes_sent"], s) for r, s in zip(rs, steps)]
+                if reached else [])
         rows.append({"method": name, "final": sum(r["final"] for r in rs) / len(rs),
-                     "seconds_per_step": mean_time([r["step_seconds"] for r in rs]),
-                     "seconds_per_step_to_freeze": mean_time(
+                     "seconds_per_step": _mean_step([r["step_seconds"] for r in rs]),
+                     "seconds_per_step_to_freeze": _mean_step(
                          [r["step_seconds"][:freeze_step] for r in rs]),
-                     "seconds_per_step_after": mean_time(
+                     "seconds_per_step_after": _mean_step(
                          [r["step_seconds"][freeze_step:] for r in rs]),
                      "steps": sum(steps) / len(steps) if reached else None,
                      "seconds": sum(seconds) / len(seconds) if reached else None,
@@ -156,7 +161,8 @@ def run(args: argparse.Namespace) -> bool:
     freeze_step = int(a["freeze"] * a["steps"])
     target, rows = summarise(runs, args.target_pct, freeze_step)
     print(f"# benchmarks.time_to_target: {lm.model_name(a)} d={a['dim']} layers={a['layers']}, "
-          f"ranks={runs[0]['ranks']}, steps={a['steps']} freeze={a['freeze']:.0%} every={a['every']} seeds={a['seeds']}; "
+          f"ranks={runs[0]['ranks']}, steps={a['steps']} freeze={a['freeze']:.0%} "
+          f"every={a['every']} seeds={a['seeds']}; "
           f"target = {BASELINE}'s final held-out loss + {args.target_pct:g}% = {target:.4f}")
     print(f"# s/step: mean over all steps, over steps 1-{freeze_step} (the 1-bit optimizers' "
           "warmup, PowerSGD's full-precision start) and after")
@@ -170,7 +176,8 @@ def run(args: argparse.Namespace) -> bool:
               f"{r['seconds_per_step_after']:8.4f} "
               f"{r['steps'] if reached else float('nan'):7.1f} "
               f"{r['seconds'] if reached else float('nan'):9.2f} "
-              + (f"{r['x_fp16']:7.2f}" if r["x_fp16"] is not None else f"{'never' if not reached else '-':>7}")
+              + (f"{r['x_fp16']:7.2f}" if r["x_fp16"] is not None
+                 else f"{'never' if not reached else '-':>7}")
               + (f" {r['megabytes']:9.2f} {r['bytes_x_fp16']:9.2f}" if reached else ""))
     if args.json:
         with open(args.json, "w") as f:
