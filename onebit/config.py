@@ -9,7 +9,8 @@ case-insensitive; parameter names are DeepSpeed's.
 
 The rest of a DeepSpeed config is read too (`read_config`), so nothing is
 dropped silently: `gradient_clipping` becomes the optimizer's
-`max_grad_norm`; `zero_optimization` with a stage above 0 is an error (the
+`max_grad_norm`; `communication_data_type` the dtype of the 1-bit
+optimizers' full-precision exchanges (their warmup); `zero_optimization` with a stage above 0 is an error (the
 1-bit optimizers keep whole states on every rank, as DeepSpeed's did);
 `scheduler` becomes a torch lr scheduler with DeepSpeed's formulas
 (`build_scheduler`, onebit/schedules.py); `fp16`/`bf16` are reported with
@@ -27,6 +28,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Union
 import torch
 
 from .schedules import SCHEDULES, DeepSpeedLR, schedule_from
+from .wire import averaging_dtype_from
 
 def _lamb(params, **kw):
     # Plain LAMB: the same code as OnebitLamb, kept in its warmup forever.
@@ -58,6 +60,7 @@ class ConfigReading(NamedTuple):
 
 
 _ONEBIT_TYPES = ("onebitadam", "onebitlamb", "zerooneadam", "lamb")  # take max_grad_norm
+_COMM_DTYPE_TYPES = ("onebitadam", "onebitlamb", "zerooneadam")  # take communication_data_type
 _SCRIPT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "steps_per_print", "wall_clock_breakdown")
 
@@ -93,6 +96,18 @@ def read_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> ConfigReadin
             else:
                 notes.append((key, "advice", "call torch.nn.utils.clip_grad_norm_(params, "
                                             f"{value}) before step(): {section['type']} does not clip"))
+        elif key == "communication_data_type":
+            params = section.get("params") or {}
+            if kind in _COMM_DTYPE_TYPES and "communication_data_type" not in params:
+                averaging_dtype_from(value)  # a bad name fails here, naming the key
+                extra["communication_data_type"] = value
+                notes.append((key, "mapped", f"communication_data_type={value!r} (the "
+                                             "full-precision exchanges)"))
+            elif kind in _COMM_DTYPE_TYPES:
+                notes.append((key, "ignored", "the optimizer's own communication_data_type wins"))
+            else:
+                notes.append((key, "advice", "register torch's fp16_compress_hook or "
+                                            "bf16_compress_hook on your DDP model"))
         elif key == "zero_optimization":
             stage = value.get("stage", 0) if isinstance(value, dict) else value
             if stage:

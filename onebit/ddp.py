@@ -50,12 +50,20 @@ def ddp_comm_hook(state: OnebitHookState,
     buf = bucket.buffer()
     if opt.world_size > 1 and opt.needs_full_precision_gradients():
         opt.mark_gradients_averaged(bucket.parameters())
+        dtype = opt.averaging_dtype
         nominal = fp32_allreduce_bytes(buf.numel(), opt.world_size)
-        opt.traffic.add(nominal, nominal, nominal)  # time: it overlaps backward, not counted
+        sent = nominal * dtype.itemsize // 4
+        opt.traffic.add(sent, sent, nominal)  # time: it overlaps backward, not counted
         buf.div_(opt.world_size)
-        work = dist.all_reduce(buf, group=opt.process_group, async_op=True)
+        # communication_data_type: the share goes out in half precision, as
+        # torch's fp16/bf16 compress hooks. An fp16 mean out of range comes
+        # back inf, which the step's agreement then sees on every rank.
+        wire = buf if dtype == torch.float32 else buf.to(dtype)
+        work = dist.all_reduce(wire, group=opt.process_group, async_op=True)
         collectives.hold_until_later(work)  # no abort at exit (collectives.py)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        if wire is buf:
+            return work.get_future().then(lambda fut: fut.value()[0])
+        return work.get_future().then(lambda fut: buf.copy_(fut.value()[0]))
     fut = torch.futures.Future()
     fut.set_result(buf)  # compression stage: the optimizer exchanges 1-bit momentum
     return fut

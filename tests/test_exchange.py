@@ -88,12 +88,25 @@ def test_allreduce_goes_through_the_keys_buffer_and_errors():
     assert list(ex.error_buffers()) == [BucketKey(0, 1)]
 
 
-def test_average_divides_after_the_callers_reduction():
+def test_average_lands_the_callers_mean_in_the_tensors():
     ex = ErrorFeedbackExchange(FakeBackend())
     ts = tensors((5,))
-    ex.average_(LateKey(0), ts, lambda flat: flat.mul_(WORLD), WORLD)
-    assert torch.equal(ts[0], torch.arange(5.0))
+    ex.average_(LateKey(0), ts, lambda flat: flat.mul_(3.0).sub_(1.0))
+    assert torch.equal(ts[0], torch.arange(5.0) * 3 - 1)
     assert ex.error_buffers() == {}  # full precision: no errors
+
+
+def test_a_mean_that_raises_leaves_the_tensors_as_they_were():
+    ex = ErrorFeedbackExchange(FakeBackend())
+    ts = tensors((5,))
+
+    def overflowed(flat):
+        flat.fill_(float("inf"))
+        raise ValueError("out of range")
+
+    with pytest.raises(ValueError):
+        ex.average_(LateKey(0), ts, overflowed)
+    assert torch.equal(ts[0], torch.arange(5.0))
 
 
 def test_restore_puts_back_the_errors_of_before_the_backup():

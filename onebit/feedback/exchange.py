@@ -152,16 +152,15 @@ class ErrorFeedbackExchange:
         self.backend.compressed_allreduce(flat, *self.errors(key), layout=layout)
 
     def average_(self, key: BufferKey, tensors: List[torch.Tensor],
-                 reduce: Callable[[torch.Tensor], None], world_size: int) -> None:
-        """tensors <- their full-precision mean: `reduce(flat)` sums buffer
-        `key` across ranks in place (the caller's collective), then it is
-        divided by `world_size`."""
+                 mean_: Callable[[torch.Tensor], None]) -> None:
+        """tensors <- their mean across ranks: `mean_(flat)` replaces buffer
+        `key` by it in place (the caller's collective); a raise there
+        leaves `tensors` as they were."""
         if not tensors:
             return
         flat = self.buffer(key, tensors)
         self.flatten_into(key, tensors)
-        reduce(flat)
-        flat.div_(world_size)
+        mean_(flat)
         self.unflatten_from(key, tensors)
 
     # ------------------------------------------------------------- errors --

@@ -63,7 +63,7 @@ class OnebitAdam(FreezeStepOptimizer):
                  process_group=None, timeout_s: Optional[float] = None,
                  check_replicas_every: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype="float32", overlap_backward: bool = False,
-                 bucket_cap_mb: float = 25.0) -> None:
+                 bucket_cap_mb: float = 25.0, communication_data_type=None) -> None:
         defaults = adam_defaults("OnebitAdam", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt)
         super().__init__(params, defaults, FreezeStepSchedule(freeze_step), CommOptions(
@@ -71,7 +71,7 @@ class OnebitAdam(FreezeStepOptimizer):
             process_group=process_group, timeout_s=timeout_s,
             check_replicas_every=check_replicas_every, block_size=block_size,
             scale_dtype=scale_dtype, overlap_backward=overlap_backward,
-            bucket_cap_mb=bucket_cap_mb))
+            bucket_cap_mb=bucket_cap_mb, communication_data_type=communication_data_type))
 
     def _update(self, stage, groups, grads) -> None:
         t, version = stage.step, stage.variance_version

@@ -55,6 +55,7 @@ from ..feedback.channel import ErrorFeedbackChannel, open_backend
 from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
 from ..feedback.handoff import exchange_group
 from ..shards import ShardedParams
+from ..wire import check_half_mean
 from . import checkpoints
 from . import functional as F
 from .capture import StaticBuffers
@@ -107,6 +108,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         overlap_backward, bucket_cap_mb = options.overlap_backward, options.bucket_cap_mb
         block_size = self.block_size = options.block_size
         self.scale_dtype = options.wire_scale_dtype
+        self.averaging_dtype = options.averaging_dtype
         # What every rank must share besides the param groups: the stage
         # schedule's and the subclass's settings; the wire format; and what
         # decides the bucket plan.
@@ -115,7 +117,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                           **{name: getattr(self, name) for name in self.rank_agreed_settings}}
         self._settings.update(block_size=block_size,
                               scale_dtype=str(self.scale_dtype), overlap_backward=overlap_backward,
-                              bucket_cap_mb=bucket_cap_mb)
+                              bucket_cap_mb=bucket_cap_mb,
+                              communication_data_type=str(self.averaging_dtype))
         self._constructed = False
         super().__init__(params, defaults)
         self.timeout_s = timeout_s
@@ -296,12 +299,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             return loss
         untouched = self._keep_untouched(gradless, [ps for _, ps in groups]) if gradless else None
         exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
-        if stage.full_precision:
-            for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
-                self._average_unhooked_(GroupKey(i), ps, gs)
-        for i, ((_, ps), gs) in enumerate(zip(late, late_grads)):  # full precision (late.py)
-            self._average_unhooked_(LateKey(i), ps, gs)
-        self._hook_averaged = set()  # the DDP hook's promise covers one step
+        try:
+            if stage.full_precision:
+                for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
+                    self._average_unhooked_(GroupKey(i), ps, gs)
+            for i, ((_, ps), gs) in enumerate(zip(late, late_grads)):  # full precision (late.py)
+                self._average_unhooked_(LateKey(i), ps, gs)
+        except BaseException:  # a dead peer, or an fp16 mean out of range: step t never began
+            self._end_overlap()
+            raise
+        finally:
+            self._hook_averaged = set()  # the DDP hook's promise covers one step
         self.counters["step"] = t
         self._step_in_progress = t  # what an exchange input written from here on is for
         try:
@@ -579,18 +587,29 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _average_(self, key, tensors: List[torch.Tensor]) -> None:
         """Full-precision mean across ranks, as one collective on fused buffer
-        `key` (a GroupKey, or a LateKey for late joiners)."""
+        `key` (a GroupKey, or a LateKey for late joiners), in
+        `averaging_dtype` (communication_data_type)."""
         if self.world_size == 1 or not tensors:
             return
+        dtype, world = self.averaging_dtype, self.world_size
 
-        def all_reduce(flat: torch.Tensor) -> None:
+        def mean_(flat: torch.Tensor) -> None:
             started = time.perf_counter()
+            # fp32 sums, then divides (the bits every release had); half
+            # precision divides first, so the sum stays as small as the mean.
+            wire = flat if dtype == torch.float32 else flat.div(world).to(dtype)
             self._collective("gradient averaging (full-precision all-reduce)",
-                             lambda: dist.all_reduce(flat, group=self.process_group, async_op=True))
-            nominal = fp32_allreduce_bytes(sum(t.numel() for t in tensors), self.world_size)
-            self.traffic.add(nominal, nominal, nominal, time.perf_counter() - started)
+                             lambda: dist.all_reduce(wire, group=self.process_group, async_op=True))
+            if wire is flat:
+                flat.div_(world)
+            else:
+                check_half_mean(type(self).__name__, wire)
+                flat.copy_(wire)
+            nominal = fp32_allreduce_bytes(sum(t.numel() for t in tensors), world)
+            sent = nominal * dtype.itemsize // 4
+            self.traffic.add(sent, sent, nominal, time.perf_counter() - started)
 
-        self._channel.exchange.average_(key, tensors, all_reduce, self.world_size)
+        self._channel.exchange.average_(key, tensors, mean_)
 
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""

@@ -81,7 +81,7 @@ class OnebitLamb(FreezeStepOptimizer):
                  process_group=None, timeout_s: Optional[float] = None,
                  check_replicas_every: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype="float32", overlap_backward: bool = False,
-                 bucket_cap_mb: float = 25.0) -> None:
+                 bucket_cap_mb: float = 25.0, communication_data_type=None) -> None:
         defaults = adam_defaults("OnebitLamb", lr, betas, eps, weight_decay, max_grad_norm, amsgrad,
                                  bias_correction, eps_inside_sqrt, max_coeff=max_coeff,
                                  min_coeff=min_coeff)
@@ -105,7 +105,7 @@ class OnebitLamb(FreezeStepOptimizer):
             process_group=process_group, timeout_s=timeout_s,
             check_replicas_every=check_replicas_every, block_size=block_size,
             scale_dtype=scale_dtype, overlap_backward=overlap_backward,
-            bucket_cap_mb=bucket_cap_mb))
+            bucket_cap_mb=bucket_cap_mb, communication_data_type=communication_data_type))
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
         self._scaled_errors = False  # see load_state_dict
 

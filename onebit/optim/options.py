@@ -15,7 +15,7 @@ import torch
 
 from .. import collectives
 from ..checks import check_flag, check_number, check_positive_int
-from ..wire import DEFAULT_BLOCK_SIZE, check_block_size, scale_dtype_from
+from ..wire import DEFAULT_BLOCK_SIZE, averaging_dtype_from, check_block_size, scale_dtype_from
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class CommOptions:
     scale_dtype: object = "float32"
     overlap_backward: bool = False
     bucket_cap_mb: float = 25.0
+    communication_data_type: object = None
 
     def __post_init__(self) -> None:
         check_positive_int("check_replicas_every", self.check_replicas_every, minimum=0)
@@ -39,11 +40,17 @@ class CommOptions:
         check_block_size(self.block_size)
         check_flag("overlap_backward", self.overlap_backward)
         check_number("bucket_cap_mb", self.bucket_cap_mb, low=0.0, low_open=True)
+        averaging_dtype_from(self.communication_data_type)
 
     @property
     def wire_scale_dtype(self) -> torch.dtype:
         """The scales' dtype on the wire, from its name or dtype."""
         return scale_dtype_from(self.scale_dtype)
+
+    @property
+    def averaging_dtype(self) -> torch.dtype:
+        """The dtype the full-precision exchanges travel in."""
+        return averaging_dtype_from(self.communication_data_type)
 
 
 COMM_OPTIONS_DOC = """
@@ -72,6 +79,14 @@ COMM_OPTIONS_DOC = """
         run all but the last micro-batch inside
         `with optimizer.no_overlap():`.
       bucket_cap_mb: the size of those buckets (fp32 MB), as DDP's.
+      communication_data_type: None or "fp32" (default), "bf16" or "fp16":
+        the dtype of the full-precision exchanges -- the warmup before the
+        freeze, 0/1 Adam's variance steps, late joiners, and the DDP hook's
+        all-reduce in those steps -- as DeepSpeed's key of that name. Half
+        precision halves the warmup's bytes and rounds each rank's share
+        (gradient / world size) to it before the sum; the 1-bit exchange
+        is unchanged. fp16 raises on a mean beyond its range (65504); bf16
+        has fp32's range and 8 bits of mantissa.
 """
 
 
