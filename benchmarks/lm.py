@@ -18,6 +18,9 @@ average gradients in full precision):
   OnebitAdam  vs torch.optim.Adam           freeze_step = --freeze * steps
   ZeroOneAdam vs torch.optim.Adam           var_freeze_step = --freeze * steps
   OnebitLamb  vs LAMB (OnebitLamb kept in warmup: the same code, uncompressed)
+  OnebitAdam-bf16warmup, ZeroOneAdam-bf16warmup vs Adam, OnebitLamb-bf16warmup
+    vs LAMB: the same with communication_data_type="bf16" (the warmup's
+    exchanges in bf16)
   DiLoCo-1bit vs DiLoCo-fp32, DiLoCo-2bit vs DiLoCo-fp32 (the ternary wire),
   DiLoCo-bf16 vs DiLoCo-fp32, DiLoCo-fp32 vs Adam:
     onebit.DiLoCo over inner AdamW (weight decay 0: Adam's maths, local
@@ -69,6 +72,8 @@ from onebit.optim.lamb import TRUST_RATIOS
 TRUST_RATIO = TRUST_RATIOS[0]  # OnebitLamb's default
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam"),
+         ("OnebitAdam-bf16warmup", "Adam"), ("OnebitLamb-bf16warmup", "Lamb"),
+         ("ZeroOneAdam-bf16warmup", "Adam"),
          ("DiLoCo-1bit", "DiLoCo-fp32"), ("DiLoCo-2bit", "DiLoCo-fp32"),
          ("DiLoCo-stream", "DiLoCo-fp32"),
          ("DiLoCo-bf16", "DiLoCo-fp32"), ("DiLoCo-fp32", "Adam"),
@@ -77,6 +82,8 @@ PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam")
 DEFAULT_PAIRS = [p[0] for p in PAIRS[:3]]  # the optimizers' figure; DiLoCo with --only
 # Held-out loss gap goals, %; None: reported, not judged.
 GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0, "DiLoCo-1bit": 1.0,
+         "OnebitAdam-bf16warmup": 1.0, "OnebitLamb-bf16warmup": 1.0,
+         "ZeroOneAdam-bf16warmup": 2.0,
          "DiLoCo-2bit": 1.0,
          "DiLoCo-stream": None, "DiLoCo-bf16": 1.0, "DiLoCo-fp32": None,
          "Adam-fp16": None, "Adam-bf16": None, "PowerSGD-r1": None, "PowerSGD-r2": None,
@@ -87,6 +94,7 @@ HOOKS = {"Adam-fp16": ("fp16", 0), "Adam-bf16": ("bf16", 0), "PowerSGD-r1": ("po
 DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-2bit": "2bit", "DiLoCo-stream": "1bit",
           "DiLoCo-bf16": "bf16",
           "DiLoCo-fp32": "none"}
+HALF_WARMUP = "-bf16warmup"  # a 1-bit row with communication_data_type="bf16"
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "pydocs.txt.gz")
 
 
@@ -184,6 +192,8 @@ def make_optimizer(name: str, params, a: dict, group=None):
     f = max(1, int(a["freeze"] * steps))
     wire = dict(block_size=a["block_size"], scale_dtype=a["scale_dtype"],
                 comm_backend_name=a.get("backend"), process_group=group)
+    if name.endswith(HALF_WARMUP):
+        name, wire["communication_data_type"] = name[:-len(HALF_WARMUP)], "bf16"
     if name.startswith("PowerSGD") and a.get("powersgd_adamw"):
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     if name == "Adam" or name in HOOKS:
@@ -441,12 +451,13 @@ def run(args: argparse.Namespace) -> bool:
               + (f" stream: fragments={a.get('fragments', 4)} overlap_steps="
                  f"{a.get('overlap_steps', 1)} keep_local_progress="
                  f"{a.get('keep_local_progress', 0.0)}" if "DiLoCo-stream" in a["only"] else ""))
-    print(f"#{'optimizer':>12} {'baseline':>11} {'held-out':>9} {'base':>8} {'gap%':>6} "
+    w = max([12] + [len(n) for n in a["only"]])  # the -bf16warmup rows' names are longer
+    print(f"#{'optimizer':>{w}} {'baseline':>11} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} {'B/step':>9} {'base B/step':>11} finite ok")
     rows, runs = compare(a)
     for r in rows:
         goal = GOALS[r["optimizer"]]
-        print(f" {r['optimizer']:>12} {r['baseline']:>11} {r['loss']:9.4f} {r['baseline_loss']:8.4f} "
+        print(f" {r['optimizer']:>{w}} {r['baseline']:>11} {r['loss']:9.4f} {r['baseline_loss']:8.4f} "
               f"{r['gap_pct']:6.2f} {r['worst_seed_gap_pct']:7.2f} "
               f"{'-' if goal is None else f'{goal:.1f}':>6} {r['bytes_per_step']:9.0f} "
               f"{r['baseline_bytes_per_step']:11.0f} "

@@ -4,7 +4,8 @@ against the bytes each rank has sent, from `benchmarks.lm --json` files.
 Each run of each file is one curve: its held-out loss at every --every
 steps, against the bytes the rank had sent by then (warmups included). A
 file holds one sync_every, so pass one file per H; the label names the
-optimizer, and H for DiLoCo. Prints the curves' final points as a table
+optimizer, H for DiLoCo, and the freeze fraction for the rows it moves
+(1-bit optimizers, PowerSGD) when a file's --freeze is not the default. Prints the curves' final points as a table
 (loss, MB per rank) too, then the frontier: each label's final point
 averaged over its seeds, marked where no other label reaches a lower loss
 with no more bytes.
@@ -16,15 +17,22 @@ import json
 from typing import List
 
 
+DEFAULT_FREEZE = 0.2  # benchmarks.lm's --freeze
+NO_FREEZE = ("Adam", "Lamb", "Adam-fp16", "Adam-bf16")  # rows --freeze leaves alone
+
+
 def curves(paths: List[str]) -> List[dict]:
     out = []
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         h = data["config"].get("sync_every")
+        freeze = data["config"].get("freeze", DEFAULT_FREEZE)
         for run in data["runs"]:
             name = run["optimizer"]
             label = f"{name} H={h}" if name.startswith("DiLoCo") else name
+            if freeze != DEFAULT_FREEZE and not name.startswith("DiLoCo") and name not in NO_FREEZE:
+                label = f"{name} freeze={freeze:.0%}"
             losses = [loss for _, loss in run["curve"]]
             out.append({"label": label, "seed": run["seed"], "losses": list(losses),
                         "megabytes": [b / 1e6 for b in run["bytes_sent"]]})
@@ -72,7 +80,8 @@ def plot(runs: List[dict], path: str) -> None:
     # one color per form, one line style per H: a form's curves read left to right
     forms = sorted({r["label"].split(" ")[0] for r in runs})
     colors = {form: plt.cm.tab20(i % 20) for i, form in enumerate(forms)}
-    styles = {"H=4": ":", "H=16": "-", "H=32": "-.", "H=64": "--"}
+    styles = {"H=4": ":", "H=16": "-", "H=32": "-.", "H=64": "--", "freeze=10%": "--",
+              "freeze=5%": ":"}
     on = {p["label"]: p["on_frontier"] for p in frontier(runs)}
     for c in mean_curves(runs):
         form, _, h = c["label"].partition(" ")
@@ -95,12 +104,13 @@ def run(args: argparse.Namespace) -> bool:
     runs = curves(args.runs)
     if args.plot:
         plot(runs, args.plot)
-    print(f"{'run':>22} {'seed':>4} {'held-out':>9} {'MB/rank':>10}")
+    w = max([22] + [len(r["label"]) for r in runs])
+    print(f"{'run':>{w}} {'seed':>4} {'held-out':>9} {'MB/rank':>10}")
     for r in runs:
-        print(f"{r['label']:>22} {r['seed']:>4} {r['losses'][-1]:9.4f} {r['megabytes'][-1]:10.3f}")
+        print(f"{r['label']:>{w}} {r['seed']:>4} {r['losses'][-1]:9.4f} {r['megabytes'][-1]:10.3f}")
     print("# frontier: mean over seeds; * where no other reaches a lower loss with no more bytes")
     for p in frontier(runs):
-        print(f"# {p['label']:>20} {p['loss']:9.4f} {p['megabytes']:10.3f} "
+        print(f"# {p['label']:>{w - 2}} {p['loss']:9.4f} {p['megabytes']:10.3f} "
               f"{'*' if p['on_frontier'] else ''}")
     return True
 

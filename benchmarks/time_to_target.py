@@ -166,12 +166,12 @@ def run(args: argparse.Namespace) -> bool:
           f"target = {BASELINE}'s final held-out loss + {args.target_pct:g}% = {target:.4f}")
     print(f"# s/step: mean over all steps, over steps 1-{freeze_step} (the 1-bit optimizers' "
           "warmup, PowerSGD's full-precision start) and after")
-    print(f"#{'method':>16} {'final':>8} {'s/step':>8} {'to frz':>8} {'after':>8} {'steps':>7} "
+    print(f"#{'method':>22} {'final':>8} {'s/step':>8} {'to frz':>8} {'after':>8} {'steps':>7} "
           f"{'seconds':>9} {'x fp16':>7} {'MB':>9} {'MB x fp16':>9}")
     for r in rows:
         reached = r["seconds"] is not None
         before = r["seconds_per_step_to_freeze"]
-        print(f" {r['method']:>16} {r['final']:8.4f} {r['seconds_per_step']:8.4f} "
+        print(f" {r['method']:>22} {r['final']:8.4f} {r['seconds_per_step']:8.4f} "
               f"{before if before is not None else float('nan'):8.4f} "
               f"{r['seconds_per_step_after']:8.4f} "
               f"{r['steps'] if reached else float('nan'):7.1f} "

@@ -422,6 +422,26 @@ def test_loss_per_byte_reads_lm_runs_and_plots_them(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_loss_per_byte_labels_the_rows_a_non_default_freeze_moves(tmp_path):
+    """A --freeze 0.1 file: the 1-bit and PowerSGD rows carry it in their
+    label, apart from the default file's; Adam and the fp16 hook do not."""
+    from benchmarks.loss_per_byte import curves
+
+    def lm_file(name, freeze, optimizers):
+        data = {"config": {"sync_every": 16, "freeze": freeze}, "runs": [
+            {"optimizer": o, "seed": 0, "curve": [[10, 4.0]], "bytes_sent": [1.0e6]}
+            for o in optimizers]}
+        (tmp_path / name).write_text(json.dumps(data))
+        return str(tmp_path / name)
+
+    paths = [lm_file("f20.json", 0.2, ["OnebitAdam-bf16warmup", "Adam"]),
+             lm_file("f10.json", 0.1, ["OnebitAdam-bf16warmup", "PowerSGD-r4", "Adam",
+                                       "Adam-fp16", "DiLoCo-1bit"])]
+    assert [r["label"] for r in curves(paths)] == [
+        "OnebitAdam-bf16warmup", "Adam", "OnebitAdam-bf16warmup freeze=10%",
+        "PowerSGD-r4 freeze=10%", "Adam", "Adam-fp16", "DiLoCo-1bit H=16"]
+
+
 def test_the_frontier_marks_only_points_nothing_beats_for_the_bytes():
     """Worked out by hand: B costs more than A for a higher loss (off);
     C costs more for a lower loss (on); A2 is A's second seed."""
