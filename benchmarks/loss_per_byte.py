@@ -76,7 +76,7 @@ def plot(runs: List[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.5, 5.4))
+    fig, ax = plt.subplots(figsize=(11.5, 5.6))
     # one color per form, one line style per H: a form's curves read left to right
     forms = sorted({r["label"].split(" ")[0] for r in runs})
     colors = {form: plt.cm.tab20(i % 20) for i, form in enumerate(forms)}
@@ -95,7 +95,7 @@ def plot(runs: List[dict], path: str) -> None:
     ax.set_ylabel("held-out loss (mean over seeds)")
     ax.set_title("* on the frontier: no other method reaches a lower loss with no more bytes",
                  fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside: no curve hidden
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
