@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Union
 import torch
 
 from .schedules import SCHEDULES, DeepSpeedLR, schedule_from
-from .wire import averaging_dtype_from
+from .half_precision import communication_dtype_from
 
 def _lamb(params, **kw):
     # Plain LAMB: the same code as OnebitLamb, kept in its warmup forever.
@@ -60,7 +60,7 @@ class ConfigReading(NamedTuple):
 
 
 _ONEBIT_TYPES = ("onebitadam", "onebitlamb", "zerooneadam", "lamb")  # take max_grad_norm
-_COMM_DTYPE_TYPES = ("onebitadam", "onebitlamb", "zerooneadam")  # take communication_data_type
+_COMM_DTYPE_TYPES = ("onebitadam", "onebitlamb", "zerooneadam", "lamb")  # take communication_data_type
 _SCRIPT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "steps_per_print", "wall_clock_breakdown")
 
@@ -98,8 +98,8 @@ def read_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> ConfigReadin
                                             f"{value}) before step(): {section['type']} does not clip"))
         elif key == "communication_data_type":
             params = section.get("params") or {}
+            communication_dtype_from(value)  # a bad name fails here, naming the key
             if kind in _COMM_DTYPE_TYPES and "communication_data_type" not in params:
-                averaging_dtype_from(value)  # a bad name fails here, naming the key
                 extra["communication_data_type"] = value
                 notes.append((key, "mapped", f"communication_data_type={value!r} (the "
                                              "full-precision exchanges)"))

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .backends.stats import fp32_allreduce_bytes
+from .backends.stats import allreduce_bytes, fp32_allreduce_bytes
+from .half_precision import share
 
 
 class OnebitHookState:
@@ -51,14 +52,15 @@ def ddp_comm_hook(state: OnebitHookState,
     if opt.world_size > 1 and opt.needs_full_precision_gradients():
         opt.mark_gradients_averaged(bucket.parameters())
         dtype = opt.averaging_dtype
-        nominal = fp32_allreduce_bytes(buf.numel(), opt.world_size)
-        sent = nominal * dtype.itemsize // 4
-        opt.traffic.add(sent, sent, nominal)  # time: it overlaps backward, not counted
-        buf.div_(opt.world_size)
         # communication_data_type: the share goes out in half precision, as
         # torch's fp16/bf16 compress hooks. An fp16 mean out of range comes
-        # back inf, which the step's agreement then sees on every rank.
-        wire = buf if dtype == torch.float32 else buf.to(dtype)
+        # back inf, which the step's agreement then sees on every rank (a
+        # GradScaler skips that step; without one step() raises).
+        wire = buf.div_(opt.world_size) if dtype == torch.float32 else share(
+            buf, opt.world_size, dtype)
+        sent = allreduce_bytes(buf.numel(), opt.world_size, wire.element_size())
+        # Bytes only: its time overlaps backward.
+        opt.traffic.add(sent, sent, fp32_allreduce_bytes(buf.numel(), opt.world_size))
         work = dist.all_reduce(wire, group=opt.process_group, async_op=True)
         collectives.hold_until_later(work)  # no abort at exit (collectives.py)
         if wire is buf:

@@ -13,7 +13,13 @@ import torch
 
 from tests.distributed import run_workers
 
-SHAPES = [(7, 5), (13,), (300,)]
+SHAPES = [(7, 5), (13,), (301,)]  # 349 elements: not a multiple of 2 or 3
+NUMEL = 349
+
+
+def ring_bytes(world, itemsize):
+    """What a rank sends in a ring all-reduce of NUMEL elements: 2 (p-1)/p of them."""
+    return 2 * (world - 1) * itemsize * NUMEL // world
 SCALES = [1e-3, 1.0, 40.0]  # orders of magnitude apart
 BETA1 = 0.9
 
@@ -77,7 +83,7 @@ def _warmup_mean(rank, world, name):
         assert np.all(np.abs(got - exact) <= bound * 1.01), f"param {i}: outside the bound"
         assert not np.allclose(got, fp32, rtol=1e-6, atol=0), f"param {i}: an fp32 mean"
         out.append(bool(np.all(np.isfinite(got))))
-    return all(out), moved["fp32_bytes"] / moved["bytes_sent"]
+    return all(out), (moved["bytes_sent"], moved["fp32_bytes"])
 
 
 @pytest.mark.slow
@@ -86,7 +92,7 @@ def _warmup_mean(rank, world, name):
 def test_warmup_mean_is_the_half_precision_mean_of_numpy_and_half_the_bytes(name, world):
     results = run_workers(_warmup_mean, world, name, timeout=120)
     assert all(ok for ok, _ in results)
-    assert all(ratio == 2.0 for _, ratio in results), results
+    assert all(moved == (ring_bytes(world, 2), ring_bytes(world, 4)) for _, moved in results)
 
 
 # --------------------------------------------------- the DDP hook's mean --
@@ -122,15 +128,19 @@ def test_ddp_hook_averages_the_warmup_in_the_half_dtype(name):
 
 
 # ------------------------------------------------------- fp16 overflow --
-def _fp16_overflow(rank, world):
+def _fp16_overflow(rank, world, case):
     import onebit
 
     params = [torch.nn.Parameter(torch.full(s, 0.5)) for s in SHAPES]
-    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step=5, communication_data_type="fp16")
+    # Two groups: the overflow is in the second, after the first's mean landed.
+    opt = onebit.OnebitAdam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2,
+                            freeze_step=5, communication_data_type="fp16")
     for i, p in enumerate(params):
         p.grad = torch.from_numpy(local_grad(rank, 1, i))
-    if rank == 1:
+    if case == "share" and rank == 1:
         params[2].grad[4] = 3e5  # finite in fp32; its share 1.5e5 is beyond fp16
+    if case == "sum":
+        params[2].grad[4] = 1e5  # shares of 5e4 each, within fp16; their sum is not
     with pytest.raises(ValueError, match="float16's range"):
         opt.step()
     assert opt.counters["step"] == 0
@@ -144,9 +154,34 @@ def _fp16_overflow(rank, world):
 
 
 @pytest.mark.slow
-def test_fp16_mean_out_of_range_raises_on_every_rank_and_changes_nothing():
-    first, second = run_workers(_fp16_overflow, 2, timeout=120)
+@pytest.mark.parametrize("case", ["share", "sum"])
+def test_fp16_mean_out_of_range_raises_on_every_rank_and_changes_nothing(case):
+    first, second = run_workers(_fp16_overflow, 2, case, timeout=120)
     assert first == second
+
+
+def _fp16_hook_overflow(rank, world):
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = onebit.OnebitAdam(ddp.parameters(), lr=1e-3, freeze_step=5,
+                            communication_data_type="fp16")
+    ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.ones(4, 6)
+    (ddp(x).sum() * (1e7 if rank == 1 else 1.0)).backward()  # rank 1's share beyond 65504
+    with pytest.raises(ValueError, match="communication_data_type='fp16'"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.counters["step"] == 0
+    return True
+
+
+@pytest.mark.slow
+def test_fp16_overflow_through_the_ddp_hook_raises_naming_the_setting():
+    assert run_workers(_fp16_hook_overflow, 2, timeout=120) == [True, True]
 
 
 # -------------------------------------------------- through both stages --
@@ -185,8 +220,10 @@ def test_replicas_stay_identical_through_both_stages_on_3_ranks(cls_name):
     halves = run_workers(_both_stages, 3, cls_name, "bf16", timeout=180)
     fulls = run_workers(_both_stages, 3, cls_name, None, timeout=180)
     # Each full-precision exchange sends half the bytes, and nothing else changed.
-    assert halves[0]["calls"] == fulls[0]["calls"] > 0
-    assert 2 * halves[0]["bytes_sent"] == fulls[0]["bytes_sent"]
+    calls = halves[0]["calls"]
+    assert calls == fulls[0]["calls"] > 0
+    assert halves[0]["bytes_sent"] == calls * ring_bytes(3, 2)
+    assert fulls[0]["bytes_sent"] == calls * ring_bytes(3, 4)
 
 
 # --------------------------------------------------------- bad settings --
@@ -228,6 +265,9 @@ def test_deepspeed_configs_top_level_key_reaches_the_1bit_optimizers():
     import onebit
     from onebit.config import read_config
 
+    lamb = read_config({"optimizer": {"type": "Lamb", "params": {}},
+                        "communication_data_type": "bf16"})  # a OnebitLamb kept in warmup
+    assert lamb.extra_kwargs == {"communication_data_type": "bf16"}
     config = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 5}},
               "communication_data_type": "bf16"}
     reading = read_config(config)
@@ -242,6 +282,7 @@ def test_deepspeed_configs_top_level_key_reaches_the_1bit_optimizers():
                                "communication_data_type": "fp16"})
     assert adam.extra_kwargs == {}
     assert ("communication_data_type", "advice") in [(k, v) for k, v, _ in adam.notes]
-    with pytest.raises(ValueError, match="communication_data_type must be"):
-        read_config({"optimizer": {"type": "ZeroOneAdam", "params": {}},
-                            "communication_data_type": "int8"})
+    for kind in ("ZeroOneAdam", "Adam"):
+        with pytest.raises(ValueError, match="communication_data_type must be"):
+            read_config({"optimizer": {"type": kind, "params": {}},
+                         "communication_data_type": "int8"})

@@ -20,7 +20,13 @@ FIELDS = ("calls", "bytes_sent", "bytes_received", "fp32_bytes", "comm_s", "comp
 
 def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
     """Bytes each rank sends in a ring all-reduce of `numel` fp32 elements."""
-    return (2 * (world_size - 1) * 4 * numel) // world_size if world_size > 1 else 0
+    return allreduce_bytes(numel, world_size, 4)
+
+
+def allreduce_bytes(numel: int, world_size: int, itemsize: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `numel` elements of
+    `itemsize` bytes."""
+    return (2 * (world_size - 1) * itemsize * numel) // world_size if world_size > 1 else 0
 
 
 class TrafficStats:

@@ -48,14 +48,14 @@ import torch.distributed as dist
 from .. import collectives
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends import backend_name
-from ..backends.stats import TrafficStats, fp32_allreduce_bytes
+from ..backends.stats import TrafficStats, allreduce_bytes, fp32_allreduce_bytes
 from ..checks import check_each_parameter_once
 from ..feedback.agreement import RankAgreement, check_params_served, nonfinite_flag
 from ..feedback.channel import ErrorFeedbackChannel, open_backend
 from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
 from ..feedback.handoff import exchange_group
+from ..half_precision import check_fp16_mean, share
 from ..shards import ShardedParams
-from ..wire import check_half_mean
 from . import checkpoints
 from . import functional as F
 from .capture import StaticBuffers
@@ -291,9 +291,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         try:
             skip, gradless = self._agree_before_step(t, grads + late_grads)
         except BaseException:
+            self._hook_averaged = set()  # the DDP hook's promise covers one step
             self._end_overlap()  # undoes what backward exchanged (overlap.py)
             raise
         if skip:
+            self._hook_averaged = set()
             self._end_overlap()
             self._channel.telemetry.end_step(t, stage.name, skipped=True)
             return loss
@@ -362,9 +364,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         else:
             bad = bool(flag)
         if bad and found_inf is None:
+            hint = (" With communication_data_type='fp16' the DDP hook's mean arrives as inf "
+                    "when a rank's share or the sum is beyond 65504: use 'bf16'."
+                    if self._hook_averaged and self.averaging_dtype == torch.float16 else "")
             raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
                              "least one rank; nothing was updated (use torch.amp.GradScaler to "
-                             "skip such steps)")
+                             f"skip such steps).{hint}")
         return bad, self._shards.locals(
             [p for p, none in zip(every, no_grad) if none and p.requires_grad])
 
@@ -597,17 +602,18 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             started = time.perf_counter()
             # fp32 sums, then divides (the bits every release had); half
             # precision divides first, so the sum stays as small as the mean.
-            wire = flat if dtype == torch.float32 else flat.div(world).to(dtype)
+            wire = flat if dtype == torch.float32 else share(flat, world, dtype)
             self._collective("gradient averaging (full-precision all-reduce)",
                              lambda: dist.all_reduce(wire, group=self.process_group, async_op=True))
+            numel = sum(t.numel() for t in tensors)
+            sent = allreduce_bytes(numel, world, dtype.itemsize)
+            self.traffic.add(sent, sent, fp32_allreduce_bytes(numel, world),
+                             time.perf_counter() - started)
             if wire is flat:
                 flat.div_(world)
             else:
-                check_half_mean(type(self).__name__, wire)
+                check_fp16_mean(type(self).__name__, wire)
                 flat.copy_(wire)
-            nominal = fp32_allreduce_bytes(sum(t.numel() for t in tensors), world)
-            sent = nominal * dtype.itemsize // 4
-            self.traffic.add(sent, sent, nominal, time.perf_counter() - started)
 
         self._channel.exchange.average_(key, tensors, mean_)
 

@@ -15,7 +15,8 @@ import torch
 
 from .. import collectives
 from ..checks import check_flag, check_number, check_positive_int
-from ..wire import DEFAULT_BLOCK_SIZE, averaging_dtype_from, check_block_size, scale_dtype_from
+from ..half_precision import communication_dtype_from
+from ..wire import DEFAULT_BLOCK_SIZE, check_block_size, scale_dtype_from
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class CommOptions:
         check_block_size(self.block_size)
         check_flag("overlap_backward", self.overlap_backward)
         check_number("bucket_cap_mb", self.bucket_cap_mb, low=0.0, low_open=True)
-        averaging_dtype_from(self.communication_data_type)
+        communication_dtype_from(self.communication_data_type)
 
     @property
     def wire_scale_dtype(self) -> torch.dtype:
@@ -50,7 +51,7 @@ class CommOptions:
     @property
     def averaging_dtype(self) -> torch.dtype:
         """The dtype the full-precision exchanges travel in."""
-        return averaging_dtype_from(self.communication_data_type)
+        return communication_dtype_from(self.communication_data_type)
 
 
 COMM_OPTIONS_DOC = """
@@ -85,8 +86,9 @@ COMM_OPTIONS_DOC = """
         all-reduce in those steps -- as DeepSpeed's key of that name. Half
         precision halves the warmup's bytes and rounds each rank's share
         (gradient / world size) to it before the sum; the 1-bit exchange
-        is unchanged. fp16 raises on a mean beyond its range (65504); bf16
-        has fp32's range and 8 bits of mantissa.
+        is unchanged. Prefer bf16 (fp32's range, 8 bits of mantissa); fp16
+        flushes shares below about 6e-8 to 0 and raises on a share or sum
+        beyond 65504 (onebit/half_precision.py).
 """
 
 
