@@ -5,8 +5,9 @@ Each run of each file is one curve: its held-out loss at every --every
 steps, against the bytes the rank had sent by then (warmups included). A
 file holds one sync_every, so pass one file per H; the label names the
 optimizer, H for DiLoCo, and the freeze fraction for the rows it moves
-(1-bit optimizers, PowerSGD) when a file's --freeze is not the default. Prints the curves' final points as a table
-(loss, MB per rank) too, then the frontier: each label's final point
+(1-bit optimizers, PowerSGD) when a file's --freeze is not the default.
+Prints the curves' final points as a table (loss, MB per rank) too, then
+the frontier: each label's final point
 averaged over its seeds, marked where no other label reaches a lower loss
 with no more bytes.
 """

@@ -10,8 +10,9 @@ case-insensitive; parameter names are DeepSpeed's.
 The rest of a DeepSpeed config is read too (`read_config`), so nothing is
 dropped silently: `gradient_clipping` becomes the optimizer's
 `max_grad_norm`; `communication_data_type` the dtype of the 1-bit
-optimizers' full-precision exchanges (their warmup); `zero_optimization` with a stage above 0 is an error (the
-1-bit optimizers keep whole states on every rank, as DeepSpeed's did);
+optimizers' full-precision exchanges (their warmup); `zero_optimization`
+with a stage above 0 is an error (the 1-bit optimizers keep whole states
+on every rank, as DeepSpeed's did);
 `scheduler` becomes a torch lr scheduler with DeepSpeed's formulas
 (`build_scheduler`, onebit/schedules.py); `fp16`/`bf16` are reported with
 how to get them in plain torch; the batch sizes and the rest are the
@@ -27,8 +28,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Union
 
 import torch
 
-from .schedules import SCHEDULES, DeepSpeedLR, schedule_from
 from .half_precision import communication_dtype_from
+from .schedules import SCHEDULES, DeepSpeedLR, schedule_from
 
 def _lamb(params, **kw):
     # Plain LAMB: the same code as OnebitLamb, kept in its warmup forever.
@@ -59,8 +60,8 @@ class ConfigReading(NamedTuple):
     notes: List[Tuple[str, str, str]]
 
 
-_ONEBIT_TYPES = ("onebitadam", "onebitlamb", "zerooneadam", "lamb")  # take max_grad_norm
-_COMM_DTYPE_TYPES = ("onebitadam", "onebitlamb", "zerooneadam", "lamb")  # take communication_data_type
+# Take max_grad_norm and communication_data_type.
+_ONEBIT_TYPES = ("onebitadam", "onebitlamb", "zerooneadam", "lamb")
 _SCRIPT_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "steps_per_print", "wall_clock_breakdown")
 
@@ -99,11 +100,11 @@ def read_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> ConfigReadin
         elif key == "communication_data_type":
             params = section.get("params") or {}
             communication_dtype_from(value)  # a bad name fails here, naming the key
-            if kind in _COMM_DTYPE_TYPES and "communication_data_type" not in params:
+            if kind in _ONEBIT_TYPES and "communication_data_type" not in params:
                 extra["communication_data_type"] = value
                 notes.append((key, "mapped", f"communication_data_type={value!r} (the "
                                              "full-precision exchanges)"))
-            elif kind in _COMM_DTYPE_TYPES:
+            elif kind in _ONEBIT_TYPES:
                 notes.append((key, "ignored", "the optimizer's own communication_data_type wins"))
             else:
                 notes.append((key, "advice", "register torch's fp16_compress_hook or "

@@ -59,12 +59,13 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..backends.codecs import CODECS
-from ..backends.stats import TrafficStats, fp32_allreduce_bytes
+from ..backends.stats import TrafficStats, allreduce_bytes, fp32_allreduce_bytes
 from ..checks import check_flag, check_number, check_positive_int
 from ..feedback.agreement import RankAgreement, nonfinite_flag
 from ..feedback.channel import ErrorFeedbackChannel, open_backend
 from ..feedback.exchange import GroupKey
 from ..feedback.handoff import StreamHandoff, exchange_group
+from ..half_precision import share
 from ..shards import ShardedParams, local, placed_like
 from ..wire import DEFAULT_BLOCK_SIZE, WIRE_FORMAT_VERSION, check_block_size, scale_dtype_from
 from .fragments import FragmentPlan
@@ -329,13 +330,12 @@ class DiLoCo:
         """The ranks' mean of `tensors`, flat fp32 pieces in their order: one
         all-reduce over `group` in `dtype` (each rank's share divided first),
         counted in `traffic` against fp32."""
-        flat = torch.cat([t.reshape(-1).float() for t in tensors]).div_(self.world_size).to(
-            device=self.comm_device, dtype=dtype)
+        flat = share(torch.cat([t.reshape(-1).float() for t in tensors]), self.world_size,
+                     dtype).to(self.comm_device)
         collectives.run(phase, lambda: dist.all_reduce(flat, group=group, async_op=True),
                         self.timeout_s, group)
-        nominal = fp32_allreduce_bytes(flat.numel(), self.world_size)
-        sent = nominal * dtype.itemsize // 4
-        traffic.add(sent, sent, nominal)
+        sent = allreduce_bytes(flat.numel(), self.world_size, dtype.itemsize)
+        traffic.add(sent, sent, fp32_allreduce_bytes(flat.numel(), self.world_size))
         return list(flat.float().split([t.numel() for t in tensors]))
 
     @torch.no_grad()

@@ -290,25 +290,20 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         late_grads = [self._gradients(ps) for _, ps in late]
         try:
             skip, gradless = self._agree_before_step(t, grads + late_grads)
-        except BaseException:
-            self._hook_averaged = set()  # the DDP hook's promise covers one step
-            self._end_overlap()  # undoes what backward exchanged (overlap.py)
-            raise
-        if skip:
-            self._hook_averaged = set()
-            self._end_overlap()
-            self._channel.telemetry.end_step(t, stage.name, skipped=True)
-            return loss
-        untouched = self._keep_untouched(gradless, [ps for _, ps in groups]) if gradless else None
-        exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
-        try:
+            if skip:
+                self._end_overlap()
+                self._channel.telemetry.end_step(t, stage.name, skipped=True)
+                return loss
+            untouched = (self._keep_untouched(gradless, [ps for _, ps in groups])
+                         if gradless else None)
+            exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
             if stage.full_precision:
                 for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
                     self._average_unhooked_(GroupKey(i), ps, gs)
             for i, ((_, ps), gs) in enumerate(zip(late, late_grads)):  # full precision (late.py)
                 self._average_unhooked_(LateKey(i), ps, gs)
-        except BaseException:  # a dead peer, or an fp16 mean out of range: step t never began
-            self._end_overlap()
+        except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
+            self._end_overlap()  # step t never began; undo what backward exchanged (overlap.py)
             raise
         finally:
             self._hook_averaged = set()  # the DDP hook's promise covers one step
