@@ -15,7 +15,9 @@ What they hold the GPU path to:
   - DiLoCo, plain and streaming, likewise;
   - onebit's GradScaler under fp16 autocast with an inf on one rank: every
     rank skips that step and all scales and replicas stay identical;
-  - bf16 autocast with 0/1 Adam overlapped: identical replicas.
+  - bf16 autocast with 0/1 Adam overlapped: identical replicas;
+  - communication_data_type bf16 and fp16: the warmup mean bitwise the
+    host run's, the DDP hook's mean bitwise numpy's, an fp16 overflow refused.
 """
 import numpy as np
 import pytest
@@ -251,3 +253,75 @@ def test_autocast_on_the_gpu_keeps_replicas_and_scales_together(dtype):
         if dtype == "float16":  # the inf halves every rank's scale at step 5, once
             assert scales == [2.0 ** 12] * 4 + [2.0 ** 11] * 8, scales
     assert out[0][0] == out[1][0]
+
+
+# ------------------------------------------------- communication_data_type --
+def _half_on_both(rank, world, name):
+    """The half-precision warmup mean of CUDA params against the same step
+    on host params (each rank's share rounds alike on either device, and
+    two shares add in one rounding), then the DDP hook's mean of a CUDA
+    model against numpy, then an fp16 overflow on the GPU."""
+    import copy
+
+    import torch.distributed as dist
+
+    import onebit
+    from tests.test_communication_dtype import SHAPES as HALF_SHAPES, local_grad, to_half
+
+    host_group = dist.new_group(backend="gloo")
+    moments = {}
+    for where, device, group in (("device", _device(), None),
+                                 ("host", torch.device("cpu"), host_group)):
+        params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in HALF_SHAPES]
+        opt = onebit.OnebitAdam(params, lr=1e-3, freeze_step=5, process_group=group,
+                                communication_data_type=name)
+        for i, p in enumerate(params):
+            p.grad = torch.from_numpy(local_grad(rank, 1, i)).to(device)
+        opt.step()
+        moments[where] = [opt.state[p]["exp_avg"].cpu() for p in params]
+    same_mean = all(torch.equal(a, b) for a, b in zip(moments["device"], moments["host"]))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(),
+                                torch.nn.Linear(9, 3)).to(_device())
+    plain = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = onebit.OnebitAdam(ddp.parameters(), lr=1e-3, freeze_step=5,
+                            communication_data_type=name)
+    ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 6, generator=g) * (1 + rank), torch.randn(8, 3, generator=g)
+    x, y = x.to(_device()), y.to(_device())
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    hook_exact = True
+    for a, b in zip(plain.parameters(), ddp.module.parameters()):
+        shares = [torch.empty_like(a.grad) for _ in range(world)]
+        dist.all_gather(shares, a.grad)
+        half = [to_half(s.cpu().numpy() / np.float32(world), name).astype(np.float64)
+                for s in shares]
+        hook_exact &= np.array_equal(b.grad.cpu().numpy(), to_half(np.sum(half, axis=0), name))
+
+    overflow_refused = None
+    if name == "fp16":
+        params = [torch.nn.Parameter(torch.full(s, 0.5, device=_device())) for s in HALF_SHAPES]
+        opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step=5, communication_data_type="fp16")
+        for i, p in enumerate(params):
+            p.grad = torch.from_numpy(local_grad(rank, 1, i)).to(_device())
+        params[2].grad[4] = 1e5  # shares of 5e4 on each rank, within fp16; their sum is not
+        try:
+            opt.step()
+            overflow_refused = False
+        except ValueError as exc:
+            overflow_refused = ("float16's range" in str(exc) and opt.counters["step"] == 0
+                                and all(bool((p == 0.5).all()) for p in params))
+    return same_mean, bool(hook_exact), overflow_refused
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_half_precision_exchange_on_the_gpu_is_the_host_mean_and_refuses_fp16_overflow(name):
+    for same_mean, hook_exact, overflow_refused in run_workers(
+            _half_on_both, 2, name, timeout=240, backend=backend_for(2)):
+        assert same_mean, "the CUDA warmup mean differs from the host run's"
+        assert hook_exact, "the DDP hook's half-precision mean differs from numpy's"
+        assert overflow_refused in ((True,) if name == "fp16" else (None,))
