@@ -155,12 +155,29 @@ def _run_diloco(rank, world, runs):
     return result
 
 
+def _cpu_vendor() -> str:
+    """The CPU's vendor_id (GenuineIntel, AuthenticAMD), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown vendor"
+
+
 def _key() -> str:
+    # The vendor too: the same torch build at the same ATen capability gave
+    # other bits on an Intel Xeon (Sapphire Rapids) than on the AMD EPYC
+    # that wrote the first entries, in the param updates only (every
+    # momentum, variance and error buffer equal), at each of ATen's AVX512,
+    # AVX2 and DEFAULT levels alike, with MKL held to AVX2 too.
     from onebit import ops
 
     return (f"torch {torch.__version__.split('+')[0]}, "
             f"cpu kernel {ops.kernels_for(torch.device('cpu')).name}, "
-            f"aten {torch.backends.cpu.get_cpu_capability()}")
+            f"aten {torch.backends.cpu.get_cpu_capability()}, {_cpu_vendor()}")
 
 
 def current_bits() -> dict:
