@@ -4,6 +4,7 @@ backend over nccl matches the float64 reference. Skipped (with the reason)
 where the device or compiler is absent."""
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,8 +21,8 @@ def test_cuda_kernel_compiles_with_the_builders_own_step(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_cuda_shared_library_links_exports_the_launchers_and_carries_ptx(tmp_path, monkeypatch):
-    """The library load() opens, built as the builder builds it: the four
-    launchers exported, contraction off (-fmad=false, the CPU kernel's
+    """The library load() opens, built as the builder builds it: its
+    launchers exported (the optimizer's non-finite check among them), contraction off (-fmad=false, the CPU kernel's
     rounding), and PTX for the lowest architecture beside the machine code
     (checked in an uncompressed twin: the fatbin compresses PTX)."""
     import subprocess
@@ -32,7 +33,7 @@ def test_cuda_shared_library_links_exports_the_launchers_and_carries_ptx(tmp_pat
     lib = builder.build()
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
                              text=True, check=True).stdout.split()
-    for name in ("pack", "decode", "compensate", "pack_error", "compress"):
+    for name in ("pack", "decode", "compensate", "pack_error", "compress", "nonfinite"):
         assert f"onebit_cuda_{name}" in symbols
     plain = builder.run_compiler([*builder.FLAGS, "-no-compress", "-shared",
                                   *map(str, builder.sources())], tmp_path / "plain.so")
@@ -184,3 +185,73 @@ def test_cuda_compress_on_tiles_and_octets_is_bit_exact_against_cpu(block, scale
         res.append([t.cpu() for t in (err, scales, bits)])
     for name, a, b in zip(("error", "scales", "bits"), *res):
         assert torch.equal(a, b), f"the CUDA kernel's {name} differ from the CPU kernel's"
+
+
+# ------------------------------------------------ the one-launch check --
+def _elementwise_rule(tensors) -> int:
+    """numpy's verdict: 1 where some element's fp32 square is not finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return int(any(not np.all(np.isfinite(np.square(t.cpu().numpy().astype(np.float32))))
+                       for t in tensors))
+
+
+def _check_tensors():
+    """3000 small tensors of sizes 1..300 (most not a multiple of 4), one
+    spanning four chunks of the kernel's split and a tail, and a view one
+    element into a buffer (not 16-byte aligned)."""
+    from onebit.builders.native import NONFINITE_CHUNK
+
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, 301, (3000,), generator=g).tolist()
+    small = [torch.randn(n, generator=g) for n in sizes]
+    big = torch.randn(4 * NONFINITE_CHUNK + 5, generator=g)
+    shifted = torch.randn(2 * NONFINITE_CHUNK + 3, generator=g)
+    return [t.cuda() for t in small[:1500] + [big] + small[1500:]] + [shifted.cuda()[1:]]
+
+
+# (tensor index, element) where a bad value goes: the first element, each
+# side of a chunk boundary in the big tensor, its last, a small tensor in
+# the middle, the last tensor's first and last element (unaligned).
+PLACES = [(0, 0), (1500, 8191), (1500, 8192), (1500, -1), (2222, -1), (-1, 0), (-1, -1)]
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 2e19, -1e30,
+                                   1.8e19, -1.8e19, 1e6])
+def test_cuda_one_launch_nonfinite_check_follows_the_elementwise_rule(value):
+    import onebit.ops as ops
+    from onebit.feedback.agreement import nonfinite_flag
+
+    kernels = ops.kernels_for(torch.device("cuda"))
+    assert kernels.name == "cuda" and hasattr(kernels, "any_nonfinite")
+    clean = _check_tensors()
+    flag = torch.zeros((), dtype=torch.int64, device="cuda")
+    kernels.any_nonfinite(clean, flag)
+    assert int(flag) == _elementwise_rule(clean) == 0
+    expected = 1 if abs(value) > 1.8446744e19 or value != value else 0  # sqrt(FLT_MAX)
+    for i, j in PLACES:
+        tensors = _check_tensors()
+        tensors[i][j] = value
+        flag.zero_()
+        kernels.any_nonfinite(tensors, flag)
+        assert int(flag) == _elementwise_rule(tensors) == expected, (i, j)
+        # The optimizer's flag takes the kernel, empty tensors and groups too.
+        groups = [tensors[:100], [torch.empty(0, device="cuda")], tensors[100:]]
+        assert int(nonfinite_flag(groups, torch.device("cuda"))) == expected, (i, j)
+        assert int(nonfinite_flag(groups, torch.device("cpu"))) == expected, (i, j)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_nonfinite_flag_takes_the_norms_for_a_tensor_that_is_not_contiguous():
+    from onebit.feedback.agreement import _one_launch_check, nonfinite_flag
+
+    cuda = torch.device("cuda")
+    plain = [torch.randn(5, device=cuda), torch.randn(3, 4, device=cuda)]
+    crossed = torch.randn(4, 6, device=cuda).t()  # a transposed view
+    assert _one_launch_check(cuda, plain) is not None
+    assert _one_launch_check(cuda, plain + [crossed]) is None
+    assert int(nonfinite_flag([plain + [crossed]], cuda)) == 0
+    crossed[2, 1] = float("nan")
+    assert int(nonfinite_flag([plain + [crossed]], cuda)) == 1

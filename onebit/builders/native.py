@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 from pathlib import Path
 from typing import Callable, ContextManager, Sequence
 
@@ -12,6 +13,10 @@ from .base import OpBuilder, OpBuilderError
 from .cpu import DTYPE_CODES
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+# Elements per thread block of the one-launch non-finite check (a multiple
+# of 4: the kernel reads 16-byte vectors from a chunk's start).
+NONFINITE_CHUNK = 8192
 
 
 class SharedLibraryBuilder(OpBuilder):
@@ -75,6 +80,26 @@ class LauncherKernels:
                            bits_out.data_ptr())
 
             self.compress = compress
+        check = getattr(lib, f"{prefix}_nonfinite", None)
+        if check is not None:  # the optimizer's non-finite check in one launch (agreement.py)
+            check = self._fn(lib, f"{prefix}_nonfinite", s + [_P, _I64, _I64, _I64, _P] + e)
+
+            def any_nonfinite(tensors, flag) -> None:
+                """flag (a 0-dim int64 on the tensors' device) <- 1 where an
+                element of `tensors` (contiguous fp32, none empty) has a
+                square beyond fp32: NaN, inf or |x| > ~1.8e19. One pinned
+                table of pointers, sizes and chunk offsets goes to the device
+                behind the stream's work; no host sync."""
+                sizes = [t.numel() for t in tensors]
+                first = list(itertools.accumulate((-(-n // NONFINITE_CHUNK) for n in sizes),
+                                                  initial=0))
+                table = torch.tensor([t.data_ptr() for t in tensors] + sizes + first,
+                                     dtype=torch.int64, pin_memory=True)
+                table = table.to(flag.device, non_blocking=True)
+                self._call(check, flag.device, table.data_ptr(), len(tensors), first[-1],
+                           NONFINITE_CHUNK, flag.data_ptr())
+
+            self.any_nonfinite = any_nonfinite
 
     @staticmethod
     def _fn(lib, name, argtypes):

@@ -10,7 +10,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import collectives
+from .. import collectives, ops
 from ..wire import WIRE_FORMAT_VERSION
 
 
@@ -57,10 +57,17 @@ def check_params_served(name: str, param_groups, group) -> None:
 def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.device,
                    found_inf: Optional[torch.Tensor] = None) -> torch.Tensor:
     """1 (a 0-dim int64 tensor on `device`) where a GradScaler saw inf/NaN
-    (`found_inf`) or a gradient holds a NaN or an inf (or values beyond
-    ~1e19, which count as overflow): a tensor's 2-norm is NaN or inf iff it
-    does, in one pass with no temporaries, 5x faster here than the max-norm.
-    Decided on the device: no host sync."""
+    (`found_inf`) or a gradient holds a NaN or an inf, or values beyond
+    ~1.8e19, which count as overflow (their squares are beyond fp32, so an
+    Adam variance could not hold them). Decided on the device: no host sync.
+
+    How: on a GPU whose kernels have the one-launch check (CUDA's), one
+    kernel over every fp32 gradient tests each element's square; torch's
+    _foreach_norm, the way elsewhere, cost 4.3 ms of host time a step at
+    2000 tensors on an H200 (per-tensor outputs, then a stack). Elsewhere a
+    tensor's 2-norm is NaN or inf iff it holds such a value (or its squares
+    sum beyond fp32, which then counts too), in one pass with no
+    temporaries, 5x faster on the CPU than the max-norm."""
     flag = torch.zeros((), dtype=torch.int64, device=device)
     # Empty tensors stay out: torch 2.2-2.5's CUDA _foreach_norm gave wrong
     # norms for lists holding them across several launches (pytorch#140066).
@@ -74,11 +81,30 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
     by_device = ([tensors] if len(devices) == 1 else
                  [[t for t in tensors if t.device == d] for d in devices])
     for on_device in by_device:
+        here = on_device[0].device
+        check = _one_launch_check(here, on_device)
+        if check is not None:
+            mine = flag if here == flag.device else torch.zeros_like(flag, device=here)
+            check(on_device, mine)
+            if mine is not flag:
+                flag |= mine.to(device)
+            continue
         norms = torch.stack(torch._foreach_norm(on_device))
         flag |= (~torch.isfinite(norms).all()).to(device)
     if found_inf is not None:
         flag |= (found_inf.to(device) > 0).reshape(())
     return flag
+
+
+def _one_launch_check(device: torch.device, tensors: List[torch.Tensor]):
+    """The device kernels' one-launch non-finite check, where they have one
+    and every tensor is contiguous fp32; else None (the norms' way)."""
+    if device.type == "cpu":
+        return None
+    check = getattr(ops.kernels_for(device), "any_nonfinite", None)
+    if check is None or not all(t.dtype is torch.float32 and t.is_contiguous() for t in tensors):
+        return None
+    return check
 
 
 class StepVerdict(NamedTuple):
