@@ -227,19 +227,22 @@ def test_cuda_one_launch_nonfinite_check_follows_the_elementwise_rule(value):
     assert kernels.name == "cuda" and hasattr(kernels, "any_nonfinite")
     clean = _check_tensors()
     flag = torch.zeros((), dtype=torch.int64, device="cuda")
-    kernels.any_nonfinite(clean, flag)
+    kernels.any_nonfinite(clean, [t.numel() for t in clean], flag)
     assert int(flag) == _elementwise_rule(clean) == 0
     expected = 1 if abs(value) > 1.8446744e19 or value != value else 0  # sqrt(FLT_MAX)
     for i, j in PLACES:
         tensors = _check_tensors()
         tensors[i][j] = value
         flag.zero_()
-        kernels.any_nonfinite(tensors, flag)
+        kernels.any_nonfinite(tensors, [t.numel() for t in tensors], flag)
         assert int(flag) == _elementwise_rule(tensors) == expected, (i, j)
         # The optimizer's flag takes the kernel, empty tensors and groups too.
         groups = [tensors[:100], [torch.empty(0, device="cuda")], tensors[100:]]
         assert int(nonfinite_flag(groups, torch.device("cuda"))) == expected, (i, j)
         assert int(nonfinite_flag(groups, torch.device("cpu"))) == expected, (i, j)
+        # The same tensors again (the table kept from the last call), mended.
+        tensors[i][j] = 0.5
+        assert int(nonfinite_flag(groups, torch.device("cuda"))) == 0, (i, j)
 
 
 @needs_cuda

@@ -84,19 +84,30 @@ class LauncherKernels:
         if check is not None:  # the optimizer's non-finite check in one launch (agreement.py)
             check = self._fn(lib, f"{prefix}_nonfinite", s + [_P, _I64, _I64, _I64, _P] + e)
 
-            def any_nonfinite(tensors, flag) -> None:
+            last = {}  # device -> (pointers, sizes, their table there)
+
+            def any_nonfinite(tensors, sizes, flag) -> None:
                 """flag (a 0-dim int64 on the tensors' device) <- 1 where an
-                element of `tensors` (contiguous fp32, none empty) has a
-                square beyond fp32: NaN, inf or |x| > ~1.8e19. One pinned
-                table of pointers, sizes and chunk offsets goes to the device
-                behind the stream's work; no host sync."""
-                sizes = [t.numel() for t in tensors]
-                first = list(itertools.accumulate((-(-n // NONFINITE_CHUNK) for n in sizes),
-                                                  initial=0))
-                table = torch.tensor([t.data_ptr() for t in tensors] + sizes + first,
-                                     dtype=torch.int64, pin_memory=True)
-                table = table.to(flag.device, non_blocking=True)
-                self._call(check, flag.device, table.data_ptr(), len(tensors), first[-1],
+                element of `tensors` (contiguous fp32 of `sizes` elements,
+                none empty) has a square beyond fp32: NaN, inf or |x| >
+                ~1.8e19. A table of pointers, sizes and chunk offsets goes
+                to the device, pinned, behind the stream's work (no host
+                sync); the last one is used again while the pointers and
+                sizes are the same (the caching allocator tends to give a
+                step's new gradients the last step's addresses)."""
+                device = flag.device
+                pointers = list(map(torch.Tensor.data_ptr, tensors))
+                kept = last.get(device)
+                if kept is not None and kept[0] == pointers and kept[1] == sizes:
+                    table, chunks = kept[2], kept[3]
+                else:
+                    first = list(itertools.accumulate(
+                        (-(-n // NONFINITE_CHUNK) for n in sizes), initial=0))
+                    table = torch.tensor(pointers + sizes + first, dtype=torch.int64,
+                                         pin_memory=True).to(device, non_blocking=True)
+                    chunks = first[-1]
+                    last[device] = (pointers, list(sizes), table, chunks)
+                self._call(check, device, table.data_ptr(), len(tensors), chunks,
                            NONFINITE_CHUNK, flag.data_ptr())
 
             self.any_nonfinite = any_nonfinite

@@ -5,6 +5,7 @@ step, and the replica divergence guard. Each failure is a ValueError (or
 ReplicaDivergenceError) on every rank, raised before anything changed."""
 from __future__ import annotations
 
+import operator
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -71,21 +72,25 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
     flag = torch.zeros((), dtype=torch.int64, device=device)
     # Empty tensors stay out: torch 2.2-2.5's CUDA _foreach_norm gave wrong
     # norms for lists holding them across several launches (pytorch#140066).
-    tensors = [t for g in grads_by_group for t in g if t.numel()]
+    # A step over thousands of small tensors pays for every per-tensor call
+    # here, so each attribute is read once, with map.
+    tensors = [t for g in grads_by_group for t in g]
+    sizes = list(map(torch.Tensor.numel, tensors))
+    if 0 in sizes:
+        tensors, sizes = [t for t, n in zip(tensors, sizes) if n], [n for n in sizes if n]
     # One verdict per device where the gradients live, then one copy of it
     # to `device` (not a copy per tensor: from a GPU to a gloo group's host
-    # that was a device-to-host copy per tensor). The usual case, one
-    # device, takes no per-tensor Python beyond the device set (a step over
-    # thousands of small tensors pays per tensor).
-    devices = {t.device for t in tensors}
-    by_device = ([tensors] if len(devices) == 1 else
-                 [[t for t in tensors if t.device == d] for d in devices])
-    for on_device in by_device:
+    # that was a device-to-host copy per tensor).
+    devices = set(map(_DEVICE, tensors))
+    by_device = ([(tensors, sizes)] if len(devices) == 1 else
+                 [([t for t in tensors if t.device == d], [n for t, n in zip(tensors, sizes)
+                                                          if t.device == d]) for d in devices])
+    for on_device, their_sizes in by_device:
         here = on_device[0].device
         check = _one_launch_check(here, on_device)
         if check is not None:
             mine = flag if here == flag.device else torch.zeros_like(flag, device=here)
-            check(on_device, mine)
+            check(on_device, their_sizes, mine)
             if mine is not flag:
                 flag |= mine.to(device)
             continue
@@ -96,13 +101,17 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
     return flag
 
 
+_DEVICE, _DTYPE = operator.attrgetter("device"), operator.attrgetter("dtype")
+
+
 def _one_launch_check(device: torch.device, tensors: List[torch.Tensor]):
     """The device kernels' one-launch non-finite check, where they have one
     and every tensor is contiguous fp32; else None (the norms' way)."""
     if device.type == "cpu":
         return None
     check = getattr(ops.kernels_for(device), "any_nonfinite", None)
-    if check is None or not all(t.dtype is torch.float32 and t.is_contiguous() for t in tensors):
+    if (check is None or set(map(_DTYPE, tensors)) != {torch.float32}
+            or not all(map(torch.Tensor.is_contiguous, tensors))):
         return None
     return check
 
