@@ -25,4 +25,5 @@ step 45 "bench optim, 100M params in 50 tensors" python -m onebit.bench optim --
 step 60 "bench optim, 20M params in 2000 tensors" python -m onebit.bench optim --params 20971520 --tensors 2000
 step 45 "step profile, 100M params in 50 tensors" python -m benchmarks.step_profile --params 104857600 --tensors 50
 step 60 "step profile, 20M params in 2000 tensors" python -m benchmarks.step_profile --params 20971520 --tensors 2000 --top 4
+step 60 "host time: the step's ops one by one, and its Python profile" python -m benchmarks.host_time --top 8
 step 300 "pytest -m gpu" python -m pytest -q -rs -m gpu tests -p no:cacheprovider --tb=short --durations=12
