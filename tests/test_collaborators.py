@@ -49,6 +49,19 @@ def test_static_buffers_keep_their_addresses_until_the_shapes_change():
     assert buffers.scratch("update", 0, like)[0].data_ptr() != resized_again[0].data_ptr()
 
 
+def test_static_buffers_fit_other_tensors_of_the_same_shapes_and_refit_new_shapes():
+    buffers = StaticBuffers()
+    like = [torch.ones(3, 2), torch.ones(5)]
+    first = buffers.scratch("update", 0, like)
+    twins = [torch.zeros(3, 2), torch.zeros(5)]  # other tensors, the same shapes
+    assert all(a is b for a, b in zip(buffers.scratch("update", 0, twins), first))
+    assert all(a is b for a, b in zip(buffers.scratch("update", 0, like), first))
+    longer = buffers.scratch("update", 0, like + [torch.ones(7)])
+    assert [b.shape for b in longer] == [(3, 2), (5,), (7,)]
+    other = buffers.scratch("update", 0, [torch.ones(5), torch.ones(3, 2)])  # order swapped
+    assert [b.shape for b in other] == [(5,), (3, 2)]
+
+
 # ------------------------------------------------------------ telemetry --
 def test_telemetry_windows_sum_both_counters_and_totals_keep_growing():
     mine, backend = TrafficStats(), TrafficStats()
