@@ -387,3 +387,21 @@ def test_communication_options_are_keyword_only_and_documented_once():
     with pytest.raises(TypeError):
         onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), 4, 1.0, 0.0, False, "1bit", 0, 1, 0, None)
     assert onebit.OnebitAdam(p, *positional, False, block_size=64).block_size == 64
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_clipping_gradients_whose_norm_overflows_fp32_scales_them_instead_of_zeroing_them(cls):
+    """Two finite gradients of 1.5e19: each tensor's norm is finite (so no
+    check refuses them), their total is beyond fp32. Clipped to norm 1 by
+    the float64 total, each becomes +-1/sqrt(2), and the first momentum is
+    (1 - beta1) times that (a coefficient of 0 gave a momentum of 0)."""
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    freeze = {"var_freeze_step": 10} if cls is ZeroOneAdam else {"freeze_step": 10}
+    opt = cls([a, b], lr=1e-3, max_grad_norm=1.0, **freeze)
+    a.grad, b.grad = torch.tensor([1.5e19]), torch.tensor([-1.5e19])
+    opt.step()
+    coef = 1.0 / (math.sqrt(2) * 1.5e19 + 1e-6)
+    want = (1 - 0.9) * float(torch.tensor([1.5e19]) * coef)
+    assert opt.state[a]["exp_avg"].item() == pytest.approx(want, rel=1e-6)
+    assert opt.state[b]["exp_avg"].item() == pytest.approx(-want, rel=1e-6)
+    assert torch.isfinite(a).all() and torch.isfinite(b).all() and a.item() != 0.0

@@ -84,7 +84,7 @@ class LauncherKernels:
         if check is not None:  # the optimizer's non-finite check in one launch (agreement.py)
             check = self._fn(lib, f"{prefix}_nonfinite", s + [_P, _I64, _I64, _I64, _P] + e)
 
-            last = {}  # device -> (pointers, sizes, their table there)
+            last = {}  # (device, stream) -> (pointers, sizes, their table there, chunks)
 
             def any_nonfinite(tensors, sizes, flag) -> None:
                 """flag (a 0-dim int64 on the tensors' device) <- 1 where an
@@ -94,10 +94,14 @@ class LauncherKernels:
                 to the device, pinned, behind the stream's work (no host
                 sync); the last one is used again while the pointers and
                 sizes are the same (the caching allocator tends to give a
-                step's new gradients the last step's addresses)."""
+                step's new gradients the last step's addresses). Kept per
+                stream: a table is read only behind the copy that wrote it,
+                and freed only on the stream that used it (DiLoCo's
+                communication thread checks on a stream of its own)."""
                 device = flag.device
                 pointers = list(map(torch.Tensor.data_ptr, tensors))
-                kept = last.get(device)
+                key = (device, self._stream(device))
+                kept = last.get(key)
                 if kept is not None and kept[0] == pointers and kept[1] == sizes:
                     table, chunks = kept[2], kept[3]
                 else:
@@ -106,7 +110,7 @@ class LauncherKernels:
                     table = torch.tensor(pointers + sizes + first, dtype=torch.int64,
                                          pin_memory=True).to(device, non_blocking=True)
                     chunks = first[-1]
-                    last[device] = (pointers, list(sizes), table, chunks)
+                    last[key] = (pointers, list(sizes), table, chunks)
                 self._call(check, device, table.data_ptr(), len(tensors), chunks,
                            NONFINITE_CHUNK, flag.data_ptr())
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import math
 import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -575,9 +576,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
         if max_norm > 0 and grads:
-            total = torch.linalg.vector_norm(
-                self._shards.whole_norms(torch.stack(torch._foreach_norm(grads))))
-            coef = max_norm / (float(total) + 1e-6)
+            total = float(torch.linalg.vector_norm(
+                self._shards.whole_norms(torch.stack(torch._foreach_norm(grads)))))
+            if not math.isfinite(total):
+                # Finite gradients whose squares sum beyond fp32 (the
+                # non-finite check let them through: no element's square
+                # overflows, or no single tensor's on the CPU): the norm in
+                # float64, not a coefficient of 0 that would zero the step.
+                # (Every rank of a shard group takes this branch alike.)
+                total = float(torch.linalg.vector_norm(self._shards.whole_norms(torch.stack(
+                    [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))))
+            coef = max_norm / (total + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
 
