@@ -479,7 +479,15 @@ def test_a_param_group_outside_the_ddp_model_is_averaged_by_the_optimizer(cls_na
     with_hook = run_workers(_head_outside_ddp, 3, cls_name, True, timeout=120)
     alone = run_workers(_head_outside_ddp, 3, cls_name, False, timeout=120)
     assert with_hook[1] == with_hook[0] and with_hook[2] == with_hook[0]
-    assert np.allclose(with_hook[0], alone[0], atol=1e-6, rtol=0)
+    # The hook's buckets and the optimizer's flat buffer sum the ranks'
+    # gradients in other orders: the last bit differs. 0/1 Adam's 1-bit
+    # exchanges from step 5 can then flip an element whose compensated value
+    # is within that rounding of zero, moving it by a step of order lr times
+    # its block's scale (measured: 5e-5 on an Intel Xeon, none on an AMD
+    # EPYC); a head left unaveraged drifts by O(lr) = 1e-2 within a step.
+    for t, (a, b) in enumerate(zip(with_hook[0], alone[0]), start=1):
+        atol = 1e-6 if cls_name == "OnebitAdam" or t < 5 else 5e-4
+        assert np.allclose(a, b, atol=atol, rtol=0), (t, np.max(np.abs(np.subtract(a, b))))
 
 
 # ------------------------------------------------------ bad gradients --
