@@ -31,7 +31,8 @@ average gradients in full precision):
   DiLoCo-stream vs DiLoCo-fp32: streaming DiLoCo-1bit, --fragments
     fragments synced at staggered steps, each exchange --overlap-steps
     inner steps behind on the communication thread, each landing keeping
-    --keep-local-progress of the rank's steps since the launch
+    --keep-local-progress of the rank's steps since the launch, or mixing
+    --fragment-update-alpha of the rank's params into the new anchor
   What a PyTorch user picks instead, each vs torch.optim.Adam:
     Adam-fp16, Adam-bf16: DDP with torch's fp16_compress_hook or
       bf16_compress_hook (gradients all-reduced in half precision), Adam;
@@ -315,6 +316,8 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
                                overlap_steps=a.get("overlap_steps", 1) if streaming else 0,
                                keep_local_progress=a.get("keep_local_progress", 0.0)
                                if streaming else 0.0,
+                               fragment_update_alpha=a.get("fragment_update_alpha", 0.0)
+                               if streaming else 0.0,
                                outer_momentum=a["outer_momentum"], nesterov=a["nesterov"],
                                warmup_steps=int(a.get("diloco_warmup", 0.0) * a["steps"]),
                                compression=DILOCO[name], block_size=a["block_size"],
@@ -450,7 +453,8 @@ def run(args: argparse.Namespace) -> bool:
               f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}"
               + (f" stream: fragments={a.get('fragments', 4)} overlap_steps="
                  f"{a.get('overlap_steps', 1)} keep_local_progress="
-                 f"{a.get('keep_local_progress', 0.0)}" if "DiLoCo-stream" in a["only"] else ""))
+                 f"{a.get('keep_local_progress', 0.0)} fragment_update_alpha="
+                 f"{a.get('fragment_update_alpha', 0.0)}" if "DiLoCo-stream" in a["only"] else ""))
     w = max([12] + [len(n) for n in a["only"]])  # the -bf16warmup rows' names are longer
     print(f"#{'optimizer':>{w}} {'baseline':>11} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} {'B/step':>9} {'base B/step':>11} finite ok")
@@ -538,6 +542,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-local-progress", dest="keep_local_progress", type=float, default=0.0,
                    help="DiLoCo-stream: share of a rank's steps since a fragment's launch that "
                         "its landing keeps (DiLoCo's keep_local_progress)")
+    p.add_argument("--fragment-update-alpha", dest="fragment_update_alpha", type=float,
+                   default=0.0, help="DiLoCo-stream: share of a rank's params mixed into a "
+                                     "landing fragment (DiLoCo's fragment_update_alpha)")
     p.add_argument("--powersgd-adamw", dest="powersgd_adamw", action="store_true",
                    help="PowerSGD rows: AdamW (weight decay 0.01) instead of Adam")
     p.add_argument("--backend", default=None,

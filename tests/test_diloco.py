@@ -51,7 +51,8 @@ def _grad(rank, step, i):
 
 
 def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
-           outer="nesterov", warmup=0, fragments=1, overlap=0, dcp_dir=None, keep=0.0):
+           outer="nesterov", warmup=0, fragments=1, overlap=0, dcp_dir=None, keep=0.0,
+           alpha=0.0):
     """This rank's params after every inner step (inner step -> arrays), its
     checkpoint after inner step `save_at`, and comm_stats(). With `dcp_dir`,
     DiLoCo's shared state goes through torch.distributed.checkpoint there."""
@@ -63,6 +64,7 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
     diloco = onebit.DiLoCo(params, inner, sync_every=H, compression=compression,
                            block_size=BLOCK, timeout_s=30, warmup_steps=warmup,
                            fragments=fragments, overlap_steps=overlap, keep_local_progress=keep,
+                           fragment_update_alpha=alpha,
                            **_outer_settings(outer))
     if start is not None:  # a resume: this rank's checkpoint
         start = torch.load(io.BytesIO(start), weights_only=False)
@@ -109,7 +111,7 @@ def _same(xs, ys):
 
 
 def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, delay=0,
-              keep=0.0):
+              keep=0.0, alpha=0.0):
     """float64: every rank's params after every inner step (inner step ->
     one list per rank), and the inner steps after which each fragment's
     outer step landed. After `warmup` inner steps on the ranks' mean
@@ -119,7 +121,8 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
     them (1-bit: with its own carried errors), and `delay` steps later its
     anchors take the outer SGD step and every rank's params take the anchors'
     values (Streaming DiLoCo with update alpha 0), plus `keep` times what
-    the rank's own steps moved them since the launch."""
+    the rank's own steps moved them since the launch; or, with `alpha`,
+    (1 - alpha) times the anchors' values plus alpha times the rank's own."""
     mu, nesterov = (_outer_settings(outer)[k] for k in ("outer_momentum", "nesterov"))
     fragments = fragments or [list(range(len(SIZES)))]
     anchor = [x.double().numpy().reshape(-1) for x in _init()]
@@ -164,7 +167,8 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
                     anchor[i] = anchor[i] - lr * (g + mu * buf[i] if nesterov else buf[i])
                     for rank in range(world):
                         progress = params[rank][i] - launched[rank][k]
-                        params[rank][i] = anchor[i] + keep * progress
+                        mixed = alpha * (params[rank][i] - anchor[i])
+                        params[rank][i] = anchor[i] + (mixed if alpha else keep * progress)
                 landed.setdefault(step + 1, []).append(f)
         out[step + 1] = [[p.copy() for p in ps] for ps in params]
     return out, landed
@@ -304,6 +308,25 @@ def test_streaming_matches_the_float64_simulation(compression, outer, fragments,
         assert not np.array_equal(results[0][0][step][i], results[1][0][step][i])
 
 
+@pytest.mark.parametrize("compression, outer, fragments, overlap", [
+    ("1bit", "default", [[0], [1], [2]], 2), ("none", "nesterov", [[0], [1, 2]], 0)])
+def test_fragment_update_alpha_mixes_the_landing_as_the_float64_simulation(
+        compression, outer, fragments, overlap):
+    """fragment_update_alpha = 0.5: each landing fragment goes halfway from
+    this rank's params to its new anchor, streaming (2 steps behind) and
+    plain; the ranks' landed params then differ by their own steps."""
+    world = 3
+    results = run_workers(_train, world, compression, ROUNDS, None, None, outer, 0,
+                          len(fragments), overlap, None, 0.0, 0.5, timeout=120)
+    expected = _simulate(world, compression, outer, 0, fragments, overlap, alpha=0.5)
+    landed = _check_against_simulation(results, expected, compression,
+                                       2e-4 if compression == "1bit" else 1e-5, world, fragments,
+                                       identical_landings=False)
+    step, which = next(iter(landed.items()))
+    i = fragments[which[0]][0]
+    assert not np.array_equal(results[0][0][step][i], results[1][0][step][i])
+
+
 def _nan_on_one_rank(rank, world):
     import onebit
 
@@ -413,8 +436,9 @@ def _disagree(rank, world, what):
 
 @pytest.mark.parametrize("what, named", [("sync_every", "sync_every"),
                                          ("params", "the synced parameters"),
-                                         ("fragments", "fragments, overlap_steps and "
-                                                        "keep_local_progress"),
+                                         ("fragments", "fragments, overlap_steps, "
+                                                        "keep_local_progress and "
+                                                        "fragment_update_alpha"),
                                          ("outer_lr", "outer optimizer")])
 def test_ranks_that_disagree_get_a_clear_error_on_every_rank(what, named):
     for message in run_workers(_disagree, 3, what, timeout=60):
@@ -465,6 +489,9 @@ def test_bad_arguments_are_refused_by_name():
                           ({"fragments": 2}, "fragments=2 exceeds the 1 synced parameters"),
                           ({"overlap_steps": 2}, "overlap_steps=2 must be below sync_every=2"),
                           ({"overlap_steps": -1}, "overlap_steps"),
+                          ({"fragment_update_alpha": 1.5}, "fragment_update_alpha"),
+                          ({"fragment_update_alpha": 0.5, "keep_local_progress": 0.5},
+                           "set one of them, not both"),
                           ({"outer_lr": lambda inner_steps: -1.0}, "outer_lr")):
         with pytest.raises(ValueError, match=match):
             onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), **{"sync_every": 2, **kwargs})

@@ -43,7 +43,9 @@ holds the same values there, and the tau inner steps taken since the
 launch are lost. `keep_local_progress=1` adds this rank's own progress
 since the launch back on top of the new anchor instead (the anchors are
 still the same everywhere; the params differ by what each rank did in those
-tau steps, as they do between rounds anyway). The thread has a process
+tau steps, as they do between rounds anyway). `fragment_update_alpha=a`
+(torchft's name and Streaming DiLoCo's mixing) lands the fragment at
+(1 - a) * new anchor + a * this rank's params instead. The thread has a process
 group of its own, so its collectives never interleave with the training
 loop's. `fragments=1,
 overlap_steps=0` is plain DiLoCo.
@@ -133,6 +135,10 @@ class DiLoCo:
       copy of the fragment's params per exchange in flight, saved with
       this rank's `error_feedback_state_dict` (docs/usage.md, streaming
       DiLoCo; measured in docs/benchmarks.md: not better here at tau = 3).
+    fragment_update_alpha: the share in [0, 1] of this rank's current params
+      mixed into a landing fragment: p = (1 - alpha) * new anchor + alpha * p
+      (torchft's fragment_update_alpha; Streaming DiLoCo's mixing). 0, the
+      default, sets p to the new anchor. Not with keep_local_progress.
     process_group, timeout_s (keyword-only, as the options after them):
       the data-parallel group and the deadline of
       each collective (a dead rank is a CommunicationError, never a hang).
@@ -149,7 +155,7 @@ class DiLoCo:
                  outer_momentum: float = 0.0, nesterov: bool = False,
                  compression: str = "1bit", warmup_steps: int = 0, fragments: int = 1,
                  overlap_steps: int = 0, *, keep_local_progress: float = 0.0,
-                 process_group=None,
+                 fragment_update_alpha: float = 0.0, process_group=None,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype="float32", comm_backend_name: Optional[str] = None) -> None:
         check_positive_int("sync_every", sync_every)
@@ -157,6 +163,10 @@ class DiLoCo:
         check_positive_int("fragments", fragments)
         check_positive_int("overlap_steps", overlap_steps, minimum=0)
         check_number("keep_local_progress", keep_local_progress, low=0.0, high=1.0)
+        check_number("fragment_update_alpha", fragment_update_alpha, low=0.0, high=1.0)
+        if keep_local_progress > 0 and fragment_update_alpha > 0:
+            raise ValueError("DiLoCo: keep_local_progress and fragment_update_alpha each say "
+                             "where a landing fragment goes: set one of them, not both")
         # A schedule is read at every landing; its first value is checked now.
         self._outer_lr_at = outer_lr if callable(outer_lr) else None
         first_lr = outer_lr(0) if callable(outer_lr) else outer_lr
@@ -184,6 +194,7 @@ class DiLoCo:
         self.warmup_steps = warmup_steps
         self.fragments, self.overlap_steps = fragments, overlap_steps
         self.keep_local_progress = float(keep_local_progress)
+        self.fragment_update_alpha = float(fragment_update_alpha)
         self.inner_optimizer, self.process_group = inner_optimizer, process_group
         self.world_size = (dist.get_world_size(process_group)
                            if collectives.is_distributed("DiLoCo") else 1)
@@ -204,8 +215,9 @@ class DiLoCo:
                                                                 self.params[0].device)
             RankAgreement("DiLoCo", process_group, self.timeout_s).check_fields({
                 "sync_every and warmup_steps": (sync_every, warmup_steps),
-                "fragments, overlap_steps and keep_local_progress": (
-                    fragments, overlap_steps, self.keep_local_progress),
+                "fragments, overlap_steps, keep_local_progress and fragment_update_alpha": (
+                    fragments, overlap_steps, self.keep_local_progress,
+                    self.fragment_update_alpha),
                 "the synced parameters (shapes, dtypes)": [(tuple(p.shape), str(p.dtype))
                                                            for p in self.params],
                 "compression and wire format": (compression, block_size, str(self.scale_dtype),
@@ -442,7 +454,10 @@ class DiLoCo:
         self.outer_optimizer.step()  # SGD steps only the anchors that have a .grad
         for a in anchors:
             a.grad = None
-        if job.launch_points is None:
+        if self.fragment_update_alpha > 0:  # (1 - alpha) * anchor + alpha * p, in fp32
+            for p, a in zip(params, anchors):
+                p.copy_(torch.lerp(a, p.float(), self.fragment_update_alpha))
+        elif job.launch_points is None:
             for p, a in zip(params, anchors):
                 p.copy_(a)
         else:  # anchor + keep * (p - p at the launch), in fp32, rounded once
