@@ -96,11 +96,14 @@ def test_warmup_mean_is_the_half_precision_mean_of_numpy_and_half_the_bytes(name
 
 
 # --------------------------------------------------- the DDP hook's mean --
-def _hooked_mean(rank, world, name):
+def _hooked_mean(rank, world, name, device="cpu"):
+    """The DDP hook's half-precision mean of a model on `device`, bitwise
+    numpy's (asserted here; the GPU tier calls it with a CUDA device)."""
     import onebit
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(),
+                                torch.nn.Linear(9, 3)).to(device)
     plain = copy.deepcopy(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = onebit.OnebitAdam(ddp.parameters(), lr=1e-3, freeze_step=5,
@@ -108,6 +111,7 @@ def _hooked_mean(rank, world, name):
     ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 6, generator=g) * (1 + rank), torch.randn(8, 3, generator=g)
+    x, y = x.to(device), y.to(device)
     torch.nn.functional.mse_loss(plain(x), y).backward()
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     import torch.distributed as dist
@@ -115,9 +119,10 @@ def _hooked_mean(rank, world, name):
     for a, b in zip(plain.parameters(), ddp.module.parameters()):
         shares = [torch.empty_like(a.grad) for _ in range(world)]
         dist.all_gather(shares, a.grad)  # every rank's local gradient
-        half = [to_half(s.numpy() / np.float32(world), name).astype(np.float64) for s in shares]
+        half = [to_half(s.cpu().numpy() / np.float32(world), name).astype(np.float64)
+                for s in shares]
         expected = to_half(np.sum(half, axis=0), name)
-        np.testing.assert_array_equal(b.grad.numpy(), expected)
+        np.testing.assert_array_equal(b.grad.cpu().numpy(), expected)
     return True
 
 

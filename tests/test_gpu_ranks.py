@@ -261,12 +261,10 @@ def _half_on_both(rank, world, name):
     on host params (each rank's share rounds alike on either device, and
     two shares add in one rounding), then the DDP hook's mean of a CUDA
     model against numpy, then an fp16 overflow on the GPU."""
-    import copy
-
     import torch.distributed as dist
 
     import onebit
-    from tests.test_communication_dtype import SHAPES as HALF_SHAPES, local_grad, to_half
+    from tests.test_communication_dtype import SHAPES as HALF_SHAPES, _hooked_mean, local_grad
 
     host_group = dist.new_group(backend="gloo")
     moments = {}
@@ -281,26 +279,7 @@ def _half_on_both(rank, world, name):
         moments[where] = [opt.state[p]["exp_avg"].cpu() for p in params]
     same_mean = all(torch.equal(a, b) for a, b in zip(moments["device"], moments["host"]))
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(),
-                                torch.nn.Linear(9, 3)).to(_device())
-    plain = copy.deepcopy(model)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = onebit.OnebitAdam(ddp.parameters(), lr=1e-3, freeze_step=5,
-                            communication_data_type=name)
-    ddp.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(8, 6, generator=g) * (1 + rank), torch.randn(8, 3, generator=g)
-    x, y = x.to(_device()), y.to(_device())
-    torch.nn.functional.mse_loss(plain(x), y).backward()
-    torch.nn.functional.mse_loss(ddp(x), y).backward()
-    hook_exact = True
-    for a, b in zip(plain.parameters(), ddp.module.parameters()):
-        shares = [torch.empty_like(a.grad) for _ in range(world)]
-        dist.all_gather(shares, a.grad)
-        half = [to_half(s.cpu().numpy() / np.float32(world), name).astype(np.float64)
-                for s in shares]
-        hook_exact &= np.array_equal(b.grad.cpu().numpy(), to_half(np.sum(half, axis=0), name))
+    hook_exact = _hooked_mean(rank, world, name, _device())  # asserts bitwise numpy's
 
     overflow_refused = None
     if name == "fp16":
