@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .backends.stats import allreduce_bytes, fp32_allreduce_bytes
 from .half_precision import share
 
 
@@ -58,9 +57,8 @@ def ddp_comm_hook(state: OnebitHookState,
         # GradScaler skips that step; without one step() raises).
         wire = buf.div_(opt.world_size) if dtype == torch.float32 else share(
             buf, opt.world_size, dtype)
-        sent = allreduce_bytes(buf.numel(), opt.world_size, wire.element_size())
         # Bytes only: its time overlaps backward.
-        opt.traffic.add(sent, sent, fp32_allreduce_bytes(buf.numel(), opt.world_size))
+        opt.traffic.add_allreduce(buf.numel(), opt.world_size, wire.element_size())
         work = dist.all_reduce(wire, group=opt.process_group, async_op=True)
         collectives.hold_until_later(work)  # no abort at exit (collectives.py)
         if wire is buf:

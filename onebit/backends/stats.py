@@ -46,6 +46,13 @@ class TrafficStats:
         t["comm_s"] += comm_s
         t["compress_s"] += compress_s
 
+    def add_allreduce(self, numel: int, world_size: int, itemsize: int,
+                      comm_s: float = 0.0) -> None:
+        """One ring all-reduce of `numel` elements of `itemsize` bytes, sent
+        and received alike, against fp32's bytes for the same elements."""
+        sent = allreduce_bytes(numel, world_size, itemsize)
+        self.add(sent, sent, fp32_allreduce_bytes(numel, world_size), comm_s)
+
     def snapshot(self) -> Dict[str, float]:
         return dict(self.totals)
 

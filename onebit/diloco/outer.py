@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..backends.codecs import CODECS
-from ..backends.stats import TrafficStats, allreduce_bytes, fp32_allreduce_bytes
+from ..backends.stats import TrafficStats
 from ..checks import check_flag, check_number, check_positive_int
 from ..feedback.agreement import RankAgreement, nonfinite_flag
 from ..feedback.channel import ErrorFeedbackChannel, open_backend
@@ -348,8 +348,7 @@ class DiLoCo:
                      dtype).to(self.comm_device)
         collectives.run(phase, lambda: dist.all_reduce(flat, group=group, async_op=True),
                         self.timeout_s, group)
-        sent = allreduce_bytes(flat.numel(), self.world_size, dtype.itemsize)
-        traffic.add(sent, sent, fp32_allreduce_bytes(flat.numel(), self.world_size))
+        traffic.add_allreduce(flat.numel(), self.world_size, dtype.itemsize)
         return list(flat.float().split([t.numel() for t in tensors]))
 
     @torch.no_grad()

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends import backend_name
-from ..backends.stats import TrafficStats, allreduce_bytes, fp32_allreduce_bytes
+from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once
 from ..feedback.agreement import RankAgreement, check_params_served, nonfinite_flag
 from ..feedback.channel import ErrorFeedbackChannel, open_backend
@@ -609,10 +609,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             wire = flat if dtype == torch.float32 else share(flat, world, dtype)
             self._collective("gradient averaging (full-precision all-reduce)",
                              lambda: dist.all_reduce(wire, group=self.process_group, async_op=True))
-            numel = sum(t.numel() for t in tensors)
-            sent = allreduce_bytes(numel, world, dtype.itemsize)
-            self.traffic.add(sent, sent, fp32_allreduce_bytes(numel, world),
-                             time.perf_counter() - started)
+            self.traffic.add_allreduce(sum(t.numel() for t in tensors), world, dtype.itemsize,
+                                       time.perf_counter() - started)
             if wire is flat:
                 flat.div_(world)
             else:
