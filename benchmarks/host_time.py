@@ -22,6 +22,7 @@ import torch
 from onebit.accelerator import get_accelerator
 from onebit.bench.optim import _params
 from onebit.feedback.agreement import nonfinite_flag
+from onebit.norms import tensor_norms
 
 REPEATS = 30
 
@@ -61,6 +62,9 @@ def ops(params: list, device: torch.device) -> dict:
             torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()),
         "nonfinite_flag, read": lambda: int(nonfinite_flag([grads], device)),
         "nonfinite_flag, new pointers": lambda: int(nonfinite_flag([swap()], device)),
+        "norms, stack and read (_foreach_norm)": lambda: torch.stack(
+            torch._foreach_norm(grads)).tolist(),
+        "norms and read (tensor_norms)": lambda: tensor_norms(grads).tolist(),
         "torch._foreach_lerp_": lambda: torch._foreach_lerp_(m, grads, 0.1),
         "torch._foreach_addcdiv_": lambda: torch._foreach_addcdiv_(plain, m, d, value=-1e-9),
         "[p.grad for p in params]": lambda: [p.grad for p in params],

@@ -33,7 +33,7 @@ def test_cuda_shared_library_links_exports_the_launchers_and_carries_ptx(tmp_pat
     lib = builder.build()
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
                              text=True, check=True).stdout.split()
-    for name in ("pack", "decode", "compensate", "pack_error", "compress", "nonfinite"):
+    for name in ("pack", "decode", "compensate", "pack_error", "compress", "nonfinite", "norms"):
         assert f"onebit_cuda_{name}" in symbols
     plain = builder.run_compiler([*builder.FLAGS, "-no-compress", "-shared",
                                   *map(str, builder.sources())], tmp_path / "plain.so")
@@ -199,13 +199,13 @@ def _check_tensors():
     """3000 small tensors of sizes 1..300 (most not a multiple of 4), one
     spanning four chunks of the kernel's split and a tail, and a view one
     element into a buffer (not 16-byte aligned)."""
-    from onebit.builders.native import NONFINITE_CHUNK
+    from onebit.builders.native import TABLE_CHUNK
 
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(1, 301, (3000,), generator=g).tolist()
     small = [torch.randn(n, generator=g) for n in sizes]
-    big = torch.randn(4 * NONFINITE_CHUNK + 5, generator=g)
-    shifted = torch.randn(2 * NONFINITE_CHUNK + 3, generator=g)
+    big = torch.randn(4 * TABLE_CHUNK + 5, generator=g)
+    shifted = torch.randn(2 * TABLE_CHUNK + 3, generator=g)
     return [t.cuda() for t in small[:1500] + [big] + small[1500:]] + [shifted.cuda()[1:]]
 
 
@@ -258,3 +258,54 @@ def test_cuda_nonfinite_flag_takes_the_norms_for_a_tensor_that_is_not_contiguous
     assert int(nonfinite_flag([plain + [crossed]], cuda)) == 0
     crossed[2, 1] = float("nan")
     assert int(nonfinite_flag([plain + [crossed]], cuda)) == 1
+
+
+# ----------------------------------------------------- the list norms --
+def _float64_norms(tensors):
+    """numpy's norms in float64, rounded once to fp32: what a float64 sum
+    must round to (its order differs from numpy's by far less than an fp32
+    ulp)."""
+    return np.array([np.sqrt(np.sum(np.square(t.cpu().numpy().astype(np.float64))))
+                     for t in tensors]).astype(np.float32)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_list_norms_are_float64_norms_rounded_once_and_the_same_bits_every_call():
+    import onebit.ops as ops
+    from onebit.norms import tensor_norms
+
+    kernels = ops.kernels_for(torch.device("cuda"))
+    assert hasattr(kernels, "tensor_norms")
+    tensors = _check_tensors()
+    tensors[40].mul_(1e-30)  # scales far apart, and one whose fp32 squares overflow
+    tensors[1500][8192] = 2e19
+    empty = torch.empty(0, device="cuda")
+    tensors = [empty] + tensors[:7] + [empty, empty] + tensors[7:] + [empty]
+    got = tensor_norms(tensors)
+    assert got.dtype == torch.float32 and got.shape == (len(tensors),)
+    want = _float64_norms(tensors)
+    close = np.isclose(got.cpu().numpy(), want, rtol=2.0 ** -23, atol=0)  # one ulp at most
+    assert close.all(), np.flatnonzero(~close)[:10]
+    assert got[0] == 0 and got[-1] == 0 and np.isfinite(want).all()
+    again = tensor_norms(tensors)  # the kept table
+    # A new table at other addresses (the unaligned view kept: alignment
+    # picks the kernel's loads, and with them its order of sums).
+    moved = tensor_norms([t.clone() for t in tensors[:-2]] + tensors[-2:])
+    assert torch.equal(got, again) and torch.equal(got, moved)
+    # Five other lists push the first table out; it is rebuilt right.
+    for k in range(5):
+        tensor_norms(tensors[k:])
+    assert torch.equal(tensor_norms(tensors), got)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_list_norms_take_foreach_norm_for_other_layouts_and_dtypes():
+    from onebit.norms import tensor_norms
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    crossed = torch.randn(40, 60, device="cuda", generator=g).t()
+    half = torch.randn(500, device="cuda", generator=g).bfloat16()
+    for tensors in ([torch.randn(7, device="cuda"), crossed], [half, half * 2]):
+        assert torch.equal(tensor_norms(tensors), torch.stack(torch._foreach_norm(tensors)))

@@ -14,9 +14,10 @@ from .cpu import DTYPE_CODES
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
-# Elements per thread block of the one-launch non-finite check (a multiple
-# of 4: the kernel reads 16-byte vectors from a chunk's start).
-NONFINITE_CHUNK = 8192
+# Elements per thread block of the kernels over a list of tensors (the
+# non-finite check, the norms): a multiple of 4, since they read 16-byte
+# vectors from a chunk's start.
+TABLE_CHUNK = 8192
 
 
 class SharedLibraryBuilder(OpBuilder):
@@ -44,6 +45,38 @@ class SharedLibraryBuilder(OpBuilder):
             return ctypes.CDLL(str(self.build()))
         except OSError as exc:
             raise OpBuilderError(f"{self.NAME}: cannot load {self.library_path()}: {exc}") from exc
+
+
+class _ChunkTables:
+    """The table the list kernels read (pointers, sizes, and each tensor's
+    first chunk of TABLE_CHUNK elements), sent to the device pinned, behind
+    the stream's work: no host sync. The last few are used again while their
+    pointers and sizes are the same (the caching allocator tends to give a
+    step's new gradients the last step's addresses; a step checks its
+    gradients and takes LAMB's norms of other lists). Kept per stream: a
+    table is read only behind the copy that wrote it, and freed only on the
+    stream that used it (DiLoCo's communication thread has a stream of its
+    own)."""
+
+    KEEP = 4
+
+    def __init__(self, stream: Callable[[torch.device], int]) -> None:
+        self._stream = stream
+        self._kept = {}  # (device, stream, pointers + sizes) -> (table, chunks), oldest first
+
+    def table(self, tensors, sizes, device: torch.device):
+        pointers = list(map(torch.Tensor.data_ptr, tensors))
+        key = (device, self._stream(device), tuple(pointers + list(sizes)))
+        kept = self._kept.pop(key, None)
+        if kept is None:
+            first = list(itertools.accumulate((-(-n // TABLE_CHUNK) for n in sizes), initial=0))
+            table = torch.tensor(pointers + list(sizes) + first, dtype=torch.int64,
+                                 pin_memory=True).to(device, non_blocking=True)
+            kept = (table, first[-1])
+            if len(self._kept) >= self.KEEP:
+                del self._kept[next(iter(self._kept))]
+        self._kept[key] = kept  # (the newest last)
+        return kept
 
 
 class LauncherKernels:
@@ -80,41 +113,36 @@ class LauncherKernels:
                            bits_out.data_ptr())
 
             self.compress = compress
+        tables = _ChunkTables(stream)
         check = getattr(lib, f"{prefix}_nonfinite", None)
         if check is not None:  # the optimizer's non-finite check in one launch (agreement.py)
             check = self._fn(lib, f"{prefix}_nonfinite", s + [_P, _I64, _I64, _I64, _P] + e)
-
-            last = {}  # (device, stream) -> (pointers, sizes, their table there, chunks)
 
             def any_nonfinite(tensors, sizes, flag) -> None:
                 """flag (a 0-dim int64 on the tensors' device) <- 1 where an
                 element of `tensors` (contiguous fp32 of `sizes` elements,
                 none empty) has a square beyond fp32: NaN, inf or |x| >
-                ~1.8e19. A table of pointers, sizes and chunk offsets goes
-                to the device, pinned, behind the stream's work (no host
-                sync); the last one is used again while the pointers and
-                sizes are the same (the caching allocator tends to give a
-                step's new gradients the last step's addresses). Kept per
-                stream: a table is read only behind the copy that wrote it,
-                and freed only on the stream that used it (DiLoCo's
-                communication thread checks on a stream of its own)."""
-                device = flag.device
-                pointers = list(map(torch.Tensor.data_ptr, tensors))
-                key = (device, self._stream(device))
-                kept = last.get(key)
-                if kept is not None and kept[0] == pointers and kept[1] == sizes:
-                    table, chunks = kept[2], kept[3]
-                else:
-                    first = list(itertools.accumulate(
-                        (-(-n // NONFINITE_CHUNK) for n in sizes), initial=0))
-                    table = torch.tensor(pointers + sizes + first, dtype=torch.int64,
-                                         pin_memory=True).to(device, non_blocking=True)
-                    chunks = first[-1]
-                    last[key] = (pointers, list(sizes), table, chunks)
-                self._call(check, device, table.data_ptr(), len(tensors), chunks,
-                           NONFINITE_CHUNK, flag.data_ptr())
+                ~1.8e19. No host sync (see _ChunkTables)."""
+                table, chunks = tables.table(tensors, sizes, flag.device)
+                self._call(check, flag.device, table.data_ptr(), len(tensors), chunks,
+                           TABLE_CHUNK, flag.data_ptr())
 
             self.any_nonfinite = any_nonfinite
+        norms = getattr(lib, f"{prefix}_norms", None)
+        if norms is not None:  # per-tensor 2-norms in two launches (norms.py)
+            norms = self._fn(lib, f"{prefix}_norms", s + [_P, _I64, _I64, _I64, _P, _P] + e)
+
+            def tensor_norms(tensors, sizes, out) -> None:
+                """out (fp32, one per tensor, on the tensors' device) <- each
+                tensor's 2-norm, summed in float64 in a fixed order: the
+                same bits at every call. `tensors`: contiguous fp32 of
+                `sizes` elements (empty ones give 0). No host sync."""
+                table, chunks = tables.table(tensors, sizes, out.device)
+                partial = torch.empty(max(chunks, 1), dtype=torch.float64, device=out.device)
+                self._call(norms, out.device, table.data_ptr(), len(tensors), chunks,
+                           TABLE_CHUNK, partial.data_ptr(), out.data_ptr())
+
+            self.tensor_norms = tensor_norms
 
     @staticmethod
     def _fn(lib, name, argtypes):

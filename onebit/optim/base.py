@@ -56,6 +56,7 @@ from ..feedback.channel import ErrorFeedbackChannel, open_backend
 from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
 from ..feedback.handoff import exchange_group
 from ..half_precision import check_fp16_mean, share
+from ..norms import tensor_norms
 from ..shards import ShardedParams
 from . import checkpoints
 from . import functional as F
@@ -577,7 +578,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
         if max_norm > 0 and grads:
             total = float(torch.linalg.vector_norm(
-                self._shards.whole_norms(torch.stack(torch._foreach_norm(grads)))))
+                self._shards.whole_norms(tensor_norms(grads))))
             if not math.isfinite(total):
                 # Finite gradients whose squares sum beyond fp32 (the
                 # non-finite check let them through: no element's square

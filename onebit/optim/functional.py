@@ -19,6 +19,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..norms import tensor_norms
+
 Tensors = List[torch.Tensor]
 
 
@@ -240,7 +242,7 @@ def norms(tensors: Tensors, whole=None) -> List[float]:
     shards into those of the whole parameters."""
     if not tensors:
         return []
-    stacked = torch.stack(torch._foreach_norm(tensors))
+    stacked = tensor_norms(tensors)
     if whole is not None:
         stacked = whole(stacked)
     return [float(n) for n in stacked.tolist()]

@@ -539,16 +539,25 @@ __device__ __forceinline__ bool square_overflows(float v) {
   return !(v * v < INFINITY);  // (a NaN compares false: counted)
 }
 
+// The tensor that owns chunk c: the last whose first chunk is at or before
+// c (an empty tensor owns no chunk: the next one, with the same first
+// chunk, is found instead).
+__device__ __forceinline__ int64_t owner_of(const int64_t* __restrict__ first_chunk,
+                                            int64_t count, int64_t c) {
+  int64_t lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (first_chunk[mid] <= c) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 __global__ void nonfinite_kernel(const int64_t* __restrict__ ptrs,
                                  const int64_t* __restrict__ sizes,
                                  const int64_t* __restrict__ first_chunk, int64_t count,
                                  int64_t chunks, int64_t chunk, int64_t* __restrict__ flag) {
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-    int64_t lo = 0, hi = count - 1;  // the last tensor whose first chunk is at or before c
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (first_chunk[mid] <= c) lo = mid; else hi = mid - 1;
-    }
+    const int64_t lo = owner_of(first_chunk, count, c);
     const float* x = reinterpret_cast<const float*>(ptrs[lo]);
     const int64_t begin = (c - first_chunk[lo]) * chunk;
     const int64_t end = begin + chunk < sizes[lo] ? begin + chunk : sizes[lo];
@@ -568,6 +577,68 @@ __global__ void nonfinite_kernel(const int64_t* __restrict__ ptrs,
     for (int64_t i = tail + threadIdx.x; i < end; i += blockDim.x) bad |= square_overflows(x[i]);
     if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;  // every writer writes 1
   }
+}
+
+// Each tensor's 2-norm over a list of fp32 tensors (LAMB's trust ratios
+// and gradient clipping, optim/functional.py), on the table the non-finite
+// check uses. torch's _foreach_norm allocates an output per tensor and needs
+// a stack after it: about 3 ms of host time for 2000 tensors on an H200.
+// Pass 1: each thread block sums the squares of its chunk in float64, every
+// thread over a fixed stride, then a fixed tree (shuffles, then the warps'
+// sums in order): the same bits at every launch, whatever ran before.
+__device__ __forceinline__ double warp_sum(double s) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) s += __shfl_down_sync(0xffffffffu, s, offset);
+  return s;
+}
+
+__global__ void sumsq_chunks_kernel(const int64_t* __restrict__ ptrs,
+                                    const int64_t* __restrict__ sizes,
+                                    const int64_t* __restrict__ first_chunk, int64_t count,
+                                    int64_t chunks, int64_t chunk, double* __restrict__ partial) {
+  __shared__ double warps[kThreads / 32];
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const int64_t t = owner_of(first_chunk, count, c);
+    const float* x = reinterpret_cast<const float*>(ptrs[t]);
+    const int64_t begin = (c - first_chunk[t]) * chunk;
+    const int64_t end = begin + chunk < sizes[t] ? begin + chunk : sizes[t];
+    double s = 0.0;
+    int64_t tail = begin;
+    if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // (begin is a multiple of 4)
+      const int64_t quads = (end - begin) / 4;
+      const float4* v4 = reinterpret_cast<const float4*>(x + begin);
+#pragma unroll 4
+      for (int64_t i = threadIdx.x; i < quads; i += blockDim.x) {
+        const float4 v = v4[i];
+        s += double(v.x) * v.x + double(v.y) * v.y + double(v.z) * v.z + double(v.w) * v.w;
+      }
+      tail = begin + 4 * quads;
+    }
+    for (int64_t i = tail + threadIdx.x; i < end; i += blockDim.x) s += double(x[i]) * x[i];
+    s = warp_sum(s);
+    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      double total = 0.0;
+      for (int w = 0; w < kThreads / 32; ++w) total += warps[w];
+      partial[c] = total;
+    }
+    __syncthreads();  // (warps[] is written again for the next chunk)
+  }
+}
+
+// Pass 2: a warp per tensor adds its chunks' sums (lane l takes chunks l,
+// l + 32, ..., then the same tree), and writes the root in fp32. A tensor
+// with no chunk (empty) gets 0.
+__global__ void sumsq_finish_kernel(const int64_t* __restrict__ first_chunk, int64_t count,
+                                    const double* __restrict__ partial, float* __restrict__ norms) {
+  const int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= count) return;  // (a whole warp leaves together: t is the warp's)
+  double s = 0.0;
+  for (int64_t c = first_chunk[t] + lane; c < first_chunk[t + 1]; c += 32) s += partial[c];
+  s = warp_sum(s);
+  if (lane == 0) norms[t] = float(sqrt(s));
 }
 
 }  // namespace
@@ -678,6 +749,22 @@ int onebit_cuda_nonfinite(const int64_t* table, int64_t count, int64_t chunks, i
   const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
   nonfinite_kernel<<<grid, kThreads, 0, stream>>>(table, table + count, table + 2 * count, count,
                                                   chunks, chunk, flag);
+  return int(cudaGetLastError());
+}
+
+// The same table as onebit_cuda_nonfinite (empty tensors allowed here);
+// partial holds `chunks` doubles of scratch, norms `count` floats.
+int onebit_cuda_norms(const int64_t* table, int64_t count, int64_t chunks, int64_t chunk,
+                      double* partial, float* norms, cudaStream_t stream) {
+  if (count < 0 || chunks < 0 || chunk <= 0 || chunk % 4) return int(cudaErrorInvalidValue);
+  if (count == 0) return 0;
+  if (chunks > 0) {
+    const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+    sumsq_chunks_kernel<<<grid, kThreads, 0, stream>>>(table, table + count, table + 2 * count,
+                                                       count, chunks, chunk, partial);
+  }
+  sumsq_finish_kernel<<<grid_for(count * 32), kThreads, 0, stream>>>(table + 2 * count, count,
+                                                                     partial, norms);
   return int(cudaGetLastError());
 }
 
