@@ -46,11 +46,8 @@ int grid_for(int64_t threads) {
 struct BlockOf {
   int64_t block;
   int shift;  // log2(block), or -1
-  __device__ explicit BlockOf(int64_t b) : block(b), shift(-1) {
-    if ((b & (b - 1)) == 0)
-      for (shift = 0; (int64_t(1) << shift) < b; ++shift) {
-      }
-  }
+  __device__ explicit BlockOf(int64_t b)
+      : block(b), shift((b & (b - 1)) == 0 ? __ffsll(b) - 1 : -1) {}
   __device__ __forceinline__ int64_t operator()(int64_t j) const {
     return shift >= 0 ? j >> shift : j / block;
   }
