@@ -39,20 +39,6 @@ int grid_for(int64_t threads) {
   return int(b < 1 ? 1 : (b > kMaxGrid ? kMaxGrid : b));
 }
 
-// j / block for an element index j: a shift where block is a power of two
-// (every default), else the division. A 64-bit division is dozens of
-// instructions, paid per element or quad, and the decode kernels are bound
-// by the instructions they issue as much as by memory.
-struct BlockOf {
-  int64_t block;
-  int shift;  // log2(block), or -1
-  __device__ explicit BlockOf(int64_t b)
-      : block(b), shift((b & (b - 1)) == 0 ? __ffsll(b) - 1 : -1) {}
-  __device__ __forceinline__ int64_t operator()(int64_t j) const {
-    return shift >= 0 ? j >> shift : j / block;
-  }
-};
-
 // The eight elements of output byte q, loaded as 16-byte vectors where the
 // input is aligned and the byte is whole (the caller says which).
 template <typename T>
@@ -108,9 +94,8 @@ __global__ void decode_quads_kernel(const uint8_t* __restrict__ bits, int64_t ro
   const int64_t nblocks = (cols + block - 1) / block;
   const int64_t quads = (cols + 3) / 4;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const BlockOf block_of(block);
   for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < quads; q += stride) {
-    const int64_t j0 = q * 4, byte = q / 2, k = block_of(j0);
+    const int64_t j0 = q * 4, byte = q / 2, k = j0 / block;
     const int shift = int(q & 1) * 4;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
@@ -157,9 +142,8 @@ __global__ void decode_bytes_kernel(const uint8_t* __restrict__ bits, int64_t ro
   const int64_t nblocks = (cols + block - 1) / block;
   const int64_t nbytes = (cols + 7) / 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const BlockOf block_of(block);
   for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < nbytes; q += stride) {
-    const int64_t j0 = q * 8, k = block_of(j0);
+    const int64_t j0 = q * 8, k = j0 / block;
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     // (Unrolling this loop by 8 measured slower on an H200: 33% and 17% at
     // 8 and 32 rows.)
@@ -329,12 +313,11 @@ __global__ void pack_error_kernel(float* __restrict__ err, int64_t n,
                                   uint8_t* __restrict__ out) {
   const int64_t nbytes = (n + 7) / 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const BlockOf block_of(block);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i - (threadIdx.x & 31) < n;
        i += stride) {
     bool bit = false;
     if (i < n) {
-      float x = err[i], s = scales[block_of(i)];
+      float x = err[i], s = scales[i / block];
       bit = x >= 0.0f;
       err[i] = bit ? x - s : x + s;
     }
