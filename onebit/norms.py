@@ -12,7 +12,7 @@ stays, and with it every bit the CPU has computed so far.
 from __future__ import annotations
 
 import operator
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -21,16 +21,45 @@ from . import ops
 _DTYPE = operator.attrgetter("dtype")
 
 
+def _list_kernel(name: str, *lists: List[torch.Tensor]):
+    """The device kernels' `name` where they have it and every tensor of
+    `lists` is contiguous fp32 off the CPU; else None."""
+    device = lists[0][0].device
+    kernel = None if device.type == "cpu" else getattr(ops.kernels_for(device), name, None)
+    if kernel is None:
+        return None
+    for tensors in lists:
+        if (set(map(_DTYPE, tensors)) != {torch.float32}
+                or not all(map(torch.Tensor.is_contiguous, tensors))):
+            return None
+    return kernel
+
+
 def tensor_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
     """A 1-D fp32 tensor (one float per input, the inputs' dtype where
     `_foreach_norm` takes them) of each tensor's 2-norm, 0 for empty ones.
     `tensors`: a non-empty list on one device."""
-    device = tensors[0].device
-    kernel = None if device.type == "cpu" else getattr(ops.kernels_for(device),
-                                                       "tensor_norms", None)
-    if (kernel is None or set(map(_DTYPE, tensors)) != {torch.float32}
-            or not all(map(torch.Tensor.is_contiguous, tensors))):
+    kernel = _list_kernel("tensor_norms", tensors)
+    if kernel is None:
         return torch.stack(torch._foreach_norm(tensors))
-    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    out = torch.empty(len(tensors), dtype=torch.float32, device=tensors[0].device)
     kernel(tensors, list(map(torch.Tensor.numel, tensors)), out)
+    return out
+
+
+def lamb_ratio_norms(params: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+                     smoothed: List[torch.Tensor], denoms: List[torch.Tensor], weight: float,
+                     weight_decay: float) -> Optional[torch.Tensor]:
+    """1-bit LAMB's ratio pass in one read where the device's kernels have
+    it (CUDA's): smoothed <- lerp(smoothed, exp_avgs, weight), and returns
+    [||p|| for each param, then ||smoothed / denom + weight_decay x p||]
+    (2 x len(params) fp32 on their device). None elsewhere: the caller
+    takes torch's ops (the same maths, five passes over memory instead of
+    eight)."""
+    kernel = _list_kernel("lamb_ratio_norms", params, exp_avgs, smoothed, denoms)
+    if kernel is None:
+        return None
+    out = torch.empty(2 * len(params), dtype=torch.float32, device=params[0].device)
+    kernel(params, exp_avgs, smoothed, denoms, list(map(torch.Tensor.numel, params)), weight,
+           weight_decay, out)
     return out

@@ -33,7 +33,8 @@ def test_cuda_shared_library_links_exports_the_launchers_and_carries_ptx(tmp_pat
     lib = builder.build()
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
                              text=True, check=True).stdout.split()
-    for name in ("pack", "decode", "compensate", "pack_error", "compress", "nonfinite", "norms"):
+    for name in ("pack", "decode", "compensate", "pack_error", "compress", "nonfinite", "norms",
+                 "lamb_ratio_norms"):
         assert f"onebit_cuda_{name}" in symbols
     plain = builder.run_compiler([*builder.FLAGS, "-no-compress", "-shared",
                                   *map(str, builder.sources())], tmp_path / "plain.so")
@@ -309,3 +310,65 @@ def test_cuda_list_norms_take_foreach_norm_for_other_layouts_and_dtypes():
     half = torch.randn(500, device="cuda", generator=g).bfloat16()
     for tensors in ([torch.randn(7, device="cuda"), crossed], [half, half * 2]):
         assert torch.equal(tensor_norms(tensors), torch.stack(torch._foreach_norm(tensors)))
+
+
+def _lamb_lists(seed):
+    """p, m, s, d like 1-bit LAMB's after an exchange: _check_tensors'
+    sizes (and an empty one), d > 0, scales far apart."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [t.numel() for t in _check_tensors()] + [0]
+    def make(scale, low=None):
+        ts = [torch.randn(n, device="cuda", generator=g) * scale for n in shapes]
+        return ts if low is None else [t.abs() + low for t in ts]
+    return make(1.0), make(1e-3), make(1e-3), make(1e-2, low=1e-4)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight,weight_decay", [(0.2, 0.0), (0.2, 0.01), (0.7, 0.1)])
+def test_cuda_lamb_ratio_pass_is_torchs_lerp_and_float64_norms(weight, weight_decay):
+    from onebit.norms import lamb_ratio_norms
+
+    p, m, s, d = _lamb_lists(0)
+    before = [t.clone() for t in s]
+    want_s = [t.clone() for t in s]
+    torch._foreach_lerp_(want_s, m, weight)
+    got = lamb_ratio_norms(p, m, s, d, weight, weight_decay)
+    assert got is not None and got.shape == (2 * len(p),)
+    for a, b, x, e in zip(s, want_s, before, m):
+        # torch's lerp, up to its multiply-add's rounding (an ulp of the terms)
+        bound = 2.0 ** -23 * (b.abs() + x.abs() + e.abs())
+        assert ((a - b).abs() <= bound).all()
+    p64 = [t.double() for t in p]
+    u32 = [torch.addcmul(t / q, torch.full_like(t, weight_decay), r) if weight_decay else t / q
+           for t, q, r in zip(s, d, p)]  # u in fp32, from the pass's own s
+    want = np.array([float(t.norm()) for t in p64] + [float(t.double().norm()) for t in u32],
+                    dtype=np.float64)
+    close = np.isclose(got.cpu().numpy(), want, rtol=1e-6, atol=0)
+    assert close.all(), np.flatnonzero(~close)[:10]
+    assert got[len(p) - 1] == 0 and got[-1] == 0  # the empty tensor
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_lamb_fresh_step_with_the_pass_follows_torchs_ops(monkeypatch):
+    import onebit.norms as norms
+    from onebit.optim.lamb import onebit_lamb_fresh_step_
+
+    def run():
+        p, m, s, d = _lamb_lists(1)
+        coeffs = []
+        for _ in range(3):
+            coeffs.append(onebit_lamb_fresh_step_(
+                p, m, d, s, scratch=lambda like: [torch.empty_like(t) for t in like],
+                whole_norms=None, trust_ratio_beta=0.8, lr=1e-2, weight_decay=0.01, bc1=0.5,
+                min_coeff=0.01, max_coeff=10.0))
+        return p, coeffs
+
+    fused_p, fused_c = run()
+    monkeypatch.setattr(norms, "_list_kernel", lambda *a: None)
+    plain_p, plain_c = run()
+    assert np.allclose(fused_c, plain_c, rtol=1e-5, atol=0)
+    assert any(c != 1.0 for row in fused_c for c in row)
+    for a, b in zip(fused_p, plain_p):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)

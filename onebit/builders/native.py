@@ -64,8 +64,10 @@ class _ChunkTables:
         self._stream = stream
         self._kept = {}  # (device, stream, pointers + sizes) -> (table, chunks), oldest first
 
-    def table(self, tensors, sizes, device: torch.device):
-        pointers = list(map(torch.Tensor.data_ptr, tensors))
+    def table(self, tensors, sizes, device: torch.device, *more_lists):
+        """(table, chunks): the pointers of `tensors` (then of each of
+        `more_lists`, alike in length and sizes), `sizes`, first chunks."""
+        pointers = [ptr for ts in (tensors, *more_lists) for ptr in map(torch.Tensor.data_ptr, ts)]
         key = (device, self._stream(device), tuple(pointers + list(sizes)))
         kept = self._kept.pop(key, None)
         if kept is None:
@@ -143,6 +145,25 @@ class LauncherKernels:
                            TABLE_CHUNK, partial.data_ptr(), out.data_ptr())
 
             self.tensor_norms = tensor_norms
+        ratio = getattr(lib, f"{prefix}_lamb_ratio_norms", None)
+        if ratio is not None:  # 1-bit LAMB's trust-ratio pass in one read (optim/lamb.py)
+            ratio = self._fn(lib, f"{prefix}_lamb_ratio_norms",
+                             s + [_P, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _P, _P] + e)
+
+            def lamb_ratio_norms(params, exp_avgs, smoothed, denoms, sizes, weight: float,
+                                 weight_decay: float, out) -> None:
+                """smoothed <- lerp(smoothed, exp_avgs, weight) (torch's
+                lerp, the same bits), and out (2 x len(params) fp32) <-
+                each ||p||, then each ||smoothed / denom + weight_decay x
+                p||, in tensor_norms' order of sums. Every list: contiguous
+                fp32 of `sizes` elements. No host sync."""
+                table, chunks = tables.table(params, sizes, out.device, exp_avgs, smoothed,
+                                             denoms)
+                partial = torch.empty(max(2 * chunks, 1), dtype=torch.float64, device=out.device)
+                self._call(ratio, out.device, table.data_ptr(), len(params), chunks, TABLE_CHUNK,
+                           weight, weight_decay, partial.data_ptr(), out.data_ptr())
+
+            self.lamb_ratio_norms = lamb_ratio_norms
 
     @staticmethod
     def _fn(lib, name, argtypes):

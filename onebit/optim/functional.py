@@ -255,8 +255,16 @@ def lamb_trust_ratios(params: Tensors, updates: Tensors, min_coeff: float,
     caller's buffers hold a multiple of the update). `whole`: see norms."""
     # One host sync for both lists of norms.
     both = norms([*as_fp32(params), *updates], whole)
+    return trust_ratios_of(both, min_coeff, max_coeff, updates_scale)
+
+
+def trust_ratios_of(both: List[float], min_coeff: float, max_coeff: float,
+                    updates_scale: float = 1.0) -> List[float]:
+    """lamb_trust_ratios from the norms: `both` holds each ||p||, then each
+    ||u|| (before `updates_scale`)."""
+    half = len(both) // 2
     out = []
-    for w, u in zip(both[:len(params)], both[len(params):]):
+    for w, u in zip(both[:half], both[half:]):
         u *= updates_scale
         out.append(min(max(w / u, min_coeff), max_coeff) if w > 0 and u > 0 else 1.0)
     return out

@@ -10,6 +10,7 @@ from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from ..checks import check_number
+from ..norms import lamb_ratio_norms
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
 from .stage_schedules import FreezeStepSchedule
@@ -279,13 +280,20 @@ def onebit_lamb_fresh_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors,
     average): LAMB's ratio, measured on the running average `smoothed` of
     the exchanged momentum (see OnebitLamb), over the frozen variance's
     `denoms`. Returns the coefficients."""
-    torch._foreach_lerp_(smoothed, exp_avgs, 1.0 - trust_ratio_beta)
     # bc1 times the ratio's update (bc1 = 1 and weight decay x bc1 below):
     # the norm takes the 1 / bc1 instead of a pass over the buffers.
     pf = F.as_fp32(params)
-    ref = F.adam_updates(smoothed, denoms, pf, weight_decay * bc1, 1.0, out=scratch(exp_avgs))
-    coeffs = F.lamb_trust_ratios(pf, ref, min_coeff, max_coeff, updates_scale=1.0 / bc1,
-                                 whole=whole_norms)
+    fused = lamb_ratio_norms(pf, exp_avgs, smoothed, denoms, 1.0 - trust_ratio_beta,
+                             weight_decay * bc1)
+    if fused is not None:  # (a GPU: the lerp and both norms in one read)
+        both = (fused if whole_norms is None else whole_norms(fused)).tolist()
+        coeffs = F.trust_ratios_of(both, min_coeff, max_coeff, updates_scale=1.0 / bc1)
+    else:
+        torch._foreach_lerp_(smoothed, exp_avgs, 1.0 - trust_ratio_beta)
+        ref = F.adam_updates(smoothed, denoms, pf, weight_decay * bc1, 1.0,
+                             out=scratch(exp_avgs))
+        coeffs = F.lamb_trust_ratios(pf, ref, min_coeff, max_coeff, updates_scale=1.0 / bc1,
+                                     whole=whole_norms)
     # The step itself never materialises the update (a decay and an addcdiv).
     F.adam_step_(params, exp_avgs, denoms, lr, weight_decay, bc1, scales=coeffs)
     return coeffs

@@ -641,6 +641,59 @@ __global__ void sumsq_finish_kernel(const int64_t* __restrict__ first_chunk, int
   if (lane == 0) norms[t] = float(sqrt(s));
 }
 
+// 1-bit LAMB's trust-ratio pass (trust_ratio="fresh", optim/lamb.py) in
+// one read of its four lists: s <- lerp(s, m, w) (the running average of
+// the averaged momentum, written back), u = s / d + wd * p (the ratio's
+// update, never stored), and each chunk's float64 sums of p^2 and u^2 for
+// sumsq_finish_kernel. torch's way was a lerp, a divide into a buffer, an
+// add and two norms: eight passes over memory where this makes five. The
+// lerp is torch's (Lerp.h) with its multiply-adds fused as nvcc fuses them
+// there (this file builds with -fmad=false).
+__global__ void lamb_ratio_chunks_kernel(const int64_t* __restrict__ table, int64_t count,
+                                         int64_t chunks, int64_t chunk, float w, float wd,
+                                         double* __restrict__ partial_p,
+                                         double* __restrict__ partial_u) {
+  __shared__ double warps_p[kThreads / 32], warps_u[kThreads / 32];
+  const int64_t* sizes = table + 4 * count;
+  const int64_t* first_chunk = table + 5 * count;
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const int64_t t = owner_of(first_chunk, count, c);
+    const float* p = reinterpret_cast<const float*>(table[t]);
+    const float* m = reinterpret_cast<const float*>(table[count + t]);
+    float* sm = reinterpret_cast<float*>(table[2 * count + t]);
+    const float* d = reinterpret_cast<const float*>(table[3 * count + t]);
+    const int64_t begin = (c - first_chunk[t]) * chunk;
+    const int64_t end = begin + chunk < sizes[t] ? begin + chunk : sizes[t];
+    double sp = 0.0, su = 0.0;
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      const float x = sm[i], diff = m[i] - x;
+      const float s = fabsf(w) < 0.5f ? __fmaf_rn(w, diff, x) : __fmaf_rn(-diff, 1.0f - w, m[i]);
+      sm[i] = s;
+      const float pv = p[i];
+      const float u = wd != 0.0f ? __fmaf_rn(wd, pv, s / d[i]) : s / d[i];
+      sp += double(pv) * pv;
+      su += double(u) * u;
+    }
+    sp = warp_sum(sp);
+    su = warp_sum(su);
+    if (threadIdx.x % 32 == 0) {
+      warps_p[threadIdx.x / 32] = sp;
+      warps_u[threadIdx.x / 32] = su;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      double tp = 0.0, tu = 0.0;
+      for (int k = 0; k < kThreads / 32; ++k) {
+        tp += warps_p[k];
+        tu += warps_u[k];
+      }
+      partial_p[c] = tp;
+      partial_u[c] = tu;
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -765,6 +818,28 @@ int onebit_cuda_norms(const int64_t* table, int64_t count, int64_t chunks, int64
   }
   sumsq_finish_kernel<<<grid_for(count * 32), kThreads, 0, stream>>>(table + 2 * count, count,
                                                                      partial, norms);
+  return int(cudaGetLastError());
+}
+
+// table: int64 [6 * count + 1]: the pointers of p, m, s and d (count each),
+// sizes, first_chunk (count + 1); partial holds 2 * chunks doubles of
+// scratch, norms 2 * count floats: ||p|| for each tensor, then ||u||.
+int onebit_cuda_lamb_ratio_norms(const int64_t* table, int64_t count, int64_t chunks,
+                                 int64_t chunk, float w, float wd, double* partial, float* norms,
+                                 cudaStream_t stream) {
+  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
+  if (count == 0) return 0;
+  if (chunks > 0) {
+    const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+    lamb_ratio_chunks_kernel<<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk, w, wd,
+                                                            partial, partial + chunks);
+  }
+  const int64_t* first_chunk = table + 5 * count;
+  sumsq_finish_kernel<<<grid_for(count * 32), kThreads, 0, stream>>>(first_chunk, count,
+                                                                     partial, norms);
+  sumsq_finish_kernel<<<grid_for(count * 32), kThreads, 0, stream>>>(first_chunk, count,
+                                                                     partial + chunks,
+                                                                     norms + count);
   return int(cudaGetLastError());
 }
 
