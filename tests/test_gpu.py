@@ -274,7 +274,7 @@ def _float64_norms(tensors):
 @pytest.mark.gpu
 def test_cuda_list_norms_are_float64_norms_rounded_once_and_the_same_bits_every_call():
     import onebit.ops as ops
-    from onebit.norms import tensor_norms
+    from onebit.multi_tensor import tensor_norms
 
     kernels = ops.kernels_for(torch.device("cuda"))
     assert hasattr(kernels, "tensor_norms")
@@ -303,7 +303,7 @@ def test_cuda_list_norms_are_float64_norms_rounded_once_and_the_same_bits_every_
 @needs_cuda
 @pytest.mark.gpu
 def test_cuda_list_norms_take_foreach_norm_for_other_layouts_and_dtypes():
-    from onebit.norms import tensor_norms
+    from onebit.multi_tensor import tensor_norms
 
     g = torch.Generator(device="cuda").manual_seed(1)
     crossed = torch.randn(40, 60, device="cuda", generator=g).t()
@@ -327,7 +327,7 @@ def _lamb_lists(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight,weight_decay", [(0.2, 0.0), (0.2, 0.01), (0.7, 0.1)])
 def test_cuda_lamb_ratio_pass_is_torchs_lerp_and_float64_norms(weight, weight_decay):
-    from onebit.norms import lamb_ratio_norms
+    from onebit.multi_tensor import lamb_ratio_norms
 
     p, m, s, d = _lamb_lists(0)
     before = [t.clone() for t in s]
@@ -352,7 +352,7 @@ def test_cuda_lamb_ratio_pass_is_torchs_lerp_and_float64_norms(weight, weight_de
 @needs_cuda
 @pytest.mark.gpu
 def test_cuda_lamb_fresh_step_with_the_pass_follows_torchs_ops(monkeypatch):
-    import onebit.norms as norms
+    import onebit.multi_tensor as multi_tensor
     from onebit.optim.lamb import onebit_lamb_fresh_step_
 
     def run():
@@ -366,9 +366,77 @@ def test_cuda_lamb_fresh_step_with_the_pass_follows_torchs_ops(monkeypatch):
         return p, coeffs
 
     fused_p, fused_c = run()
-    monkeypatch.setattr(norms, "_list_kernel", lambda *a: None)
+    monkeypatch.setattr(multi_tensor, "_list_kernel", lambda *a: None)
     plain_p, plain_c = run()
     assert np.allclose(fused_c, plain_c, rtol=1e-5, atol=0)
     assert any(c != 1.0 for row in fused_c for c in row)
     for a, b in zip(fused_p, plain_p):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def _ulps_apart(a, b, *terms, ulps=2):
+    """|a - b| within `ulps` fp32 ulps of the largest term (a multiply-add
+    fused or not moves a result by about one)."""
+    scale = torch.stack([t.abs() for t in (a, b, *terms)]).amax(0)
+    return bool(((a - b).abs() <= ulps * 2.0 ** -23 * scale).all())
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_cuda_zero_one_local_step_is_torchs_ops_in_one_pass(weight_decay):
+    from onebit.multi_tensor import zero_one_local_step
+    from onebit.optim import functional as F
+    from onebit.optim.zoadam import accumulate_
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    shapes = [t.numel() for t in _check_tensors()] + [0]
+    def make(scale, positive=False):
+        ts = [torch.randn(n, device="cuda", generator=g) * scale for n in shapes]
+        return [t.abs() + 1e-4 for t in ts] if positive else ts
+    a = make(1.0)
+    lists = [[t.clone() for t in a], make(1e-2), make(1e-3), make(1e-2, True), make(1e-4), a]
+    theirs = [[t.clone() for t in ts] for ts in lists]
+    kw = dict(lr=1e-3, weight_decay=weight_decay, bc1=0.7)
+    assert zero_one_local_step(*lists, beta1=0.9, **kw)
+    p, gr, m, d, u, anchors = theirs
+    F.update_momentum_(m, gr, 0.9)
+    accumulate_(p, m, d, u, anchors, sync=False, **kw)
+    for name, k in (("momentum", 2), ("accumulator", 4), ("param", 0)):
+        for mine, want, x in zip(lists[k], theirs[k], lists[0]):
+            assert _ulps_apart(mine, want, x), name
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_zero_one_adam_local_steps_with_the_kernel_follow_torchs_ops(monkeypatch):
+    import onebit
+    import onebit.multi_tensor as multi_tensor
+
+    def run():
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(n, device="cuda", generator=gen) * s)
+                  for n, s in ((1000, 1.0), (37, 1e-3), (70000, 10.0))]
+        opt = onebit.ZeroOneAdam(params, lr=1e-2, weight_decay=0.01, var_freeze_step=2,
+                                 local_step_scaler=1, local_step_clipper=4)
+        for _ in range(12):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    used, real = [], multi_tensor._list_kernel
+
+    def spy(name, *lists):
+        kernel = real(name, *lists)
+        used.append((name, kernel is not None))
+        return kernel
+
+    monkeypatch.setattr(multi_tensor, "_list_kernel", spy)
+    fused, again = run(), run()
+    assert ("zero_one_local_step", True) in used
+    assert all(torch.equal(a, b) for a, b in zip(fused, again))  # the same bits every run
+    monkeypatch.setattr(multi_tensor, "_list_kernel", lambda *a: None)
+    plain = run()
+    for a, b in zip(fused, plain):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -131,7 +131,7 @@ class LauncherKernels:
 
             self.any_nonfinite = any_nonfinite
         norms = getattr(lib, f"{prefix}_norms", None)
-        if norms is not None:  # per-tensor 2-norms in two launches (norms.py)
+        if norms is not None:  # per-tensor 2-norms in two launches (multi_tensor.py)
             norms = self._fn(lib, f"{prefix}_norms", s + [_P, _I64, _I64, _I64, _P, _P] + e)
 
             def tensor_norms(tensors, sizes, out) -> None:
@@ -164,6 +164,23 @@ class LauncherKernels:
                            weight, weight_decay, partial.data_ptr(), out.data_ptr())
 
             self.lamb_ratio_norms = lamb_ratio_norms
+        local = getattr(lib, f"{prefix}_zero_one_local_step", None)
+        if local is not None:  # 0/1 Adam's local step in one pass (optim/zoadam.py)
+            f32 = ctypes.c_float
+            local = self._fn(lib, f"{prefix}_zero_one_local_step",
+                             s + [_P, _I64, _I64, _I64, f32, f32, f32] + e)
+
+            def zero_one_local_step(lists, sizes, weight: float, wd_alpha: float,
+                                    value: float) -> None:
+                """`lists` = (p, g, m, d, u, a), contiguous fp32 of `sizes`
+                elements: m <- lerp(m, g, weight); u <- u + wd_alpha x p +
+                value x m / d; p <- a + u, as torch's ops round them."""
+                device = lists[0][0].device
+                table, chunks = tables.table(lists[0], sizes, device, *lists[1:])
+                self._call(local, device, table.data_ptr(), len(sizes), chunks, TABLE_CHUNK,
+                           weight, wd_alpha, value)
+
+            self.zero_one_local_step = zero_one_local_step
 
     @staticmethod
     def _fn(lib, name, argtypes):

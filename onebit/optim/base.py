@@ -56,7 +56,7 @@ from ..feedback.channel import ErrorFeedbackChannel, open_backend
 from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
 from ..feedback.handoff import exchange_group
 from ..half_precision import check_fp16_mean, share
-from ..norms import tensor_norms
+from ..multi_tensor import tensor_norms
 from ..shards import ShardedParams
 from . import checkpoints
 from . import functional as F

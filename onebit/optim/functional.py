@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..norms import tensor_norms
+from ..multi_tensor import tensor_norms
 
 Tensors = List[torch.Tensor]
 

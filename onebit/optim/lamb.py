@@ -10,7 +10,7 @@ from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import FreezeStepOptimizer
 from ..checks import check_number
-from ..norms import lamb_ratio_norms
+from ..multi_tensor import lamb_ratio_norms
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
 from .stage_schedules import FreezeStepSchedule

@@ -7,6 +7,7 @@ import torch
 
 from . import functional as F
 from .guards import mask_unseen_, only_seen
+from ..multi_tensor import zero_one_local_step
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
 from .defaults import adam_defaults
@@ -148,18 +149,25 @@ class ZeroOneAdam(OnebitOptimizer):
                 self._mask_(group, gs)
             elif not full:
                 mask_unseen_(gs, masks, seen)
-            F.update_momentum_(m, gs, beta1)
             bc1, bc2 = self._bias_corrections(group, t, version)
-            denom = self._denominators(i, group, v, bc2, version)
-            # Tensors that never saw a gradient do not move (guards.py).
-            ps, ms, ds = only_seen(seen, params, m, denom)
+            denom = self._denominators(i, group, v, bc2, version)  # (v's, not m's)
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
                 anchors = self._anchors(params, c["lrs"][i] == 0.0)
-                accumulate_(ps, ms, ds, *only_seen(seen, u, anchors), lr=group["lr"],
-                            weight_decay=group["weight_decay"], bc1=bc1, sync=sync)
+                # A local step where every tensor moves: the momentum and
+                # the step in one pass where the device has the kernel.
+                fused = not sync and all(seen) and zero_one_local_step(
+                    params, gs, m, denom, u, anchors, beta1=beta1, lr=group["lr"],
+                    weight_decay=group["weight_decay"], bc1=bc1)
+                if not fused:
+                    F.update_momentum_(m, gs, beta1)
+                    # Tensors that never saw a gradient do not move (guards.py).
+                    accumulate_(*only_seen(seen, params, m, denom, u, anchors), lr=group["lr"],
+                                weight_decay=group["weight_decay"], bc1=bc1, sync=sync)
                 c["lrs"][i] += group["lr"]
             else:
+                F.update_momentum_(m, gs, beta1)
+                ps, ms, ds = only_seen(seen, params, m, denom)
                 upd = F.adam_updates(ms, ds, F.as_fp32(ps), group["weight_decay"], bc1,
                                      out=self._static.scratch("update", i, ms))
                 if upd:  # (empty when no tensor of the group has seen a gradient)

@@ -592,6 +592,13 @@ __device__ __forceinline__ double warp_sum(double s) {
   return s;
 }
 
+// torch's lerp (ATen's Lerp.h), with the multiply-adds fused as nvcc fuses
+// them in torch's build (this file builds with -fmad=false).
+__device__ __forceinline__ float torch_lerp(float self, float end, float w) {
+  const float diff = end - self;
+  return fabsf(w) < 0.5f ? __fmaf_rn(w, diff, self) : __fmaf_rn(-diff, 1.0f - w, end);
+}
+
 __global__ void sumsq_chunks_kernel(const int64_t* __restrict__ ptrs,
                                     const int64_t* __restrict__ sizes,
                                     const int64_t* __restrict__ first_chunk, int64_t count,
@@ -646,9 +653,7 @@ __global__ void sumsq_finish_kernel(const int64_t* __restrict__ first_chunk, int
 // the averaged momentum, written back), u = s / d + wd * p (the ratio's
 // update, never stored), and each chunk's float64 sums of p^2 and u^2 for
 // sumsq_finish_kernel. torch's way was a lerp, a divide into a buffer, an
-// add and two norms: eight passes over memory where this makes five. The
-// lerp is torch's (Lerp.h) with its multiply-adds fused as nvcc fuses them
-// there (this file builds with -fmad=false).
+// add and two norms: eight passes over memory where this makes five.
 __global__ void lamb_ratio_chunks_kernel(const int64_t* __restrict__ table, int64_t count,
                                          int64_t chunks, int64_t chunk, float w, float wd,
                                          double* __restrict__ partial_p,
@@ -666,8 +671,7 @@ __global__ void lamb_ratio_chunks_kernel(const int64_t* __restrict__ table, int6
     const int64_t end = begin + chunk < sizes[t] ? begin + chunk : sizes[t];
     double sp = 0.0, su = 0.0;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-      const float x = sm[i], diff = m[i] - x;
-      const float s = fabsf(w) < 0.5f ? __fmaf_rn(w, diff, x) : __fmaf_rn(-diff, 1.0f - w, m[i]);
+      const float s = torch_lerp(sm[i], m[i], w);
       sm[i] = s;
       const float pv = p[i];
       const float u = wd != 0.0f ? __fmaf_rn(wd, pv, s / d[i]) : s / d[i];
@@ -691,6 +695,40 @@ __global__ void lamb_ratio_chunks_kernel(const int64_t* __restrict__ table, int6
       partial_u[c] = tu;
     }
     __syncthreads();
+  }
+}
+
+// 0/1 Adam's local step (optim/zoadam.py, a frozen step that does not
+// sync) in one pass over its six lists, p, g, m, d, u and a:
+//   m <- lerp(m, g, w);  u <- u + wd_alpha * p;  u <- u + value * m / d;
+//   p <- a + u
+// each op rounded as torch's foreach ops round it (add with alpha and
+// addcdiv as a multiply-add). torch's way was a lerp, an addcdiv and an
+// add into p: ten passes over memory where this makes eight.
+__global__ void zero_one_local_step_kernel(const int64_t* __restrict__ table, int64_t count,
+                                           int64_t chunks, int64_t chunk, float w,
+                                           float wd_alpha, float value) {
+  const int64_t* sizes = table + 6 * count;
+  const int64_t* first_chunk = table + 7 * count;
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const int64_t t = owner_of(first_chunk, count, c);
+    float* p = reinterpret_cast<float*>(table[t]);
+    const float* g = reinterpret_cast<const float*>(table[count + t]);
+    float* m = reinterpret_cast<float*>(table[2 * count + t]);
+    const float* d = reinterpret_cast<const float*>(table[3 * count + t]);
+    float* u = reinterpret_cast<float*>(table[4 * count + t]);
+    const float* a = reinterpret_cast<const float*>(table[5 * count + t]);
+    const int64_t begin = (c - first_chunk[t]) * chunk;
+    const int64_t end = begin + chunk < sizes[t] ? begin + chunk : sizes[t];
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      const float mv = torch_lerp(m[i], g[i], w);
+      m[i] = mv;
+      float uv = u[i];
+      if (wd_alpha != 0.0f) uv = __fmaf_rn(wd_alpha, p[i], uv);
+      uv = __fmaf_rn(value, mv / d[i], uv);
+      u[i] = uv;
+      p[i] = a[i] + uv;
+    }
   }
 }
 
@@ -840,6 +878,19 @@ int onebit_cuda_lamb_ratio_norms(const int64_t* table, int64_t count, int64_t ch
   sumsq_finish_kernel<<<grid_for(count * 32), kThreads, 0, stream>>>(first_chunk, count,
                                                                      partial + chunks,
                                                                      norms + count);
+  return int(cudaGetLastError());
+}
+
+// table: int64 [8 * count + 1]: the pointers of p, g, m, d, u and a
+// (count each), sizes, first_chunk (count + 1).
+int onebit_cuda_zero_one_local_step(const int64_t* table, int64_t count, int64_t chunks,
+                                    int64_t chunk, float w, float wd_alpha, float value,
+                                    cudaStream_t stream) {
+  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
+  if (count == 0 || chunks == 0) return 0;
+  const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+  zero_one_local_step_kernel<<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk, w,
+                                                            wd_alpha, value);
   return int(cudaGetLastError());
 }
 

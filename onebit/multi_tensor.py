@@ -1,13 +1,17 @@
-"""Each tensor's 2-norm over a list of tensors, as one 1-D tensor on their
-device: LAMB's trust ratios and gradient clipping read thousands of them a
-step.
+"""An optimizer step's passes over lists of tensors, in one launch each
+where the device's kernels have them (CUDA's: a table of pointers per
+call, no host sync), else None or torch's ops.
 
-On a device whose kernels have the list kernel (CUDA's), contiguous fp32
-tensors take it: two launches on a table of pointers, the squares summed in
-float64 in a fixed order. torch's `_foreach_norm` allocates an output per
-tensor and needs a stack after it, about 3 ms of host time for 2000 tensors
-on an H200. Elsewhere (the CPU, other layouts and dtypes) `_foreach_norm`
-stays, and with it every bit the CPU has computed so far.
+- tensor_norms: each tensor's 2-norm (LAMB's trust ratios, clipping), the
+  squares summed in float64 in a fixed order. torch's `_foreach_norm`
+  allocates an output per tensor and needs a stack after it: about 3 ms of
+  host time for 2000 tensors on an H200.
+- lamb_ratio_norms, zero_one_local_step: one optimizer's passes fused, so
+  that the step reads and writes each tensor fewer times.
+
+The kernels take contiguous fp32 tensors off the CPU. Elsewhere (the CPU,
+other layouts and dtypes) torch's ops stay, and with them every bit the CPU
+has computed so far.
 """
 from __future__ import annotations
 
@@ -63,3 +67,21 @@ def lamb_ratio_norms(params: List[torch.Tensor], exp_avgs: List[torch.Tensor],
     kernel(params, exp_avgs, smoothed, denoms, list(map(torch.Tensor.numel, params)), weight,
            weight_decay, out)
     return out
+
+
+def zero_one_local_step(params: List[torch.Tensor], grads: List[torch.Tensor],
+                        exp_avgs: List[torch.Tensor], denoms: List[torch.Tensor],
+                        accumulators: List[torch.Tensor], anchors: List[torch.Tensor], *,
+                        beta1: float, lr: float, weight_decay: float, bc1: float) -> bool:
+    """0/1 Adam's local step in one pass where the device's kernels have it:
+    m <- beta1 m + (1 - beta1) g; u <- u - lr (m / bc1 / denom + wd p);
+    p <- anchor + u. Returns False (nothing done) elsewhere: the caller
+    takes torch's ops, the same maths in ten passes over memory (eight
+    here)."""
+    lists = (params, grads, exp_avgs, denoms, accumulators, anchors)
+    kernel = _list_kernel("zero_one_local_step", *lists) if params else None
+    if kernel is None:
+        return False
+    kernel(lists, list(map(torch.Tensor.numel, params)), 1.0 - beta1, -lr * weight_decay,
+           -lr / bc1)
+    return True
