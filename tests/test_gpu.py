@@ -365,13 +365,17 @@ def test_cuda_lamb_fresh_step_with_the_pass_follows_torchs_ops(monkeypatch):
                 min_coeff=0.01, max_coeff=10.0))
         return p, coeffs
 
+    start = _lamb_lists(1)[0]
     fused_p, fused_c = run()
     monkeypatch.setattr(multi_tensor, "_list_kernel", lambda *a: None)
     plain_p, plain_c = run()
     assert np.allclose(fused_c, plain_c, rtol=1e-5, atol=0)
     assert any(c != 1.0 for row in fused_c for c in row)
-    for a, b in zip(fused_p, plain_p):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
+    # The coefficients differ in their last digits (norms summed in float64
+    # against torch's fp32), so the params do by as much of their movement.
+    for a, b, p0 in zip(fused_p, plain_p, start):
+        moved = float((b - p0).abs().max()) if p0.numel() else 0.0
+        assert torch.allclose(a, b, rtol=0, atol=1e-5 * moved + 1e-12)
 
 
 def _ulps_apart(a, b, *terms, ulps=2):
