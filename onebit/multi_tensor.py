@@ -6,8 +6,8 @@ call, no host sync), else None or torch's ops.
   squares summed in float64 in a fixed order. torch's `_foreach_norm`
   allocates an output per tensor and needs a stack after it: about 3 ms of
   host time for 2000 tensors on an H200.
-- lamb_ratio_norms, zero_one_local_step: one optimizer's passes fused, so
-  that the step reads and writes each tensor fewer times.
+- lamb_ratio_norms, zero_one_local_step, zero_one_step: one optimizer's
+  passes fused, so that the step reads and writes each tensor fewer times.
 
 The kernels take contiguous fp32 tensors off the CPU. Elsewhere (the CPU,
 other layouts and dtypes) torch's ops stay, and with them every bit the CPU
@@ -84,4 +84,19 @@ def zero_one_local_step(params: List[torch.Tensor], grads: List[torch.Tensor],
         return False
     kernel(lists, list(map(torch.Tensor.numel, params)), 1.0 - beta1, -lr * weight_decay,
            -lr / bc1)
+    return True
+
+
+def zero_one_step(params: List[torch.Tensor], grads: List[torch.Tensor],
+                  exp_avgs: List[torch.Tensor], denoms: List[torch.Tensor], *, beta1: float,
+                  lr: float, weight_decay: float, bc1: float) -> bool:
+    """0/1 Adam's step before the variance freezes, in one pass where the
+    device's kernels have it: m <- beta1 m + (1 - beta1) g; p <- p - lr (m /
+    denom / bc1 + wd p), rounded as torch's ops round functional.adam_updates
+    and add_updates_. Returns False (nothing done) elsewhere."""
+    lists = (params, grads, exp_avgs, denoms)
+    kernel = _list_kernel("zero_one_step", *lists) if params else None
+    if kernel is None:
+        return False
+    kernel(lists, list(map(torch.Tensor.numel, params)), 1.0 - beta1, bc1, weight_decay, -lr)
     return True

@@ -413,7 +413,7 @@ def test_cuda_zero_one_local_step_is_torchs_ops_in_one_pass(weight_decay):
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_zero_one_adam_local_steps_with_the_kernel_follow_torchs_ops(monkeypatch):
+def test_cuda_zero_one_adam_with_its_kernels_follows_torchs_ops(monkeypatch):
     import onebit
     import onebit.multi_tensor as multi_tensor
 
@@ -438,9 +438,34 @@ def test_cuda_zero_one_adam_local_steps_with_the_kernel_follow_torchs_ops(monkey
 
     monkeypatch.setattr(multi_tensor, "_list_kernel", spy)
     fused, again = run(), run()
-    assert ("zero_one_local_step", True) in used
+    assert ("zero_one_local_step", True) in used and ("zero_one_step", True) in used
     assert all(torch.equal(a, b) for a, b in zip(fused, again))  # the same bits every run
     monkeypatch.setattr(multi_tensor, "_list_kernel", lambda *a: None)
     plain = run()
     for a, b in zip(fused, plain):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("bc1,weight_decay", [(1.0, 0.0), (0.3, 0.0), (0.3, 0.01)])
+def test_cuda_zero_one_step_is_torchs_ops_in_one_pass(bc1, weight_decay):
+    from onebit.multi_tensor import zero_one_step
+    from onebit.optim import functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    shapes = [t.numel() for t in _check_tensors()] + [0]
+    def make(scale, positive=False):
+        ts = [torch.randn(n, device="cuda", generator=g) * scale for n in shapes]
+        return [t.abs() + 1e-4 for t in ts] if positive else ts
+    lists = [make(1.0), make(1e-2), make(1e-3), make(1e-2, True)]
+    theirs = [[t.clone() for t in ts] for ts in lists]
+    assert zero_one_step(*lists, beta1=0.9, lr=1e-3, weight_decay=weight_decay, bc1=bc1)
+    p, gr, m, d = theirs
+    F.update_momentum_(m, gr, 0.9)
+    upd = F.adam_updates(m, d, p, weight_decay, bc1)
+    torch._foreach_mul_(upd, -1e-3)
+    F.add_updates_(p, upd)
+    for name, k in (("momentum", 2), ("param", 0)):
+        for mine, want, x in zip(lists[k], theirs[k], upd if k == 0 else lists[1]):
+            assert _ulps_apart(mine, want, x, ulps=4), name

@@ -181,6 +181,23 @@ class LauncherKernels:
                            weight, wd_alpha, value)
 
             self.zero_one_local_step = zero_one_local_step
+        step = getattr(lib, f"{prefix}_zero_one_step", None)
+        if step is not None:  # 0/1 Adam's step before the freeze in one pass (optim/zoadam.py)
+            f32 = ctypes.c_float
+            step = self._fn(lib, f"{prefix}_zero_one_step",
+                            s + [_P, _I64, _I64, _I64, f32, f32, f32, f32] + e)
+
+            def zero_one_step(lists, sizes, weight: float, bc1: float, weight_decay: float,
+                              neg_lr: float) -> None:
+                """`lists` = (p, g, m, d), contiguous fp32 of `sizes`
+                elements: m <- lerp(m, g, weight); p <- p + neg_lr x (m /
+                d / bc1 + weight_decay x p), as torch's ops round them."""
+                device = lists[0][0].device
+                table, chunks = tables.table(lists[0], sizes, device, *lists[1:])
+                self._call(step, device, table.data_ptr(), len(sizes), chunks, TABLE_CHUNK,
+                           weight, bc1, weight_decay, neg_lr)
+
+            self.zero_one_step = zero_one_step
 
     @staticmethod
     def _fn(lib, name, argtypes):

@@ -7,7 +7,7 @@ import torch
 
 from . import functional as F
 from .guards import mask_unseen_, only_seen
-from ..multi_tensor import zero_one_local_step
+from ..multi_tensor import zero_one_local_step, zero_one_step
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
 from .defaults import adam_defaults
@@ -165,14 +165,18 @@ class ZeroOneAdam(OnebitOptimizer):
                     accumulate_(*only_seen(seen, params, m, denom, u, anchors), lr=group["lr"],
                                 weight_decay=group["weight_decay"], bc1=bc1, sync=sync)
                 c["lrs"][i] += group["lr"]
-            else:
-                F.update_momentum_(m, gs, beta1)
-                ps, ms, ds = only_seen(seen, params, m, denom)
-                upd = F.adam_updates(ms, ds, F.as_fp32(ps), group["weight_decay"], bc1,
-                                     out=self._static.scratch("update", i, ms))
-                if upd:  # (empty when no tensor of the group has seen a gradient)
-                    torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
-                F.add_updates_(ps, upd)
+            else:  # (the same maths in one pass where the device has the kernel)
+                fused = all(seen) and zero_one_step(params, gs, m, denom, beta1=beta1,
+                                                    lr=group["lr"],
+                                                    weight_decay=group["weight_decay"], bc1=bc1)
+                if not fused:
+                    F.update_momentum_(m, gs, beta1)
+                    ps, ms, ds = only_seen(seen, params, m, denom)
+                    upd = F.adam_updates(ms, ds, F.as_fp32(ps), group["weight_decay"], bc1,
+                                         out=self._static.scratch("update", i, ms))
+                    if upd:  # (empty when no tensor of the group has seen a gradient)
+                        torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
+                    F.add_updates_(ps, upd)
             if sync:
                 sync_local_steps_(params, anchors, m, u, denom, exchange=self._exchanges.group(i),
                                   seen=seen, masks=masks,
