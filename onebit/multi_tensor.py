@@ -6,8 +6,10 @@ call, no host sync), else None or torch's ops.
   squares summed in float64 in a fixed order. torch's `_foreach_norm`
   allocates an output per tensor and needs a stack after it: about 3 ms of
   host time for 2000 tensors on an H200.
-- lamb_ratio_norms, zero_one_local_step, zero_one_step: one optimizer's
-  passes fused, so that the step reads and writes each tensor fewer times.
+- lamb_ratio_norms and 0/1 Adam's zero_one_*: one optimizer's passes
+  fused, so that the step reads and writes each tensor fewer times. Each
+  op rounds as torch's foreach op does (to within its multiply-adds: the
+  GPU tests hold them to a few ulps of torch's).
 
 The kernels take contiguous fp32 tensors off the CPU. Elsewhere (the CPU,
 other layouts and dtypes) torch's ops stay, and with them every bit the CPU
@@ -99,4 +101,33 @@ def zero_one_step(params: List[torch.Tensor], grads: List[torch.Tensor],
     if kernel is None:
         return False
     kernel(lists, list(map(torch.Tensor.numel, params)), 1.0 - beta1, bc1, weight_decay, -lr)
+    return True
+
+
+def zero_one_sync_input(out: List[torch.Tensor], params: List[torch.Tensor],
+                        exp_avgs: List[torch.Tensor], grads: List[torch.Tensor],
+                        denoms: List[torch.Tensor], *, beta1: float, bc1: float,
+                        weight_decay: float) -> bool:
+    """0/1 Adam's input to a sync that follows a sync, in one pass where the
+    device's kernels have it: out <- -(lerp(m, g, 1 - beta1) / bc1 + wd p
+    denom) (`out` may be `exp_avgs` itself). Returns False elsewhere."""
+    lists = (out, params, exp_avgs, grads, denoms)
+    kernel = _list_kernel("zero_one_sync_input", *lists) if out else None
+    if kernel is None:
+        return False
+    kernel(lists, list(map(torch.Tensor.numel, out)), 1.0 - beta1, -1.0 / bc1, -weight_decay)
+    return True
+
+
+def zero_one_land(params: List[torch.Tensor], averages: List[torch.Tensor],
+                  denoms: List[torch.Tensor], *, lr: float, bc1: float) -> bool:
+    """0/1 Adam's landing after a sync that follows a sync, in one pass where
+    the device's kernels have it: p <- p + lr x avg / denom, then the
+    momentum re-derived in place, avg <- -bc1 x avg. Returns False
+    elsewhere."""
+    lists = (params, averages, denoms)
+    kernel = _list_kernel("zero_one_land", *lists) if params else None
+    if kernel is None:
+        return False
+    kernel(lists, list(map(torch.Tensor.numel, params)), lr, -bc1)
     return True

@@ -402,18 +402,27 @@ def test_cuda_zero_one_local_step_is_torchs_ops_in_one_pass(weight_decay):
     lists = [[t.clone() for t in a], make(1e-2), make(1e-3), make(1e-2, True), make(1e-4), a]
     theirs = [[t.clone() for t in ts] for ts in lists]
     kw = dict(lr=1e-3, weight_decay=weight_decay, bc1=0.7)
+    before = [[t.clone() for t in ts] for ts in lists]
     assert zero_one_local_step(*lists, beta1=0.9, **kw)
     p, gr, m, d, u, anchors = theirs
     F.update_momentum_(m, gr, 0.9)
     accumulate_(p, m, d, u, anchors, sync=False, **kw)
-    for name, k in (("momentum", 2), ("accumulator", 4), ("param", 0)):
-        for mine, want, x in zip(lists[k], theirs[k], lists[0]):
-            assert _ulps_apart(mine, want, x), name
+    # Each result within two ulps of the largest term that made it.
+    steps = [mi / di * (1e-3 / 0.7) + 1e-3 * weight_decay * pi.abs()
+             for mi, di, pi in zip(m, d, before[0])]
+    terms = {"momentum": (2, [before[2], before[1]]), "accumulator": (4, [before[4], steps]),
+             "param": (0, [anchors, u])}
+    for name, (k, inputs) in terms.items():
+        for mine, want, *xs in zip(lists[k], theirs[k], *inputs):
+            assert _ulps_apart(mine, want, *xs), name
 
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_zero_one_adam_with_its_kernels_follows_torchs_ops(monkeypatch):
+@pytest.mark.parametrize("scaler,kernels", [
+    (1, ["zero_one_step", "zero_one_local_step"]),
+    (10**6, ["zero_one_step", "zero_one_sync_input", "zero_one_land"])])
+def test_cuda_zero_one_adam_with_its_kernels_follows_torchs_ops(monkeypatch, scaler, kernels):
     import onebit
     import onebit.multi_tensor as multi_tensor
 
@@ -421,8 +430,10 @@ def test_cuda_zero_one_adam_with_its_kernels_follows_torchs_ops(monkeypatch):
         gen = torch.Generator(device="cuda").manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(n, device="cuda", generator=gen) * s)
                   for n, s in ((1000, 1.0), (37, 1e-3), (70000, 10.0))]
+        # local_step_scaler=1: local steps right after the freeze; 10**6:
+        # syncs that follow syncs (interval 1) from the freeze on.
         opt = onebit.ZeroOneAdam(params, lr=1e-2, weight_decay=0.01, var_freeze_step=2,
-                                 local_step_scaler=1, local_step_clipper=4)
+                                 local_step_scaler=scaler, local_step_clipper=4)
         for _ in range(12):
             for p in params:
                 p.grad = torch.randn(p.shape, device="cuda", generator=gen)
@@ -438,7 +449,7 @@ def test_cuda_zero_one_adam_with_its_kernels_follows_torchs_ops(monkeypatch):
 
     monkeypatch.setattr(multi_tensor, "_list_kernel", spy)
     fused, again = run(), run()
-    assert ("zero_one_local_step", True) in used and ("zero_one_step", True) in used
+    assert all((name, True) in used for name in kernels), used
     assert all(torch.equal(a, b) for a, b in zip(fused, again))  # the same bits every run
     monkeypatch.setattr(multi_tensor, "_list_kernel", lambda *a: None)
     plain = run()
@@ -469,3 +480,42 @@ def test_cuda_zero_one_step_is_torchs_ops_in_one_pass(bc1, weight_decay):
     for name, k in (("momentum", 2), ("param", 0)):
         for mine, want, x in zip(lists[k], theirs[k], upd if k == 0 else lists[1]):
             assert _ulps_apart(mine, want, x, ulps=4), name
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("into_momentum", [True, False])
+def test_cuda_zero_one_sync_kernels_are_torchs_ops(weight_decay, into_momentum):
+    from onebit.multi_tensor import zero_one_land, zero_one_sync_input
+    from onebit.optim import functional as F
+    from onebit.optim.zoadam import direction_into
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    shapes = [t.numel() for t in _check_tensors()] + [0]
+    def make(scale, positive=False):
+        ts = [torch.randn(n, device="cuda", generator=g) * scale for n in shapes]
+        return [t.abs() + 1e-4 for t in ts] if positive else ts
+    p, m, gr, d = make(1.0), make(1e-3), make(1e-2), make(1e-2, True)
+    seen, masks = [True] * len(p), [None] * len(p)
+    # The input (into m itself, as at world size 1, or into a buffer).
+    mine_m, their_m = [t.clone() for t in m], [t.clone() for t in m]
+    mine_out = mine_m if into_momentum else [torch.empty_like(t) for t in m]
+    their_out = their_m if into_momentum else [torch.empty_like(t) for t in m]
+    assert zero_one_sync_input(mine_out, p, mine_m, gr, d, beta1=0.9, bc1=0.6,
+                               weight_decay=weight_decay)
+    F.momentum_into(their_out, their_m, gr, 0.9)
+    direction_into(p, their_out, d, 0.6, seen, masks, their_out, weight_decay=weight_decay)
+    for mine, want, mi, gi, pi, di in zip(mine_out, their_out, m, gr, p, d):
+        assert _ulps_apart(mine, want, mi / 0.6, gi / 0.6, weight_decay * pi * di, ulps=4)
+    if not into_momentum:  # m itself untouched
+        assert all(torch.equal(a, b) for a, b in zip(mine_m, m))
+    # The landing on that average.
+    mine_p, their_p = [t.clone() for t in p], [t.clone() for t in p]
+    avg_mine, avg_theirs = [t.clone() for t in their_out], [t.clone() for t in their_out]
+    assert zero_one_land(mine_p, avg_mine, d, lr=1e-2, bc1=0.6)
+    torch._foreach_addcdiv_(their_p, avg_theirs, d, value=1e-2)
+    torch._foreach_mul_(avg_theirs, -0.6)
+    for mine, want, pi, ai, di in zip(mine_p, their_p, p, their_out, d):
+        assert _ulps_apart(mine, want, pi, 1e-2 * ai / di)
+    assert all(torch.equal(a, b) for a, b in zip(avg_mine, avg_theirs))  # one multiply each

@@ -19,6 +19,11 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # vectors from a chunk's start.
 TABLE_CHUNK = 8192
 
+# The fused optimizer steps over lists of tensors (multi_tensor.py), each
+# launcher's name after the prefix and its count of float arguments.
+LIST_STEPS = {"zero_one_local_step": 3, "zero_one_step": 4, "zero_one_sync_input": 3,
+              "zero_one_land": 2}
+
 
 class SharedLibraryBuilder(OpBuilder):
     """Builds `<prefix>-<hash>/lib<stem>.so` with the subclass's compile flags."""
@@ -58,7 +63,7 @@ class _ChunkTables:
     stream that used it (DiLoCo's communication thread has a stream of its
     own)."""
 
-    KEEP = 4
+    KEEP = 8
 
     def __init__(self, stream: Callable[[torch.device], int]) -> None:
         self._stream = stream
@@ -153,7 +158,7 @@ class LauncherKernels:
             def lamb_ratio_norms(params, exp_avgs, smoothed, denoms, sizes, weight: float,
                                  weight_decay: float, out) -> None:
                 """smoothed <- lerp(smoothed, exp_avgs, weight) (torch's
-                lerp, the same bits), and out (2 x len(params) fp32) <-
+                lerp's rounding), and out (2 x len(params) fp32) <-
                 each ||p||, then each ||smoothed / denom + weight_decay x
                 p||, in tensor_norms' order of sums. Every list: contiguous
                 fp32 of `sizes` elements. No host sync."""
@@ -164,40 +169,21 @@ class LauncherKernels:
                            weight, weight_decay, partial.data_ptr(), out.data_ptr())
 
             self.lamb_ratio_norms = lamb_ratio_norms
-        local = getattr(lib, f"{prefix}_zero_one_local_step", None)
-        if local is not None:  # 0/1 Adam's local step in one pass (optim/zoadam.py)
-            f32 = ctypes.c_float
-            local = self._fn(lib, f"{prefix}_zero_one_local_step",
-                             s + [_P, _I64, _I64, _I64, f32, f32, f32] + e)
+        # Optimizer steps fused over lists (multi_tensor.py says what each
+        # computes): launch(lists, sizes, *scalars), `lists` alike in
+        # sizes, contiguous fp32; the scalars go as C floats.
+        for name, scalars in LIST_STEPS.items():
+            if getattr(lib, f"{prefix}_{name}", None) is not None:
+                fn = self._fn(lib, f"{prefix}_{name}",
+                              s + [_P, _I64, _I64, _I64] + [ctypes.c_float] * scalars + e)
+                setattr(self, name, self._list_step(fn, tables))
 
-            def zero_one_local_step(lists, sizes, weight: float, wd_alpha: float,
-                                    value: float) -> None:
-                """`lists` = (p, g, m, d, u, a), contiguous fp32 of `sizes`
-                elements: m <- lerp(m, g, weight); u <- u + wd_alpha x p +
-                value x m / d; p <- a + u, as torch's ops round them."""
-                device = lists[0][0].device
-                table, chunks = tables.table(lists[0], sizes, device, *lists[1:])
-                self._call(local, device, table.data_ptr(), len(sizes), chunks, TABLE_CHUNK,
-                           weight, wd_alpha, value)
-
-            self.zero_one_local_step = zero_one_local_step
-        step = getattr(lib, f"{prefix}_zero_one_step", None)
-        if step is not None:  # 0/1 Adam's step before the freeze in one pass (optim/zoadam.py)
-            f32 = ctypes.c_float
-            step = self._fn(lib, f"{prefix}_zero_one_step",
-                            s + [_P, _I64, _I64, _I64, f32, f32, f32, f32] + e)
-
-            def zero_one_step(lists, sizes, weight: float, bc1: float, weight_decay: float,
-                              neg_lr: float) -> None:
-                """`lists` = (p, g, m, d), contiguous fp32 of `sizes`
-                elements: m <- lerp(m, g, weight); p <- p + neg_lr x (m /
-                d / bc1 + weight_decay x p), as torch's ops round them."""
-                device = lists[0][0].device
-                table, chunks = tables.table(lists[0], sizes, device, *lists[1:])
-                self._call(step, device, table.data_ptr(), len(sizes), chunks, TABLE_CHUNK,
-                           weight, bc1, weight_decay, neg_lr)
-
-            self.zero_one_step = zero_one_step
+    def _list_step(self, fn, tables: "_ChunkTables"):
+        def launch(lists, sizes, *scalars) -> None:
+            device = lists[0][0].device
+            table, chunks = tables.table(lists[0], sizes, device, *lists[1:])
+            self._call(fn, device, table.data_ptr(), len(sizes), chunks, TABLE_CHUNK, *scalars)
+        return launch
 
     @staticmethod
     def _fn(lib, name, argtypes):

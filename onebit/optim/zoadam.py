@@ -7,7 +7,7 @@ import torch
 
 from . import functional as F
 from .guards import mask_unseen_, only_seen
-from ..multi_tensor import zero_one_local_step, zero_one_step
+from ..multi_tensor import zero_one_land, zero_one_local_step, zero_one_step, zero_one_sync_input
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
 from .defaults import adam_defaults
@@ -309,8 +309,9 @@ def sync_single_(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Ten
     for part in exchange.parts(exp_avgs, seen, masks):
         ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen))
         mask_(ms)
-        land_(ps, ps, ms, ds, ss, lr)
-        torch._foreach_mul_(ms, -bc1)
+        if not (all(ss) and zero_one_land(ps, ms, ds, lr=lr, bc1=bc1)):  # (one pass on a GPU)
+            land_(ps, ps, ms, ds, ss, lr)
+            torch._foreach_mul_(ms, -bc1)
 
 
 def single_sync_input_into(out: Tensors, params: Tensors, exp_avgs: Tensors, grads: Tensors,
@@ -321,6 +322,10 @@ def single_sync_input_into(out: Tensors, params: Tensors, exp_avgs: Tensors, gra
     not committed). Written by step() (sync_single_) or, for a bucket,
     during backward (ZeroOneAdam._exchange_input_): one expression, so the
     two paths give the same bits."""
+    if all(seen) and all(k is None for k in masks) and zero_one_sync_input(
+            out, params, exp_avgs, grads, denoms, beta1=beta1, bc1=bc1,
+            weight_decay=weight_decay):
+        return  # (the same maths in one pass on a GPU)
     F.momentum_into(out, exp_avgs, grads, beta1)
     direction_into(params, out, denoms, bc1, seen, masks, out, weight_decay=weight_decay)
 

@@ -815,6 +815,43 @@ __global__ void zero_one_step_kernel(const int64_t* __restrict__ table, int64_t 
   }
 }
 
+// 0/1 Adam's sync that follows a sync (optim/zoadam.py, sync_single_), in
+// two passes around the exchange where torch's ops make four:
+// the input, over out, p, m, g, d (out may be m itself):
+//   out <- lerp(m, g, w) * neg_inv_bc1;  out += neg_wd * p * d (kDecay)
+// (eight passes before, with the lerp and the scale apart), and the landing
+// on the average, over p, m, d:  p <- p + lr * m / d;  m <- m * neg_bc1
+// (six before). Each op rounded as torch's foreach ops round it.
+template <bool kDecay>
+__global__ void zero_one_sync_input_kernel(const int64_t* __restrict__ table, int64_t count,
+                                           int64_t chunks, int64_t chunk, float w,
+                                           float neg_inv_bc1, float neg_wd) {
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    float* ptr[5];
+    int64_t begin, end;
+    chunk_of<5>(table, count, c, chunk, ptr, begin, end);
+    constexpr unsigned kRead = kDecay ? 0x1eu : 0x0cu;  // m, g (p, d with decay)
+    each_element<5, kRead, 0x1u>(ptr, begin, end, [&](float (&x)[5]) {
+      float o = torch_lerp(x[2], x[3], w) * neg_inv_bc1;
+      if (kDecay) o = __fmaf_rn(neg_wd, x[1] * x[4], o);
+      x[0] = o;
+    });
+  }
+}
+
+__global__ void zero_one_land_kernel(const int64_t* __restrict__ table, int64_t count,
+                                     int64_t chunks, int64_t chunk, float lr, float neg_bc1) {
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    float* ptr[3];
+    int64_t begin, end;
+    chunk_of<3>(table, count, c, chunk, ptr, begin, end);
+    each_element<3, 0x7u, 0x3u>(ptr, begin, end, [&](float (&x)[3]) {
+      x[0] = __fmaf_rn(lr, x[1] / x[2], x[0]);
+      x[1] = x[1] * neg_bc1;
+    });
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -997,6 +1034,33 @@ int onebit_cuda_zero_one_step(const int64_t* table, int64_t count, int64_t chunk
   else if (decay) ONEBIT_ZERO_ONE_STEP(false, true);
   else ONEBIT_ZERO_ONE_STEP(false, false);
 #undef ONEBIT_ZERO_ONE_STEP
+  return int(cudaGetLastError());
+}
+
+// table: int64 [7 * count + 1]: the pointers of out, p, m, g and d (count
+// each), sizes, first_chunk (count + 1). neg_wd = 0 skips the decay.
+int onebit_cuda_zero_one_sync_input(const int64_t* table, int64_t count, int64_t chunks,
+                                    int64_t chunk, float w, float neg_inv_bc1, float neg_wd,
+                                    cudaStream_t stream) {
+  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
+  if (count == 0 || chunks == 0) return 0;
+  const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+  if (neg_wd != 0.0f)
+    zero_one_sync_input_kernel<true><<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk,
+                                                                    w, neg_inv_bc1, neg_wd);
+  else
+    zero_one_sync_input_kernel<false><<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk,
+                                                                     w, neg_inv_bc1, neg_wd);
+  return int(cudaGetLastError());
+}
+
+// table: int64 [5 * count + 1]: the pointers of p, m and d, sizes, first_chunk.
+int onebit_cuda_zero_one_land(const int64_t* table, int64_t count, int64_t chunks, int64_t chunk,
+                              float lr, float neg_bc1, cudaStream_t stream) {
+  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
+  if (count == 0 || chunks == 0) return 0;
+  const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+  zero_one_land_kernel<<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk, lr, neg_bc1);
   return int(cudaGetLastError());
 }
 
