@@ -1,7 +1,7 @@
 """0/1 Adam (Lu et al., 2022, arXiv 2202.06009)."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -154,11 +154,15 @@ class ZeroOneAdam(OnebitOptimizer):
             if frozen:
                 u = [self._state_tensor(p, "momentum_accumulator") for p in params]
                 anchors = self._anchors(params, c["lrs"][i] == 0.0)
-                # A local step where every tensor moves: the momentum and
-                # the step in one pass where the device has the kernel.
-                fused = not sync and all(seen) and zero_one_local_step(
-                    params, gs, m, denom, u, anchors, beta1=beta1, lr=group["lr"],
+                # A local step: the momentum and the step in one pass where
+                # the device has the kernel (the tensors that move; the
+                # others' momentum as below).
+                on, off = _positions(seen)
+                fused = not sync and bool(on) and zero_one_local_step(
+                    *_take(on, params, gs, m, denom, u, anchors), beta1=beta1, lr=group["lr"],
                     weight_decay=group["weight_decay"], bc1=bc1)
+                if fused and off:
+                    F.update_momentum_(*_take(off, m, gs), beta1)
                 if not fused:
                     F.update_momentum_(m, gs, beta1)
                     # Tensors that never saw a gradient do not move (guards.py).
@@ -166,9 +170,12 @@ class ZeroOneAdam(OnebitOptimizer):
                                 weight_decay=group["weight_decay"], bc1=bc1, sync=sync)
                 c["lrs"][i] += group["lr"]
             else:  # (the same maths in one pass where the device has the kernel)
-                fused = all(seen) and zero_one_step(params, gs, m, denom, beta1=beta1,
-                                                    lr=group["lr"],
-                                                    weight_decay=group["weight_decay"], bc1=bc1)
+                on, off = _positions(seen)
+                fused = bool(on) and zero_one_step(*_take(on, params, gs, m, denom), beta1=beta1,
+                                                   lr=group["lr"],
+                                                   weight_decay=group["weight_decay"], bc1=bc1)
+                if fused and off:
+                    F.update_momentum_(*_take(off, m, gs), beta1)
                 if not fused:
                     F.update_momentum_(m, gs, beta1)
                     ps, ms, ds = only_seen(seen, params, m, denom)
@@ -215,6 +222,19 @@ class ZeroOneAdam(OnebitOptimizer):
 
 
 Tensors = List[torch.Tensor]
+
+
+def _positions(flags: Sequence[bool]) -> Tuple[List[int], List[int]]:
+    """(the positions where `flags` hold, the others)."""
+    on = [j for j, ok in enumerate(flags) if ok]
+    return on, ([] if len(on) == len(flags) else [j for j, ok in enumerate(flags) if not ok])
+
+
+def _take(positions: List[int], *lists: Sequence) -> Tuple[list, ...]:
+    """Each list at `positions` (the lists themselves where that is all)."""
+    if all(len(positions) == len(xs) for xs in lists):
+        return lists
+    return tuple([xs[j] for j in positions] for xs in lists)
 
 
 def accumulate_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, accumulators: Tensors,
@@ -309,7 +329,11 @@ def sync_single_(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Ten
     for part in exchange.parts(exp_avgs, seen, masks):
         ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen))
         mask_(ms)
-        if not (all(ss) and zero_one_land(ps, ms, ds, lr=lr, bc1=bc1)):  # (one pass on a GPU)
+        on, off = _positions(ss)
+        if on and zero_one_land(*_take(on, ps, ms, ds), lr=lr, bc1=bc1):  # (one pass on a GPU)
+            if off:  # (they do not move)
+                torch._foreach_mul_(_take(off, ms)[0], -bc1)
+        else:
             land_(ps, ps, ms, ds, ss, lr)
             torch._foreach_mul_(ms, -bc1)
 
@@ -322,10 +346,15 @@ def single_sync_input_into(out: Tensors, params: Tensors, exp_avgs: Tensors, gra
     not committed). Written by step() (sync_single_) or, for a bucket,
     during backward (ZeroOneAdam._exchange_input_): one expression, so the
     two paths give the same bits."""
-    if all(seen) and all(k is None for k in masks) and zero_one_sync_input(
-            out, params, exp_avgs, grads, denoms, beta1=beta1, bc1=bc1,
-            weight_decay=weight_decay):
-        return  # (the same maths in one pass on a GPU)
+    # The tensors seen everywhere in one pass where the device has the
+    # kernel; the others (masked, or never seen) as below.
+    plain, rest = _positions([ok and k is None for ok, k in zip(seen, masks)])
+    if plain and zero_one_sync_input(*_take(plain, out, params, exp_avgs, grads, denoms),
+                                     beta1=beta1, bc1=bc1, weight_decay=weight_decay):
+        if not rest:
+            return
+        out, params, exp_avgs, grads, denoms, seen, masks = _take(
+            rest, out, params, exp_avgs, grads, denoms, seen, masks)
     F.momentum_into(out, exp_avgs, grads, beta1)
     direction_into(params, out, denoms, bc1, seen, masks, out, weight_decay=weight_decay)
 
