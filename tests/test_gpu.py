@@ -312,15 +312,22 @@ def test_cuda_list_norms_take_foreach_norm_for_other_layouts_and_dtypes():
         assert torch.equal(tensor_norms(tensors), torch.stack(torch._foreach_norm(tensors)))
 
 
-def _lamb_lists(seed):
-    """p, m, s, d like 1-bit LAMB's after an exchange: _check_tensors'
-    sizes (and an empty one), d > 0, scales far apart."""
+def _random_lists(seed, scales, positive=()):
+    """Lists of _check_tensors' sizes and an empty tensor, one per scale:
+    randn x scale, or |randn| x scale + 1e-4 at the positions in `positive`
+    (denominators)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     shapes = [t.numel() for t in _check_tensors()] + [0]
-    def make(scale, low=None):
+    out = []
+    for k, scale in enumerate(scales):
         ts = [torch.randn(n, device="cuda", generator=g) * scale for n in shapes]
-        return ts if low is None else [t.abs() + low for t in ts]
-    return make(1.0), make(1e-3), make(1e-3), make(1e-2, low=1e-4)
+        out.append([t.abs() + 1e-4 for t in ts] if k in positive else ts)
+    return out
+
+
+def _lamb_lists(seed):
+    """p, m, s, d like 1-bit LAMB's after an exchange: scales far apart, d > 0."""
+    return _random_lists(seed, (1.0, 1e-3, 1e-3, 1e-2), positive=(3,))
 
 
 @needs_cuda
@@ -393,13 +400,8 @@ def test_cuda_zero_one_local_step_is_torchs_ops_in_one_pass(weight_decay):
     from onebit.optim import functional as F
     from onebit.optim.zoadam import accumulate_
 
-    g = torch.Generator(device="cuda").manual_seed(2)
-    shapes = [t.numel() for t in _check_tensors()] + [0]
-    def make(scale, positive=False):
-        ts = [torch.randn(n, device="cuda", generator=g) * scale for n in shapes]
-        return [t.abs() + 1e-4 for t in ts] if positive else ts
-    a = make(1.0)
-    lists = [[t.clone() for t in a], make(1e-2), make(1e-3), make(1e-2, True), make(1e-4), a]
+    a, *rest = _random_lists(2, (1.0, 1e-2, 1e-3, 1e-2, 1e-4), positive=(3,))
+    lists = [[t.clone() for t in a], *rest, a]  # p starts at the anchor
     theirs = [[t.clone() for t in ts] for ts in lists]
     kw = dict(lr=1e-3, weight_decay=weight_decay, bc1=0.7)
     before = [[t.clone() for t in ts] for ts in lists]
@@ -464,12 +466,7 @@ def test_cuda_zero_one_step_is_torchs_ops_in_one_pass(bc1, weight_decay):
     from onebit.multi_tensor import zero_one_step
     from onebit.optim import functional as F
 
-    g = torch.Generator(device="cuda").manual_seed(4)
-    shapes = [t.numel() for t in _check_tensors()] + [0]
-    def make(scale, positive=False):
-        ts = [torch.randn(n, device="cuda", generator=g) * scale for n in shapes]
-        return [t.abs() + 1e-4 for t in ts] if positive else ts
-    lists = [make(1.0), make(1e-2), make(1e-3), make(1e-2, True)]
+    lists = _random_lists(4, (1.0, 1e-2, 1e-3, 1e-2), positive=(3,))
     theirs = [[t.clone() for t in ts] for ts in lists]
     assert zero_one_step(*lists, beta1=0.9, lr=1e-3, weight_decay=weight_decay, bc1=bc1)
     p, gr, m, d = theirs
@@ -491,12 +488,7 @@ def test_cuda_zero_one_sync_kernels_are_torchs_ops(weight_decay, into_momentum):
     from onebit.optim import functional as F
     from onebit.optim.zoadam import direction_into
 
-    g = torch.Generator(device="cuda").manual_seed(5)
-    shapes = [t.numel() for t in _check_tensors()] + [0]
-    def make(scale, positive=False):
-        ts = [torch.randn(n, device="cuda", generator=g) * scale for n in shapes]
-        return [t.abs() + 1e-4 for t in ts] if positive else ts
-    p, m, gr, d = make(1.0), make(1e-3), make(1e-2), make(1e-2, True)
+    p, m, gr, d = _random_lists(5, (1.0, 1e-3, 1e-2, 1e-2), positive=(3,))
     seen, masks = [True] * len(p), [None] * len(p)
     # The input (into m itself, as at world size 1, or into a buffer).
     mine_m, their_m = [t.clone() for t in m], [t.clone() for t in m]

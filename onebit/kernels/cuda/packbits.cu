@@ -858,6 +858,14 @@ extern "C" {
 
 namespace {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// The grid of a launch over a table's chunks (a multiple of 4 elements each:
+// the list kernels read 16-byte vectors from a chunk's start): -1 for bad
+// arguments, 0 when there is nothing to do.
+int list_grid(int64_t count, int64_t chunks, int64_t chunk) {
+  if (count < 0 || chunks < 0 || chunk <= 0 || chunk % 4) return -1;
+  if (count == 0 || chunks == 0) return 0;
+  return int(chunks < kMaxGrid ? chunks : kMaxGrid);
+}
 // Warps of four octets each: one octet per onebit block.
 int octet_grid(int64_t nblocks) { return grid_for((nblocks + 3) / 4 * 32); }
 }  // namespace
@@ -985,7 +993,7 @@ int onebit_cuda_norms(const int64_t* table, int64_t count, int64_t chunks, int64
 int onebit_cuda_lamb_ratio_norms(const int64_t* table, int64_t count, int64_t chunks,
                                  int64_t chunk, float w, float wd, double* partial, float* norms,
                                  cudaStream_t stream) {
-  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
+  if (count < 0 || chunks < 0 || chunk <= 0 || chunk % 4) return int(cudaErrorInvalidValue);
   if (count == 0) return 0;
   if (chunks > 0) {
     const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
@@ -1006,9 +1014,8 @@ int onebit_cuda_lamb_ratio_norms(const int64_t* table, int64_t count, int64_t ch
 int onebit_cuda_zero_one_local_step(const int64_t* table, int64_t count, int64_t chunks,
                                     int64_t chunk, float w, float wd_alpha, float value,
                                     cudaStream_t stream) {
-  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
-  if (count == 0 || chunks == 0) return 0;
-  const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+  const int grid = list_grid(count, chunks, chunk);
+  if (grid <= 0) return grid < 0 ? int(cudaErrorInvalidValue) : 0;
   if (wd_alpha != 0.0f)
     zero_one_local_step_kernel<true><<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk,
                                                                     w, wd_alpha, value);
@@ -1022,9 +1029,8 @@ int onebit_cuda_zero_one_local_step(const int64_t* table, int64_t count, int64_t
 // each), sizes, first_chunk (count + 1). bc1 = 1 or wd = 0 skip their op.
 int onebit_cuda_zero_one_step(const int64_t* table, int64_t count, int64_t chunks, int64_t chunk,
                               float w, float bc1, float wd, float neg_lr, cudaStream_t stream) {
-  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
-  if (count == 0 || chunks == 0) return 0;
-  const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+  const int grid = list_grid(count, chunks, chunk);
+  if (grid <= 0) return grid < 0 ? int(cudaErrorInvalidValue) : 0;
   const bool bias = bc1 != 1.0f, decay = wd != 0.0f;
 #define ONEBIT_ZERO_ONE_STEP(B, D)                                                     \
   zero_one_step_kernel<B, D><<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk, w, \
@@ -1042,9 +1048,8 @@ int onebit_cuda_zero_one_step(const int64_t* table, int64_t count, int64_t chunk
 int onebit_cuda_zero_one_sync_input(const int64_t* table, int64_t count, int64_t chunks,
                                     int64_t chunk, float w, float neg_inv_bc1, float neg_wd,
                                     cudaStream_t stream) {
-  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
-  if (count == 0 || chunks == 0) return 0;
-  const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+  const int grid = list_grid(count, chunks, chunk);
+  if (grid <= 0) return grid < 0 ? int(cudaErrorInvalidValue) : 0;
   if (neg_wd != 0.0f)
     zero_one_sync_input_kernel<true><<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk,
                                                                     w, neg_inv_bc1, neg_wd);
@@ -1057,9 +1062,8 @@ int onebit_cuda_zero_one_sync_input(const int64_t* table, int64_t count, int64_t
 // table: int64 [5 * count + 1]: the pointers of p, m and d, sizes, first_chunk.
 int onebit_cuda_zero_one_land(const int64_t* table, int64_t count, int64_t chunks, int64_t chunk,
                               float lr, float neg_bc1, cudaStream_t stream) {
-  if (count < 0 || chunks < 0 || chunk <= 0) return int(cudaErrorInvalidValue);
-  if (count == 0 || chunks == 0) return 0;
-  const int grid = int(chunks < kMaxGrid ? chunks : kMaxGrid);
+  const int grid = list_grid(count, chunks, chunk);
+  if (grid <= 0) return grid < 0 ? int(cudaErrorInvalidValue) : 0;
   zero_one_land_kernel<<<grid, kThreads, 0, stream>>>(table, count, chunks, chunk, lr, neg_bc1);
   return int(cudaGetLastError());
 }
