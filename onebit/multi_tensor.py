@@ -11,7 +11,9 @@ call, no host sync), else None or torch's ops.
   op rounds as torch's foreach op does (to within its multiply-adds: the
   GPU tests hold them to a few ulps of torch's).
 
-The kernels take contiguous fp32 tensors off the CPU. Elsewhere (the CPU,
+`list_kernel` says which kernel a list takes (the optimizer's non-finite
+check asks it too, feedback/agreement.py). The kernels take contiguous
+fp32 tensors off the CPU. Elsewhere (the CPU,
 other layouts and dtypes) torch's ops stay, and with them every bit the CPU
 has computed so far.
 """
@@ -27,7 +29,7 @@ from . import ops
 _DTYPE = operator.attrgetter("dtype")
 
 
-def _list_kernel(name: str, *lists: List[torch.Tensor]):
+def list_kernel(name: str, *lists: List[torch.Tensor]):
     """The device kernels' `name` where they have it and every tensor of
     `lists` is contiguous fp32 off the CPU; else None."""
     device = lists[0][0].device
@@ -45,7 +47,7 @@ def tensor_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
     """A 1-D fp32 tensor (one float per input, the inputs' dtype where
     `_foreach_norm` takes them) of each tensor's 2-norm, 0 for empty ones.
     `tensors`: a non-empty list on one device."""
-    kernel = _list_kernel("tensor_norms", tensors)
+    kernel = list_kernel("tensor_norms", tensors)
     if kernel is None:
         return torch.stack(torch._foreach_norm(tensors))
     out = torch.empty(len(tensors), dtype=torch.float32, device=tensors[0].device)
@@ -62,13 +64,24 @@ def lamb_ratio_norms(params: List[torch.Tensor], exp_avgs: List[torch.Tensor],
     (2 x len(params) fp32 on their device). None elsewhere: the caller
     takes torch's ops (the same maths, five passes over memory instead of
     eight)."""
-    kernel = _list_kernel("lamb_ratio_norms", params, exp_avgs, smoothed, denoms)
+    kernel = list_kernel("lamb_ratio_norms", params, exp_avgs, smoothed, denoms)
     if kernel is None:
         return None
     out = torch.empty(2 * len(params), dtype=torch.float32, device=params[0].device)
     kernel(params, exp_avgs, smoothed, denoms, list(map(torch.Tensor.numel, params)), weight,
            weight_decay, out)
     return out
+
+
+def _fused(name: str, lists, *scalars: float) -> bool:
+    """Launch the fused pass `name` over `lists` (alike in sizes) with its
+    scalars where the device's kernels have it; False (nothing done)
+    elsewhere, and for empty lists."""
+    kernel = list_kernel(name, *lists) if lists[0] else None
+    if kernel is None:
+        return False
+    kernel(lists, list(map(torch.Tensor.numel, lists[0])), *scalars)
+    return True
 
 
 def zero_one_local_step(params: List[torch.Tensor], grads: List[torch.Tensor],
@@ -80,13 +93,8 @@ def zero_one_local_step(params: List[torch.Tensor], grads: List[torch.Tensor],
     p <- anchor + u. Returns False (nothing done) elsewhere: the caller
     takes torch's ops, the same maths in ten passes over memory (eight
     here)."""
-    lists = (params, grads, exp_avgs, denoms, accumulators, anchors)
-    kernel = _list_kernel("zero_one_local_step", *lists) if params else None
-    if kernel is None:
-        return False
-    kernel(lists, list(map(torch.Tensor.numel, params)), 1.0 - beta1, -lr * weight_decay,
-           -lr / bc1)
-    return True
+    return _fused("zero_one_local_step", (params, grads, exp_avgs, denoms, accumulators, anchors),
+                  1.0 - beta1, -lr * weight_decay, -lr / bc1)
 
 
 def zero_one_step(params: List[torch.Tensor], grads: List[torch.Tensor],
@@ -96,12 +104,8 @@ def zero_one_step(params: List[torch.Tensor], grads: List[torch.Tensor],
     device's kernels have it: m <- beta1 m + (1 - beta1) g; p <- p - lr (m /
     denom / bc1 + wd p), rounded as torch's ops round functional.adam_updates
     and add_updates_. Returns False (nothing done) elsewhere."""
-    lists = (params, grads, exp_avgs, denoms)
-    kernel = _list_kernel("zero_one_step", *lists) if params else None
-    if kernel is None:
-        return False
-    kernel(lists, list(map(torch.Tensor.numel, params)), 1.0 - beta1, bc1, weight_decay, -lr)
-    return True
+    return _fused("zero_one_step", (params, grads, exp_avgs, denoms), 1.0 - beta1, bc1,
+                  weight_decay, -lr)
 
 
 def zero_one_sync_input(out: List[torch.Tensor], params: List[torch.Tensor],
@@ -111,12 +115,8 @@ def zero_one_sync_input(out: List[torch.Tensor], params: List[torch.Tensor],
     """0/1 Adam's input to a sync that follows a sync, in one pass where the
     device's kernels have it: out <- -(lerp(m, g, 1 - beta1) / bc1 + wd p
     denom) (`out` may be `exp_avgs` itself). Returns False elsewhere."""
-    lists = (out, params, exp_avgs, grads, denoms)
-    kernel = _list_kernel("zero_one_sync_input", *lists) if out else None
-    if kernel is None:
-        return False
-    kernel(lists, list(map(torch.Tensor.numel, out)), 1.0 - beta1, -1.0 / bc1, -weight_decay)
-    return True
+    return _fused("zero_one_sync_input", (out, params, exp_avgs, grads, denoms), 1.0 - beta1,
+                  -1.0 / bc1, -weight_decay)
 
 
 def zero_one_land(params: List[torch.Tensor], averages: List[torch.Tensor],
@@ -125,9 +125,4 @@ def zero_one_land(params: List[torch.Tensor], averages: List[torch.Tensor],
     the device's kernels have it: p <- p + lr x avg / denom, then the
     momentum re-derived in place, avg <- -bc1 x avg. Returns False
     elsewhere."""
-    lists = (params, averages, denoms)
-    kernel = _list_kernel("zero_one_land", *lists) if params else None
-    if kernel is None:
-        return False
-    kernel(lists, list(map(torch.Tensor.numel, params)), lr, -bc1)
-    return True
+    return _fused("zero_one_land", (params, averages, denoms), lr, -bc1)

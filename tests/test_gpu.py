@@ -249,13 +249,14 @@ def test_cuda_one_launch_nonfinite_check_follows_the_elementwise_rule(value):
 @needs_cuda
 @pytest.mark.gpu
 def test_cuda_nonfinite_flag_takes_the_norms_for_a_tensor_that_is_not_contiguous():
-    from onebit.feedback.agreement import _one_launch_check, nonfinite_flag
+    from onebit.feedback.agreement import nonfinite_flag
+    from onebit.multi_tensor import list_kernel
 
     cuda = torch.device("cuda")
     plain = [torch.randn(5, device=cuda), torch.randn(3, 4, device=cuda)]
     crossed = torch.randn(4, 6, device=cuda).t()  # a transposed view
-    assert _one_launch_check(cuda, plain) is not None
-    assert _one_launch_check(cuda, plain + [crossed]) is None
+    assert list_kernel("any_nonfinite", plain) is not None
+    assert list_kernel("any_nonfinite", plain + [crossed]) is None
     assert int(nonfinite_flag([plain + [crossed]], cuda)) == 0
     crossed[2, 1] = float("nan")
     assert int(nonfinite_flag([plain + [crossed]], cuda)) == 1
@@ -374,7 +375,7 @@ def test_cuda_lamb_fresh_step_with_the_pass_follows_torchs_ops(monkeypatch):
 
     start = _lamb_lists(1)[0]
     fused_p, fused_c = run()
-    monkeypatch.setattr(multi_tensor, "_list_kernel", lambda *a: None)
+    monkeypatch.setattr(multi_tensor, "list_kernel", lambda *a: None)
     plain_p, plain_c = run()
     assert np.allclose(fused_c, plain_c, rtol=1e-5, atol=0)
     assert any(c != 1.0 for row in fused_c for c in row)
@@ -442,18 +443,18 @@ def test_cuda_zero_one_adam_with_its_kernels_follows_torchs_ops(monkeypatch, sca
             opt.step()
         return [p.detach().clone() for p in params]
 
-    used, real = [], multi_tensor._list_kernel
+    used, real = [], multi_tensor.list_kernel
 
     def spy(name, *lists):
         kernel = real(name, *lists)
         used.append((name, kernel is not None))
         return kernel
 
-    monkeypatch.setattr(multi_tensor, "_list_kernel", spy)
+    monkeypatch.setattr(multi_tensor, "list_kernel", spy)
     fused, again = run(), run()
     assert all((name, True) in used for name in kernels), used
     assert all(torch.equal(a, b) for a, b in zip(fused, again))  # the same bits every run
-    monkeypatch.setattr(multi_tensor, "_list_kernel", lambda *a: None)
+    monkeypatch.setattr(multi_tensor, "list_kernel", lambda *a: None)
     plain = run()
     for a, b in zip(fused, plain):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

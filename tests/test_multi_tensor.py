@@ -61,7 +61,7 @@ def _run(scaler: int, calls=None):
                 calls.append((name, len(args[0][0])))
                 CONTRACTS[name](*args)
             return launch if name in CONTRACTS else None
-        saved, multi_tensor._list_kernel = multi_tensor._list_kernel, kernel
+        saved, multi_tensor.list_kernel = multi_tensor.list_kernel, kernel
     try:
         g = torch.Generator().manual_seed(0)
         emb = torch.nn.Parameter(torch.randn(10, 4, generator=g))
@@ -82,7 +82,7 @@ def _run(scaler: int, calls=None):
         return start, [p.detach().clone() for p in params]
     finally:
         if calls is not None:
-            multi_tensor._list_kernel = saved
+            multi_tensor.list_kernel = saved
 
 
 @pytest.mark.parametrize("scaler", [2, 10**6])  # local steps after two syncs; syncs only

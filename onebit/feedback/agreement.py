@@ -11,7 +11,8 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import collectives, ops
+from .. import collectives
+from ..multi_tensor import list_kernel
 from ..wire import WIRE_FORMAT_VERSION
 
 
@@ -87,7 +88,7 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
                                                           if t.device == d]) for d in devices])
     for on_device, their_sizes in by_device:
         here = on_device[0].device
-        check = _one_launch_check(here, on_device)
+        check = list_kernel("any_nonfinite", on_device)  # (None: the norms below)
         if check is not None:
             mine = flag if here == flag.device else torch.zeros_like(flag, device=here)
             check(on_device, their_sizes, mine)
@@ -101,19 +102,7 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
     return flag
 
 
-_DEVICE, _DTYPE = operator.attrgetter("device"), operator.attrgetter("dtype")
-
-
-def _one_launch_check(device: torch.device, tensors: List[torch.Tensor]):
-    """The device kernels' one-launch non-finite check, where they have one
-    and every tensor is contiguous fp32; else None (the norms' way)."""
-    if device.type == "cpu":
-        return None
-    check = getattr(ops.kernels_for(device), "any_nonfinite", None)
-    if (check is None or set(map(_DTYPE, tensors)) != {torch.float32}
-            or not all(map(torch.Tensor.is_contiguous, tensors))):
-        return None
-    return check
+_DEVICE = operator.attrgetter("device")
 
 
 class StepVerdict(NamedTuple):

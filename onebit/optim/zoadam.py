@@ -1,7 +1,7 @@
 """0/1 Adam (Lu et al., 2022, arXiv 2202.06009)."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -156,27 +156,25 @@ class ZeroOneAdam(OnebitOptimizer):
                 anchors = self._anchors(params, c["lrs"][i] == 0.0)
                 # A local step: the momentum and the step in one pass where
                 # the device has the kernel (the tensors that move; the
-                # others' momentum as below).
-                on, off = _positions(seen)
-                fused = not sync and bool(on) and zero_one_local_step(
-                    *_take(on, params, gs, m, denom, u, anchors), beta1=beta1, lr=group["lr"],
-                    weight_decay=group["weight_decay"], bc1=bc1)
-                if fused and off:
-                    F.update_momentum_(*_take(off, m, gs), beta1)
-                if not fused:
+                # others' momentum apart).
+                fused = not sync and any(seen) and zero_one_local_step(
+                    *only_seen(seen, params, gs, m, denom, u, anchors), beta1=beta1,
+                    lr=group["lr"], weight_decay=group["weight_decay"], bc1=bc1)
+                if fused:
+                    _unseen_momentum_(seen, m, gs, beta1)
+                else:
                     F.update_momentum_(m, gs, beta1)
                     # Tensors that never saw a gradient do not move (guards.py).
                     accumulate_(*only_seen(seen, params, m, denom, u, anchors), lr=group["lr"],
                                 weight_decay=group["weight_decay"], bc1=bc1, sync=sync)
                 c["lrs"][i] += group["lr"]
             else:  # (the same maths in one pass where the device has the kernel)
-                on, off = _positions(seen)
-                fused = bool(on) and zero_one_step(*_take(on, params, gs, m, denom), beta1=beta1,
-                                                   lr=group["lr"],
-                                                   weight_decay=group["weight_decay"], bc1=bc1)
-                if fused and off:
-                    F.update_momentum_(*_take(off, m, gs), beta1)
-                if not fused:
+                fused = any(seen) and zero_one_step(*only_seen(seen, params, gs, m, denom),
+                                                    beta1=beta1, lr=group["lr"],
+                                                    weight_decay=group["weight_decay"], bc1=bc1)
+                if fused:
+                    _unseen_momentum_(seen, m, gs, beta1)
+                else:
                     F.update_momentum_(m, gs, beta1)
                     ps, ms, ds = only_seen(seen, params, m, denom)
                     upd = F.adam_updates(ms, ds, F.as_fp32(ps), group["weight_decay"], bc1,
@@ -224,17 +222,12 @@ class ZeroOneAdam(OnebitOptimizer):
 Tensors = List[torch.Tensor]
 
 
-def _positions(flags: Sequence[bool]) -> Tuple[List[int], List[int]]:
-    """(the positions where `flags` hold, the others)."""
-    on = [j for j, ok in enumerate(flags) if ok]
-    return on, ([] if len(on) == len(flags) else [j for j, ok in enumerate(flags) if not ok])
-
-
-def _take(positions: List[int], *lists: Sequence) -> Tuple[list, ...]:
-    """Each list at `positions` (the lists themselves where that is all)."""
-    if all(len(positions) == len(xs) for xs in lists):
-        return lists
-    return tuple([xs[j] for j in positions] for xs in lists)
+def _unseen_momentum_(seen: Sequence[bool], exp_avgs: Tensors, grads: Tensors,
+                      beta1: float) -> None:
+    """The momentum of the tensors a fused pass left out (never seen): as
+    update_momentum_ gives every tensor on the torch path."""
+    if not all(seen):
+        F.update_momentum_(*only_seen([not ok for ok in seen], exp_avgs, grads), beta1)
 
 
 def accumulate_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, accumulators: Tensors,
@@ -329,10 +322,9 @@ def sync_single_(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Ten
     for part in exchange.parts(exp_avgs, seen, masks):
         ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen))
         mask_(ms)
-        on, off = _positions(ss)
-        if on and zero_one_land(*_take(on, ps, ms, ds), lr=lr, bc1=bc1):  # (one pass on a GPU)
-            if off:  # (they do not move)
-                torch._foreach_mul_(_take(off, ms)[0], -bc1)
+        if any(ss) and zero_one_land(*only_seen(ss, ps, ms, ds), lr=lr, bc1=bc1):  # (a GPU)
+            if not all(ss):  # (they do not move)
+                torch._foreach_mul_(only_seen([not ok for ok in ss], ms)[0], -bc1)
         else:
             land_(ps, ps, ms, ds, ss, lr)
             torch._foreach_mul_(ms, -bc1)
@@ -348,13 +340,13 @@ def single_sync_input_into(out: Tensors, params: Tensors, exp_avgs: Tensors, gra
     two paths give the same bits."""
     # The tensors seen everywhere in one pass where the device has the
     # kernel; the others (masked, or never seen) as below.
-    plain, rest = _positions([ok and k is None for ok, k in zip(seen, masks)])
-    if plain and zero_one_sync_input(*_take(plain, out, params, exp_avgs, grads, denoms),
-                                     beta1=beta1, bc1=bc1, weight_decay=weight_decay):
-        if not rest:
+    plain = [ok and k is None for ok, k in zip(seen, masks)]
+    if any(plain) and zero_one_sync_input(*only_seen(plain, out, params, exp_avgs, grads, denoms),
+                                          beta1=beta1, bc1=bc1, weight_decay=weight_decay):
+        if all(plain):
             return
-        out, params, exp_avgs, grads, denoms, seen, masks = _take(
-            rest, out, params, exp_avgs, grads, denoms, seen, masks)
+        out, params, exp_avgs, grads, denoms, seen, masks = only_seen(
+            [not ok for ok in plain], out, params, exp_avgs, grads, denoms, seen, masks)
     F.momentum_into(out, exp_avgs, grads, beta1)
     direction_into(params, out, denoms, bc1, seen, masks, out, weight_decay=weight_decay)
 
