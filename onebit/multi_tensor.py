@@ -27,17 +27,21 @@ import torch
 from . import ops
 
 _DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 
 
 def list_kernel(name: str, *lists: List[torch.Tensor]):
     """The device kernels' `name` where they have it and every tensor of
-    `lists` is contiguous fp32 off the CPU; else None."""
+    `lists` is contiguous fp32 on one device off the CPU; else None (a
+    kernel launched on one device with another's pointers would fault, or
+    read across devices; torch's ops take such lists)."""
     device = lists[0][0].device
     kernel = None if device.type == "cpu" else getattr(ops.kernels_for(device), name, None)
     if kernel is None:
         return None
     for tensors in lists:
         if (set(map(_DTYPE, tensors)) != {torch.float32}
+                or set(map(_DEVICE, tensors)) != {device}
                 or not all(map(torch.Tensor.is_contiguous, tensors))):
             return None
     return kernel
@@ -49,7 +53,18 @@ def tensor_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
     `tensors`: a non-empty list on one device."""
     kernel = list_kernel("tensor_norms", tensors)
     if kernel is None:
-        return torch.stack(torch._foreach_norm(tensors))
+        sizes = list(map(torch.Tensor.numel, tensors))
+        if 0 not in sizes:
+            return torch.stack(torch._foreach_norm(tensors))
+        # Empty tensors stay out of _foreach_norm: torch 2.2-2.5's CUDA one
+        # gave wrong norms for lists holding them (pytorch#140066).
+        held = [i for i, n in enumerate(sizes) if n]
+        if not held:
+            return torch.zeros(len(tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+        norms = torch.stack(torch._foreach_norm([tensors[i] for i in held]))
+        out = norms.new_zeros(len(tensors))
+        out[held] = norms
+        return out
     out = torch.empty(len(tensors), dtype=torch.float32, device=tensors[0].device)
     kernel(tensors, list(map(torch.Tensor.numel, tensors)), out)
     return out

@@ -101,3 +101,40 @@ def test_zero_one_adam_through_the_kernels_contracts_follows_torchs_ops(scaler):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     moved = [not torch.equal(a, b) for a, b in zip(fused, start)]
     assert moved == [True, True, False, True]  # never a gradient: never moved
+
+
+def test_a_list_spread_over_devices_takes_torchs_ops(monkeypatch):
+    """A kernel launches on one device with a table of pointers: a list
+    with a tensor elsewhere must not reach it. Meta tensors stand in for a
+    device that has the kernel."""
+    import types
+
+    import onebit.ops as ops
+
+    kernel = object()
+    monkeypatch.setattr(ops, "kernels_for", lambda device: types.SimpleNamespace(tensor_norms=kernel))
+    here = [torch.empty(4, device="meta"), torch.empty(3, device="meta")]
+    assert multi_tensor.list_kernel("tensor_norms", here) is kernel
+    assert multi_tensor.list_kernel("tensor_norms", here + [torch.zeros(2)]) is None
+    assert multi_tensor.list_kernel("tensor_norms", here, [torch.zeros(4), here[1]]) is None
+
+
+def test_norms_without_the_kernel_keep_empty_tensors_out_of_foreach_norm(monkeypatch):
+    """torch 2.2-2.5's CUDA _foreach_norm gave wrong norms for lists holding
+    empty tensors (pytorch#140066): they get 0 without it. Against numpy's
+    float64 norms, to fp32's summing error."""
+    import numpy as np
+
+    seen, real = [], torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts: seen.append(list(ts)) or real(ts))
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.empty(0), torch.randn(5, generator=g), torch.empty(0, 3),
+               torch.randn(2, 3, generator=g) * 1e-3]
+    out = multi_tensor.tensor_norms(tensors)
+    assert all(t.numel() for ts in seen for t in ts) and len(seen) == 1
+    want = [np.linalg.norm(t.double().numpy()) for t in tensors]
+    assert out.dtype == torch.float32
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-6, atol=0)
+    seen.clear()
+    assert multi_tensor.tensor_norms([torch.empty(0), torch.empty(2, 0)]).tolist() == [0.0, 0.0]
+    assert not seen

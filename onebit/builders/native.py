@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from pathlib import Path
 from typing import Callable, ContextManager, Sequence
 
@@ -68,21 +69,26 @@ class _ChunkTables:
     def __init__(self, stream: Callable[[torch.device], int]) -> None:
         self._stream = stream
         self._kept = {}  # (device, stream, pointers + sizes) -> (table, chunks), oldest first
+        # DiLoCo's communication thread asks too: two threads evicting at
+        # once would both pick the oldest key, and the second would fail.
+        self._lock = threading.Lock()
 
     def table(self, tensors, sizes, device: torch.device, *more_lists):
         """(table, chunks): the pointers of `tensors` (then of each of
         `more_lists`, alike in length and sizes), `sizes`, first chunks."""
         pointers = [ptr for ts in (tensors, *more_lists) for ptr in map(torch.Tensor.data_ptr, ts)]
         key = (device, self._stream(device), tuple(pointers + list(sizes)))
-        kept = self._kept.pop(key, None)
-        if kept is None:
-            first = list(itertools.accumulate((-(-n // TABLE_CHUNK) for n in sizes), initial=0))
-            table = torch.tensor(pointers + list(sizes) + first, dtype=torch.int64,
-                                 pin_memory=True).to(device, non_blocking=True)
-            kept = (table, first[-1])
-            if len(self._kept) >= self.KEEP:
-                del self._kept[next(iter(self._kept))]
-        self._kept[key] = kept  # (the newest last)
+        with self._lock:
+            kept = self._kept.pop(key, None)
+            if kept is None:
+                first = list(itertools.accumulate((-(-n // TABLE_CHUNK) for n in sizes),
+                                                  initial=0))
+                table = torch.tensor(pointers + list(sizes) + first, dtype=torch.int64,
+                                     pin_memory=True).to(device, non_blocking=True)
+                kept = (table, first[-1])
+                if len(self._kept) >= self.KEEP:
+                    del self._kept[next(iter(self._kept))]
+            self._kept[key] = kept  # (the newest last)
         return kept
 
 
