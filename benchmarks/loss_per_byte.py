@@ -4,8 +4,9 @@ against the bytes each rank has sent, from `benchmarks.lm --json` files.
 Each run of each file is one curve: its held-out loss at every --every
 steps, against the bytes the rank had sent by then (warmups included). A
 file holds one sync_every, so pass one file per H; the label names the
-optimizer, H for DiLoCo, and the freeze fraction for the rows it moves
-(1-bit optimizers, PowerSGD) when a file's --freeze is not the default.
+optimizer, H for DiLoCo (and its outer lr when a file's --outer-lr is not
+the default), and the freeze fraction for the rows it moves (1-bit
+optimizers, PowerSGD) when a file's --freeze is not the default.
 Prints the curves' final points as a table (loss, MB per rank) too, then
 the frontier: each label's final point
 averaged over its seeds, marked where no other label reaches a lower loss
@@ -19,6 +20,7 @@ from typing import List
 
 
 DEFAULT_FREEZE = 0.2  # benchmarks.lm's --freeze
+DEFAULT_OUTER_LR = 1.3  # benchmarks.lm's --outer-lr
 NO_FREEZE = ("Adam", "Lamb", "Adam-fp16", "Adam-bf16")  # rows --freeze leaves alone
 
 
@@ -29,9 +31,12 @@ def curves(paths: List[str]) -> List[dict]:
             data = json.load(f)
         h = data["config"].get("sync_every")
         freeze = data["config"].get("freeze", DEFAULT_FREEZE)
+        outer_lr = data["config"].get("outer_lr", DEFAULT_OUTER_LR)
         for run in data["runs"]:
             name = run["optimizer"]
             label = f"{name} H={h}" if name.startswith("DiLoCo") else name
+            if name.startswith("DiLoCo") and outer_lr != DEFAULT_OUTER_LR:
+                label += f" lr={outer_lr:g}"
             if freeze != DEFAULT_FREEZE and not name.startswith("DiLoCo") and name not in NO_FREEZE:
                 label = f"{name} freeze={freeze:.0%}"
             losses = [loss for _, loss in run["curve"]]

@@ -442,6 +442,27 @@ def test_loss_per_byte_labels_the_rows_a_non_default_freeze_moves(tmp_path):
         "PowerSGD-r4 freeze=10%", "Adam", "Adam-fp16", "DiLoCo-1bit H=16"]
 
 
+def test_loss_per_byte_labels_diloco_rows_of_a_non_default_outer_lr(tmp_path):
+    """A --outer-lr 1.0 file's DiLoCo rows carry it, apart from the same
+    form at the default 1.3 (the frontier averages a label's runs); the
+    other rows do not."""
+    from benchmarks.loss_per_byte import curves
+
+    def lm_file(name, config, optimizers):
+        data = {"config": {"sync_every": 16, **config}, "runs": [
+            {"optimizer": o, "seed": 0, "curve": [[10, 4.0]], "bytes_sent": [1.0e6]}
+            for o in optimizers]}
+        (tmp_path / name).write_text(json.dumps(data))
+        return str(tmp_path / name)
+
+    paths = [lm_file("lr13.json", {"outer_lr": 1.3}, ["DiLoCo-bf16"]),
+             lm_file("old.json", {}, ["DiLoCo-bf16"]),
+             lm_file("lr10.json", {"outer_lr": 1.0}, ["DiLoCo-bf16", "DiLoCo-fp32", "Adam"])]
+    assert [r["label"] for r in curves(paths)] == [
+        "DiLoCo-bf16 H=16", "DiLoCo-bf16 H=16", "DiLoCo-bf16 H=16 lr=1", "DiLoCo-fp32 H=16 lr=1",
+        "Adam"]
+
+
 def test_the_frontier_marks_only_points_nothing_beats_for_the_bytes():
     """Worked out by hand: B costs more than A for a higher loss (off);
     C costs more for a lower loss (on); A2 is A's second seed."""
