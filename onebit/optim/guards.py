@@ -123,3 +123,8 @@ def only_seen(seen: Sequence[bool], *lists: Sequence) -> Tuple[list, ...]:
     if all(seen):
         return tuple(list(xs) for xs in lists)
     return tuple([x for x, ok in zip(xs, seen) if ok] for xs in lists)
+
+
+def only_unseen(seen: Sequence[bool], *lists: Sequence) -> Tuple[list, ...]:
+    """Each list with only the entries only_seen leaves out."""
+    return only_seen([not ok for ok in seen], *lists)

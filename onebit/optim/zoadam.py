@@ -6,7 +6,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from . import functional as F
-from .guards import mask_unseen_, only_seen
+from .guards import mask_unseen_, only_seen, only_unseen
 from ..multi_tensor import zero_one_land, zero_one_local_step, zero_one_step, zero_one_sync_input
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
@@ -227,7 +227,7 @@ def _unseen_momentum_(seen: Sequence[bool], exp_avgs: Tensors, grads: Tensors,
     """The momentum of the tensors a fused pass left out (never seen): as
     update_momentum_ gives every tensor on the torch path."""
     if not all(seen):
-        F.update_momentum_(*only_seen([not ok for ok in seen], exp_avgs, grads), beta1)
+        F.update_momentum_(*only_unseen(seen, exp_avgs, grads), beta1)
 
 
 def accumulate_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, accumulators: Tensors,
@@ -324,7 +324,7 @@ def sync_single_(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Ten
         mask_(ms)
         if any(ss) and zero_one_land(*only_seen(ss, ps, ms, ds), lr=lr, bc1=bc1):  # (a GPU)
             if not all(ss):  # (they do not move)
-                torch._foreach_mul_(only_seen([not ok for ok in ss], ms)[0], -bc1)
+                torch._foreach_mul_(only_unseen(ss, ms)[0], -bc1)
         else:
             land_(ps, ps, ms, ds, ss, lr)
             torch._foreach_mul_(ms, -bc1)
@@ -345,8 +345,8 @@ def single_sync_input_into(out: Tensors, params: Tensors, exp_avgs: Tensors, gra
                                           beta1=beta1, bc1=bc1, weight_decay=weight_decay):
         if all(plain):
             return
-        out, params, exp_avgs, grads, denoms, seen, masks = only_seen(
-            [not ok for ok in plain], out, params, exp_avgs, grads, denoms, seen, masks)
+        out, params, exp_avgs, grads, denoms, seen, masks = only_unseen(
+            plain, out, params, exp_avgs, grads, denoms, seen, masks)
     F.momentum_into(out, exp_avgs, grads, beta1)
     direction_into(params, out, denoms, bc1, seen, masks, out, weight_decay=weight_decay)
 
