@@ -5,7 +5,8 @@ Each run of each file is one curve: its held-out loss at every --every
 steps, against the bytes the rank had sent by then (warmups included). A
 file holds one sync_every, so pass one file per H; the label names the
 optimizer, H for DiLoCo (and its outer lr when a file's --outer-lr is not
-the default), and the freeze fraction for the rows it moves (1-bit
+the default, or when a later outer lr applies to the row: `lr=1.3>2@20%`
+for 1.3, then 2.0 from 20% of the steps), and the freeze fraction for the rows it moves (1-bit
 optimizers, PowerSGD) when a file's --freeze is not the default.
 Prints the curves' final points as a table (loss, MB per rank) too, then
 the frontier: each label's final point
@@ -21,6 +22,8 @@ from typing import List
 
 DEFAULT_FREEZE = 0.2  # benchmarks.lm's --freeze
 DEFAULT_OUTER_LR = 1.3  # benchmarks.lm's --outer-lr
+DEFAULT_LATER_FROM = 0.2  # benchmarks.lm's --later-from
+FULL_PRECISION_DILOCO = ("DiLoCo-bf16", "DiLoCo-fp32")  # take --later-outer-lr-full
 NO_FREEZE = ("Adam", "Lamb", "Adam-fp16", "Adam-bf16")  # rows --freeze leaves alone
 
 
@@ -31,18 +34,27 @@ def curves(paths: List[str]) -> List[dict]:
             data = json.load(f)
         h = data["config"].get("sync_every")
         freeze = data["config"].get("freeze", DEFAULT_FREEZE)
-        outer_lr = data["config"].get("outer_lr", DEFAULT_OUTER_LR)
         for run in data["runs"]:
             name = run["optimizer"]
-            label = f"{name} H={h}" if name.startswith("DiLoCo") else name
-            if name.startswith("DiLoCo") and outer_lr != DEFAULT_OUTER_LR:
-                label += f" lr={outer_lr:g}"
+            label = f"{name} H={h}{outer_lr_label(name, data['config'])}" \
+                if name.startswith("DiLoCo") else name
             if freeze != DEFAULT_FREEZE and not name.startswith("DiLoCo") and name not in NO_FREEZE:
                 label = f"{name} freeze={freeze:.0%}"
             losses = [loss for _, loss in run["curve"]]
             out.append({"label": label, "seed": run["seed"], "losses": list(losses),
                         "megabytes": [b / 1e6 for b in run["bytes_sent"]]})
     return out
+
+
+def outer_lr_label(name: str, config: dict) -> str:
+    """' lr=...' for a DiLoCo row whose outer lr is not the constant default:
+    ' lr=1' (constant 1.0) or ' lr=1.3>2@20%' (a later lr from 20% on)."""
+    outer_lr = config.get("outer_lr", DEFAULT_OUTER_LR)
+    later = config.get("later_outer_lr_full" if name in FULL_PRECISION_DILOCO
+                       else "later_outer_lr")
+    if later is not None:
+        return f" lr={outer_lr:g}>{later:g}@{config.get('later_from', DEFAULT_LATER_FROM):.0%}"
+    return f" lr={outer_lr:g}" if outer_lr != DEFAULT_OUTER_LR else ""
 
 
 def frontier(runs: List[dict]) -> List[dict]:

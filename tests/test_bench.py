@@ -463,6 +463,28 @@ def test_loss_per_byte_labels_diloco_rows_of_a_non_default_outer_lr(tmp_path):
         "Adam"]
 
 
+def test_loss_per_byte_labels_diloco_rows_with_a_later_outer_lr(tmp_path):
+    """A later outer lr is the 1-bit/2-bit rows' --later-outer-lr and the
+    bf16/fp32 rows' --later-outer-lr-full, from --later-from (default 20%);
+    a row whose form has none keeps the plain label."""
+    from benchmarks.loss_per_byte import curves
+
+    def lm_file(name, config, optimizers):
+        data = {"config": {"sync_every": 16, **config}, "runs": [
+            {"optimizer": o, "seed": 0, "curve": [[10, 4.0]], "bytes_sent": [1.0e6]}
+            for o in optimizers]}
+        (tmp_path / name).write_text(json.dumps(data))
+        return str(tmp_path / name)
+
+    paths = [lm_file("a.json", {"outer_lr": 1.3, "later_outer_lr": 2.0, "later_outer_lr_full": 1.6},
+                     ["DiLoCo-1bit", "DiLoCo-fp32"]),
+             lm_file("b.json", {"outer_lr": 1.0, "later_outer_lr_full": 1.6, "later_from": 0.35},
+                     ["DiLoCo-bf16", "DiLoCo-2bit"])]
+    assert [r["label"] for r in curves(paths)] == [
+        "DiLoCo-1bit H=16 lr=1.3>2@20%", "DiLoCo-fp32 H=16 lr=1.3>1.6@20%",
+        "DiLoCo-bf16 H=16 lr=1>1.6@35%", "DiLoCo-2bit H=16 lr=1"]
+
+
 def test_the_frontier_marks_only_points_nothing_beats_for_the_bytes():
     """Worked out by hand: B costs more than A for a higher loss (off);
     C costs more for a lower loss (on); A2 is A's second seed."""
