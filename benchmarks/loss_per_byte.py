@@ -94,15 +94,18 @@ def plot(runs: List[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11.5, 5.6))
+    curves_ = mean_curves(runs)
+    columns = 1 + (len(curves_) - 1) // 30  # the legend's: 30 labels fit one
+    fig, ax = plt.subplots(figsize=(8.5 + 3.0 * columns, 6.4))
     # one color per form, one line style per H: a form's curves read left to right
     forms = sorted({r["label"].split(" ")[0] for r in runs})
     colors = {form: plt.cm.tab20(i % 20) for i, form in enumerate(forms)}
-    styles = {"H=4": ":", "H=16": "-", "H=32": "-.", "H=64": "--", "freeze=10%": "--",
-              "freeze=5%": ":"}
+    styles = {"H=2": ":", "H=4": ":", "H=8": ":", "H=16": "-", "H=32": "-.", "H=64": "--",
+              "H=128": "--", "freeze=10%": "--", "freeze=5%": ":"}
     on = {p["label"]: p["on_frontier"] for p in frontier(runs)}
-    for c in mean_curves(runs):
-        form, _, h = c["label"].partition(" ")
+    for c in curves_:
+        form, _, rest = c["label"].partition(" ")
+        h = rest.split(" lr=")[0]  # (the outer lr does not change the style)
         ax.plot(c["megabytes"], c["losses"], styles.get(h, "-"), color=colors[form],
                 linewidth=1.2, label=c["label"] + (" *" if on[c["label"]] else ""))
         ax.plot(c["megabytes"][-1:], c["losses"][-1:], "*" if on[c["label"]] else "o",
@@ -113,7 +116,8 @@ def plot(runs: List[dict], path: str) -> None:
     ax.set_ylabel("held-out loss (mean over seeds)")
     ax.set_title("* on the frontier: no other method reaches a lower loss with no more bytes",
                  fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside: no curve hidden
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),  # beside: no curve hidden
+              ncol=columns)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
