@@ -6,8 +6,9 @@ steps, against the bytes the rank had sent by then (warmups included). A
 file holds one sync_every, so pass one file per H; the label names the
 optimizer, H for DiLoCo (and its outer lr when a file's --outer-lr is not
 the default, or when a later outer lr applies to the row: `lr=1.3>2@20%`
-for 1.3, then 2.0 from 20% of the steps), and the freeze fraction for the rows it moves (1-bit
-optimizers, PowerSGD) when a file's --freeze is not the default.
+for 1.3, then 2.0 from 20% of the steps), and the freeze fraction for the
+rows it moves (1-bit optimizers, PowerSGD) when a file's --freeze is not
+the default.
 Prints the curves' final points as a table (loss, MB per rank) too, then
 the frontier: each label's final point
 averaged over its seeds, marked where no other label reaches a lower loss

@@ -422,21 +422,24 @@ def test_loss_per_byte_reads_lm_runs_and_plots_them(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def lm_file(tmp_path, name, config, optimizers):
+    """A benchmarks.lm --json file of one seed per optimizer, H = 16 and
+    `config` over it: what loss_per_byte reads for its labels."""
+    data = {"config": {"sync_every": 16, **config}, "runs": [
+        {"optimizer": o, "seed": 0, "curve": [[10, 4.0]], "bytes_sent": [1.0e6]}
+        for o in optimizers]}
+    (tmp_path / name).write_text(json.dumps(data))
+    return str(tmp_path / name)
+
+
 def test_loss_per_byte_labels_the_rows_a_non_default_freeze_moves(tmp_path):
     """A --freeze 0.1 file: the 1-bit and PowerSGD rows carry it in their
     label, apart from the default file's; Adam and the fp16 hook do not."""
     from benchmarks.loss_per_byte import curves
 
-    def lm_file(name, freeze, optimizers):
-        data = {"config": {"sync_every": 16, "freeze": freeze}, "runs": [
-            {"optimizer": o, "seed": 0, "curve": [[10, 4.0]], "bytes_sent": [1.0e6]}
-            for o in optimizers]}
-        (tmp_path / name).write_text(json.dumps(data))
-        return str(tmp_path / name)
-
-    paths = [lm_file("f20.json", 0.2, ["OnebitAdam-bf16warmup", "Adam"]),
-             lm_file("f10.json", 0.1, ["OnebitAdam-bf16warmup", "PowerSGD-r4", "Adam",
-                                       "Adam-fp16", "DiLoCo-1bit"])]
+    paths = [lm_file(tmp_path, "f20.json", {"freeze": 0.2}, ["OnebitAdam-bf16warmup", "Adam"]),
+             lm_file(tmp_path, "f10.json", {"freeze": 0.1},
+                     ["OnebitAdam-bf16warmup", "PowerSGD-r4", "Adam", "Adam-fp16", "DiLoCo-1bit"])]
     assert [r["label"] for r in curves(paths)] == [
         "OnebitAdam-bf16warmup", "Adam", "OnebitAdam-bf16warmup freeze=10%",
         "PowerSGD-r4 freeze=10%", "Adam", "Adam-fp16", "DiLoCo-1bit H=16"]
@@ -448,16 +451,10 @@ def test_loss_per_byte_labels_diloco_rows_of_a_non_default_outer_lr(tmp_path):
     other rows do not."""
     from benchmarks.loss_per_byte import curves
 
-    def lm_file(name, config, optimizers):
-        data = {"config": {"sync_every": 16, **config}, "runs": [
-            {"optimizer": o, "seed": 0, "curve": [[10, 4.0]], "bytes_sent": [1.0e6]}
-            for o in optimizers]}
-        (tmp_path / name).write_text(json.dumps(data))
-        return str(tmp_path / name)
-
-    paths = [lm_file("lr13.json", {"outer_lr": 1.3}, ["DiLoCo-bf16"]),
-             lm_file("old.json", {}, ["DiLoCo-bf16"]),
-             lm_file("lr10.json", {"outer_lr": 1.0}, ["DiLoCo-bf16", "DiLoCo-fp32", "Adam"])]
+    paths = [lm_file(tmp_path, "lr13.json", {"outer_lr": 1.3}, ["DiLoCo-bf16"]),
+             lm_file(tmp_path, "old.json", {}, ["DiLoCo-bf16"]),
+             lm_file(tmp_path, "lr10.json", {"outer_lr": 1.0},
+                     ["DiLoCo-bf16", "DiLoCo-fp32", "Adam"])]
     assert [r["label"] for r in curves(paths)] == [
         "DiLoCo-bf16 H=16", "DiLoCo-bf16 H=16", "DiLoCo-bf16 H=16 lr=1", "DiLoCo-fp32 H=16 lr=1",
         "Adam"]
@@ -469,16 +466,11 @@ def test_loss_per_byte_labels_diloco_rows_with_a_later_outer_lr(tmp_path):
     a row whose form has none keeps the plain label."""
     from benchmarks.loss_per_byte import curves
 
-    def lm_file(name, config, optimizers):
-        data = {"config": {"sync_every": 16, **config}, "runs": [
-            {"optimizer": o, "seed": 0, "curve": [[10, 4.0]], "bytes_sent": [1.0e6]}
-            for o in optimizers]}
-        (tmp_path / name).write_text(json.dumps(data))
-        return str(tmp_path / name)
-
-    paths = [lm_file("a.json", {"outer_lr": 1.3, "later_outer_lr": 2.0, "later_outer_lr_full": 1.6},
+    paths = [lm_file(tmp_path, "a.json",
+                     {"outer_lr": 1.3, "later_outer_lr": 2.0, "later_outer_lr_full": 1.6},
                      ["DiLoCo-1bit", "DiLoCo-fp32"]),
-             lm_file("b.json", {"outer_lr": 1.0, "later_outer_lr_full": 1.6, "later_from": 0.35},
+             lm_file(tmp_path, "b.json",
+                     {"outer_lr": 1.0, "later_outer_lr_full": 1.6, "later_from": 0.35},
                      ["DiLoCo-bf16", "DiLoCo-2bit"])]
     assert [r["label"] for r in curves(paths)] == [
         "DiLoCo-1bit H=16 lr=1.3>2@20%", "DiLoCo-fp32 H=16 lr=1.3>1.6@20%",
