@@ -512,3 +512,28 @@ def test_cuda_zero_one_sync_kernels_are_torchs_ops(weight_decay, into_momentum):
     for mine, want, pi, ai, di in zip(mine_p, their_p, p, their_out, d):
         assert _ulps_apart(mine, want, pi, 1e-2 * ai / di)
     assert all(torch.equal(a, b) for a, b in zip(avg_mine, avg_theirs))  # one multiply each
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gradients_spread_over_the_gpu_and_the_host_get_one_verdict_per_device():
+    """A model with some params left on the host: the check takes each
+    device's gradients on their own (the kernel for the GPU's, torch's
+    norms for the host's) and the list kernels refuse the mixed list."""
+    from onebit.feedback.agreement import nonfinite_flag
+    from onebit.multi_tensor import list_kernel
+
+    cuda = torch.device("cuda")
+    on_gpu = [torch.randn(5, device=cuda), torch.randn(300, device=cuda)]
+    on_host = [torch.randn(7), torch.randn(2, 3)]
+    assert list_kernel("any_nonfinite", on_gpu) is not None
+    assert list_kernel("any_nonfinite", on_gpu + on_host) is None
+    assert list_kernel("any_nonfinite", on_gpu, on_host[:1] + on_gpu[1:]) is None
+    for where in (cuda, torch.device("cpu")):
+        assert int(nonfinite_flag([on_gpu, on_host], where)) == 0
+        on_host[1][1, 2] = float("inf")
+        assert int(nonfinite_flag([on_gpu + on_host], where)) == 1
+        on_host[1][1, 2] = 0.5
+        on_gpu[1][299] = float("nan")
+        assert int(nonfinite_flag([on_host, on_gpu], where)) == 1
+        on_gpu[1][299] = 0.5

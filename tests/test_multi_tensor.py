@@ -105,18 +105,32 @@ def test_zero_one_adam_through_the_kernels_contracts_follows_torchs_ops(scaler):
 
 def test_a_list_spread_over_devices_takes_torchs_ops(monkeypatch):
     """A kernel launches on one device with a table of pointers: a list
-    with a tensor elsewhere must not reach it. Meta tensors stand in for a
-    device that has the kernel."""
+    with a tensor elsewhere (the host, another GPU) must not reach it. Meta
+    tensors stand in for GPU tensors: their get_device gives the GPU's
+    number the test assigns (a real one's is its index; the host's is -1,
+    as torch gives)."""
     import types
 
     import onebit.ops as ops
 
     kernel = object()
     monkeypatch.setattr(ops, "kernels_for", lambda device: types.SimpleNamespace(tensor_norms=kernel))
-    here = [torch.empty(4, device="meta"), torch.empty(3, device="meta")]
+    gpu_of = {}
+    host_index = torch.Tensor.get_device
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: gpu_of.get(id(t), host_index(t)))
+
+    def on_gpu(number, n, dtype=torch.float32):
+        t = torch.empty(n, device="meta", dtype=dtype)
+        gpu_of[id(t)] = number
+        return t
+
+    here = [on_gpu(0, 4), on_gpu(0, 3)]
     assert multi_tensor.list_kernel("tensor_norms", here) is kernel
     assert multi_tensor.list_kernel("tensor_norms", here + [torch.zeros(2)]) is None
     assert multi_tensor.list_kernel("tensor_norms", here, [torch.zeros(4), here[1]]) is None
+    assert multi_tensor.list_kernel("tensor_norms", here + [on_gpu(1, 2)]) is None
+    assert multi_tensor.list_kernel("tensor_norms", [on_gpu(1, 2), on_gpu(1, 5)]) is kernel
+    assert multi_tensor.list_kernel("tensor_norms", here + [on_gpu(0, 2, torch.float16)]) is None
 
 
 def test_norms_without_the_kernel_keep_empty_tensors_out_of_foreach_norm(monkeypatch):

@@ -82,7 +82,11 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
     # One verdict per device where the gradients live, then one copy of it
     # to `device` (not a copy per tensor: from a GPU to a gloo group's host
     # that was a device-to-host copy per tensor).
-    devices = set(map(_DEVICE, tensors))
+    # By index first (get_device: a CPU tensor's is -1), which costs half
+    # what building a torch.device per tensor does; the devices themselves
+    # only where the indices differ.
+    indices = set(map(torch.Tensor.get_device, tensors))
+    devices = ({tensors[0].device} if len(indices) == 1 else set(map(_DEVICE, tensors)))
     by_device = ([(tensors, sizes)] if len(devices) == 1 else
                  [([t for t in tensors if t.device == d], [n for t, n in zip(tensors, sizes)
                                                           if t.device == d]) for d in devices])
