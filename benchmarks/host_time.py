@@ -3,7 +3,8 @@
 For 100M params in 50 tensors and 20M in 2000 (as `bench optim`), prints
 each op's median wall time (launch to completion) and host time (until the
 call returns), then each optimizer's step beside torch's fused Adam, then
-the step's Python profile (cProfile, top functions by own time). At 2000
+the step's Python profile (cProfile: the top functions by own time, then
+onebit's by cumulative time). At 2000
 tensors a step is host-bound: this says which calls pay per tensor.
 
   python -m benchmarks.host_time            # a CUDA device
@@ -108,11 +109,16 @@ def main(argv=None) -> None:
                 opt.step()
             get_accelerator().synchronize()
             prof.disable()
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
-            print("\n".join(line for line in out.getvalue().splitlines()
-                            if line.strip() and "Ordered by" not in line
-                            and "List reduced" not in line))
+            # By own time (which calls pay), then onebit's functions by
+            # cumulative time (which of its steps holds them).
+            for order, only in (("tottime", ()), ("cumulative", ("onebit/",))):
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats(order).print_stats(*only, a.top)
+                print(f"  by {order}" + (" (onebit's own functions)" if only else ""))
+                print("\n".join(line for line in out.getvalue().splitlines()
+                                if line.strip() and "Ordered by" not in line
+                                and "List reduced" not in line
+                                and "function calls" not in line))
         del params
         if device.type == "cuda":
             torch.cuda.empty_cache()
