@@ -194,12 +194,25 @@ class ShardedParams:
         # Called per param several times a step: no lookup when nothing is sharded.
         return self._owners.get(id(t), t) if self._owners else t
 
+    def owners(self, ts: List[torch.Tensor]) -> List[torch.Tensor]:
+        """`owner` of each of `ts`, in one pass."""
+        if not self._owners:
+            return ts
+        get = self._owners.get
+        return [get(id(t), t) for t in ts]
+
     def grad(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """The local shard of the gradient of the parameter `t` stands for."""
         if not self._owners:
             return t.grad
         g = self.owner(t).grad
         return local(g) if g is not None else None
+
+    def grads(self, ts: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """`grad` of each of `ts`, in one pass."""
+        if not self._owners:
+            return [t.grad for t in ts]
+        return [self.grad(t) for t in ts]
 
     def local_mask(self, mask: torch.Tensor, group_params: List[torch.Tensor]) -> torch.Tensor:
         """The part of a group's `exp_avg_mask` this rank's shards take. A

@@ -527,22 +527,34 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             t = st[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return t
 
-    def _moments(self, params: List[torch.Tensor]):
+    def _states(self, params: List[torch.Tensor]) -> List[dict]:
+        """The state of each of `params` (as _state_of), one lookup each: a
+        step over thousands of small tensors pays per lookup (a tensor's
+        hash is a Python call), so a step takes its params' states once and
+        hands them to _moments and _state_tensors."""
+        state = self.state
+        return [state[p] for p in self._shards.owners(params)]
+
+    def _state_tensors(self, params: List[torch.Tensor], name: str,
+                       states: Optional[List[dict]] = None) -> List[torch.Tensor]:
+        """Each param's fp32 state tensor `name`, created on first use.
+        `states`: the params' _states, where the caller has them."""
+        out = [st.get(name) for st in (self._states(params) if states is None else states)]
+        for i, t in enumerate(out):
+            if t is None:
+                out[i] = self._state_tensor(params[i], name)
+        return out
+
+    def _moments(self, params: List[torch.Tensor], states: Optional[List[dict]] = None):
         """The params' fp32 (exp_avg, exp_avg_sq) state tensors, created on
-        first use."""
-        # A step pays this per tensor: one state lookup per param.
-        state, owner = self.state, self._shards.owner
-        states = [state[owner(p)] for p in params]
-        m = [st.get("exp_avg") for st in states]
-        v = [st.get("exp_avg_sq") for st in states]
-        for i, p in enumerate(params):
-            if m[i] is None or v[i] is None:
-                m[i], v[i] = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
-        return m, v
+        first use. `states`: as for _state_tensors."""
+        states = self._states(params) if states is None else states
+        return (self._state_tensors(params, "exp_avg", states),
+                self._state_tensors(params, "exp_avg_sq", states))
 
     def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
         """fp32 gradients, unscaled when a GradScaler handed us its scale."""
-        grads = [self._shards.grad(p) for p in params]
+        grads = self._shards.grads(params)
         # The usual case (every gradient there, dense fp32, outside autograd)
         # in one pass: a step over thousands of small tensors pays per tensor.
         if not all(g is not None and g.dtype is torch.float32 and not g.requires_grad
@@ -862,5 +874,5 @@ class FreezeStepOptimizer(OnebitOptimizer):
     def _exchange_input_(self, index, params, grads, out, positions) -> None:
         """The new momentum beta1 * m + (1 - beta1) * g, into `out`: m itself
         changes only when step() commits it."""
-        m = [self._state_tensor(p, "exp_avg") for p in params]
+        m = self._state_tensors(params, "exp_avg")
         F.momentum_into(out, m, grads, self.param_groups[index]["betas"][0])

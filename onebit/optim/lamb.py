@@ -151,7 +151,8 @@ class OnebitLamb(FreezeStepOptimizer):
             self._warmup_step(key, group, [p], [g], done + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
-        m, v = self._moments(params)
+        states = self._states(params)
+        m, v = self._moments(params, states)
         coeffs = lamb_warmup_step_(
             params, gs, m, v,
             zero_variance=lambda v: self._seen(i, group, v, None)[0],
@@ -162,10 +163,9 @@ class OnebitLamb(FreezeStepOptimizer):
             bias_corrections=self._bias_corrections(group, t, t),
             min_coeff=group["min_coeff"], max_coeff=group["max_coeff"])
         self.lamb_coeffs.extend(c for c in coeffs if c is not None)
-        for p, mi, vi, coeff in zip(params, m, v, coeffs):
+        for st, mi, vi, coeff in zip(states, m, v, coeffs):
             if coeff is None:  # never seen: stays as it is
                 continue
-            st = self._state_of(p)
             st.setdefault("lamb_coeff_freeze", 0.0)
             st.setdefault("last_factor", 1.0)
             if coeff != 1.0:
@@ -183,7 +183,8 @@ class OnebitLamb(FreezeStepOptimizer):
         return self._shards.whole_norms if self._shards.sharded else None
 
     def _compressed_step(self, i, group, params, gs, t) -> None:
-        m, v = self._moments(params)
+        states = self._states(params)
+        m, v = self._moments(params, states)
         frozen = self.trust_ratio == "frozen"
         if frozen:
             m_last = self._static.scratch("momentum before this step", i, m)
@@ -200,7 +201,6 @@ class OnebitLamb(FreezeStepOptimizer):
         bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
         # freeze_step = 0 or a restored warmup: the ratio's state starts here
         start, name = (v, "exp_avg_sq_fresh") if frozen else (m, "exp_avg_smoothed")
-        states = [self._state_of(p) for p in params]
         for st, x in zip(states, start):
             if name not in st:
                 st[name] = x.clone()

@@ -107,12 +107,12 @@ class ZeroOneAdam(OnebitOptimizer):
             return
         group = self._with_float_lr(self.param_groups[index])
         trained = self._trainable(group)
-        v = [self._state_tensor(p, "exp_avg_sq") for p in trained]
+        v = self._state_tensors(trained, "exp_avg_sq")
         version = self.counters["var_updates"]
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(index, group, v, bc2, version)
         seen, masks = self._seen(index, group, v, version)
-        m = [self._state_tensor(p, "exp_avg") for p in params]
+        m = self._state_tensors(params, "exp_avg")
         single_sync_input_into(out, params, m, grads, [denom[j] for j in positions], bc1,
                                [seen[j] for j in positions], [masks[j] for j in positions],
                                beta1=group["betas"][0], weight_decay=group["weight_decay"])
@@ -132,9 +132,10 @@ class ZeroOneAdam(OnebitOptimizer):
             # the accumulator would hold this step's displacement alone.
             single = sync and c["lrs"][i] == 0.0
             beta1, beta2 = group["betas"]
-            m, v = self._moments(params)
+            states = self._states(params)
+            m, v = self._moments(params, states)
             if single:  # (lrs stays 0: the next interval starts here)
-                self._sync_single_(i, t, version, group, params, gs, m, v)
+                self._sync_single_(i, t, version, group, params, gs, m, v, states)
                 continue
             if full:
                 F.update_variance_(v, gs, beta2)
@@ -152,8 +153,8 @@ class ZeroOneAdam(OnebitOptimizer):
             bc1, bc2 = self._bias_corrections(group, t, version)
             denom = self._denominators(i, group, v, bc2, version)  # (v's, not m's)
             if frozen:
-                u = [self._state_tensor(p, "momentum_accumulator") for p in params]
-                anchors = self._anchors(params, c["lrs"][i] == 0.0)
+                u = self._state_tensors(params, "momentum_accumulator", states)
+                anchors = self._anchors(params, states, c["lrs"][i] == 0.0)
                 # A local step: the momentum and the step in one pass where
                 # the device has the kernel (the tensors that move; the
                 # others' momentum apart).
@@ -189,15 +190,14 @@ class ZeroOneAdam(OnebitOptimizer):
                                   bc1=bc1, lrs=c["lrs"][i])
                 c["lrs"][i] = 0.0
 
-    def _anchors(self, params, first: bool):
+    def _anchors(self, params, states, first: bool):
         """The last synced point of each param, kept exactly: recomputing it
         as p - u would round differently on each rank, and the replicas would
         no longer be bitwise identical after a sync. Until the first local
         step after a sync (`first`), p itself is that point, so it is copied
         only then: with sync interval 1, never."""
         out = []
-        for p in params:
-            st = self._state_of(p)
+        for p, st in zip(params, states):  # (`states`: the params' _states)
             if "sync_point" not in st:
                 st["sync_point"] = p.detach().clone()
             elif first:
@@ -205,11 +205,10 @@ class ZeroOneAdam(OnebitOptimizer):
             out.append(st["sync_point"])
         return out
 
-    def _sync_single_(self, i, t, version, group, params, grads, m, v) -> None:
+    def _sync_single_(self, i, t, version, group, params, grads, m, v, states) -> None:
         """A sync with no lr since the last sync (see sync_single_)."""
-        for p in params:  # the accumulators stay 0, but exist for the local steps
-            if "momentum_accumulator" not in self._state_of(p):
-                self._state_tensor(p, "momentum_accumulator")
+        # The accumulators stay 0, but exist for the local steps.
+        self._state_tensors(params, "momentum_accumulator", states)
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(i, group, v, bc2, version)
         seen, masks = self._seen(i, group, v, version)
