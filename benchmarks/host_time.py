@@ -26,6 +26,7 @@ from onebit.feedback.agreement import nonfinite_flag
 from onebit.multi_tensor import tensor_norms
 
 REPEATS = 30
+PROFILED_STEPS = 10
 
 
 def median_ms(fn, wait_each: bool) -> float:
@@ -79,6 +80,8 @@ def optimizers(params: list) -> dict:
         "torch Adam(fused)": lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
         "OnebitAdam compression": lambda: onebit.OnebitAdam(params, freeze_step=1),
         "ZeroOneAdam syncs": lambda: onebit.ZeroOneAdam(params, var_freeze_step=1),
+        "ZeroOneAdam local steps": lambda: onebit.ZeroOneAdam(
+            params, var_freeze_step=1, local_step_scaler=1, local_step_clipper=16),
         "OnebitLamb compression": lambda: onebit.OnebitLamb(params, freeze_step=1),
     }
 
@@ -101,14 +104,20 @@ def main(argv=None) -> None:
             opt = make()
             print(f"{name:32s} wall {median_ms(opt.step, True):8.3f} ms   host "
                   f"{median_ms(opt.step, False):8.3f} ms")
-            if name.startswith("torch"):
-                continue
             prof = cProfile.Profile()
             prof.enable()
-            for _ in range(10):
+            for _ in range(PROFILED_STEPS):
                 opt.step()
             get_accelerator().synchronize()
             prof.disable()
+            stats = pstats.Stats(prof)
+            calls = sum(row[1] for row in stats.stats.values()) / PROFILED_STEPS / tensors
+            # (cProfile counts the calls Python makes; those map() makes
+            # from C, as the kernels' checks and tables do per tensor, are
+            # not in the count)
+            print(f"  {calls:.1f} Python calls per tensor per step")
+            if name.startswith("torch"):
+                continue
             # By own time (which calls pay), then onebit's functions by
             # cumulative time (which of its steps holds them).
             for order, only in (("tottime", ()), ("cumulative", ("onebit/",))):
