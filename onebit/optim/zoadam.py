@@ -107,12 +107,13 @@ class ZeroOneAdam(OnebitOptimizer):
             return
         group = self._with_float_lr(self.param_groups[index])
         trained = self._trainable(group)
-        v = self._state_tensors(trained, "exp_avg_sq")
+        states = self._states(trained)  # (`params` are trained[j] for j in positions)
+        v = self._state_tensors(trained, "exp_avg_sq", states)
         version = self.counters["var_updates"]
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(index, group, v, bc2, version)
         seen, masks = self._seen(index, group, v, version)
-        m = self._state_tensors(params, "exp_avg")
+        m = self._state_tensors(params, "exp_avg", [states[j] for j in positions])
         single_sync_input_into(out, params, m, grads, [denom[j] for j in positions], bc1,
                                [seen[j] for j in positions], [masks[j] for j in positions],
                                beta1=group["betas"][0], weight_decay=group["weight_decay"])
