@@ -8,6 +8,7 @@ test_optim_dist.py); the third run also pipelines every bucket's exchange in
 small pieces. The model looks like a real one: an embedding most of whose
 rows a batch never touches, tensors whose scales differ by 1e4, and a head
 that never gets a gradient."""
+import collections
 import warnings
 
 import numpy as np
@@ -130,6 +131,55 @@ def test_zero_one_adam_sync_is_exchanged_again_when_lr_changes_after_backward():
     for (a, _), (b, stats) in zip(fused, bucketed):
         assert np.array_equal(a, b)
         assert stats["redone"] > 0 and stats["launched_in_backward"] > stats["redone"], stats
+
+
+class CountingState(collections.defaultdict):
+    """An optimizer's state dict that counts its lookups by param."""
+
+    lookups = 0
+
+    def __getitem__(self, key):
+        self.lookups += 1
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.lookups += 1
+        return super().get(key, default)
+
+
+def _state_lookups_in_backward(rank, world):
+    """0/1 Adam's syncs, 48 params in buckets of about one each: how many
+    state lookups each backward makes, against the number of params."""
+    import onebit
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(32)) for _ in range(48)]
+    opt = onebit.ZeroOneAdam(params, lr=1e-2, weight_decay=1e-3, var_freeze_step=2,
+                             overlap_backward=True, bucket_cap_mb=100 / 2**20)
+    opt.state = CountingState(dict, opt.state)
+    x = torch.randn(32, generator=torch.Generator().manual_seed(rank))
+    per_backward, buckets = [], []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = sum((p * x).sum() * (k + 1) for k, p in enumerate(params))
+        launched, before = opt.overlap_stats()["launched_in_backward"], opt.state.lookups
+        loss.backward()
+        per_backward.append(opt.state.lookups - before)
+        buckets.append(opt.overlap_stats()["launched_in_backward"] - launched)
+        opt.step()
+    return per_backward, buckets, len(params)
+
+
+def test_a_bucket_input_looks_up_its_own_params_state_not_the_groups():
+    """Written during backward, each bucket's sync input looked up the state
+    of every trained param of its group: buckets x params lookups per
+    backward (on 2000 small tensors in many buckets, the host's time grew
+    with both). Now the group's v is read only when the caches of the
+    frozen v miss."""
+    for per_backward, buckets, n in run_workers(_state_lookups_in_backward, 2, timeout=120):
+        assert min(buckets[3:]) >= n // 2, buckets  # many buckets launched in backward
+        # Syncs with warm caches: the buckets' own params' states, a few per param.
+        assert max(per_backward[3:]) <= 3 * n, per_backward
 
 
 def _nonfinite_on_one_rank(rank, world, use_scaler):

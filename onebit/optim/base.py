@@ -62,7 +62,7 @@ from . import checkpoints
 from . import functional as F
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
-from .guards import ZeroVarianceGuard
+from .guards import Variances, ZeroVarianceGuard, resolved
 from .late import LATE, LATE_KEY, TRAINED, LateJoiners
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
@@ -799,14 +799,15 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return OnebitHookState(self)
 
     # ------------------------------------------------- maths the stages share --
-    def _seen(self, index, group, exp_avg_sqs: List[torch.Tensor], version: Optional[int]):
+    def _seen(self, index, group, exp_avg_sqs: Variances, version: Optional[int]):
         """The zero-variance guard's (seen, masks) for group `index` (see
         guards.py); `version` names v (a stage's `variance_version`: None
         while it changes every step). Where v changes every step and there
         is no weight decay, nothing can move an unseen element (its m is 0
-        too), so nothing is checked."""
+        too), so nothing is checked. `exp_avg_sqs`: as for _denominators."""
         if version is None and not group["weight_decay"]:
-            return [True] * len(exp_avg_sqs), [None] * len(exp_avg_sqs)
+            n = len(resolved(exp_avg_sqs))
+            return [True] * n, [None] * n
         return self._zero_variance.check(index, exp_avg_sqs, version)
 
     def _mask_(self, group, tensors: List[torch.Tensor]) -> None:
@@ -829,7 +830,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             mask = group["exp_avg_mask"] = mask.to(device)
         return self._shards.local_mask(mask, group["params"])
 
-    def _denominators(self, index, group, exp_avg_sqs: List[torch.Tensor], bc2: float,
+    def _denominators(self, index, group, exp_avg_sqs: Variances, bc2: float,
                       version: Optional[int]) -> List[torch.Tensor]:
         """sqrt(v / bc2) + eps, cached while v is frozen.
 
@@ -837,16 +838,20 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         changes every step, no cache). Once v stops changing the square root
         need not be recomputed each step: this buffer (one fp32 copy of the
         group) is what makes the compression stage cheaper than an Adam step.
+        `exp_avg_sqs`: the group's v, or a function giving it, called only
+        when there is no cache to use (a bucket's input written during
+        backward then costs in proportion to the bucket, not the group).
         """
         if version is None:
             self._denoms.pop(index, None)
-            return F.denominators(exp_avg_sqs, group["eps"], group["eps_inside_sqrt"], bc2,
-                                  out=self._static.scratch("denominators", index, exp_avg_sqs))
+            v = resolved(exp_avg_sqs)
+            return F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2,
+                                  out=self._static.scratch("denominators", index, v))
         key = (version, group["eps"], group["eps_inside_sqrt"], bc2)
         cached = self._denoms.get(index)
         if cached is None or cached[0] != key:
             cached = self._denoms[index] = (key, F.denominators(
-                exp_avg_sqs, group["eps"], group["eps_inside_sqrt"], bc2))
+                resolved(exp_avg_sqs), group["eps"], group["eps_inside_sqrt"], bc2))
         return cached[1]
 
     @staticmethod

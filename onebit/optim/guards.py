@@ -20,11 +20,18 @@ another shard's is not is a partly seen tensor, masked everywhere.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 Tensors = List[torch.Tensor]
+# A group's v, or a function giving it: a cache that hits never calls it.
+Variances = Union[Tensors, Callable[[], Tensors]]
+
+
+def resolved(exp_avg_sqs: Variances) -> Tensors:
+    """The v list that `exp_avg_sqs` is or gives."""
+    return exp_avg_sqs() if callable(exp_avg_sqs) else exp_avg_sqs
 
 
 class ZeroVarianceGuard:
@@ -41,14 +48,16 @@ class ZeroVarianceGuard:
     def clear(self) -> None:
         self._cache.clear()
 
-    def check(self, index: int, exp_avg_sqs: Tensors,
+    def check(self, index: int, exp_avg_sqs: Variances,
               version) -> Tuple[List[bool], List[Optional[torch.Tensor]]]:
         """(seen, masks) for group `index`. `version` names the current v
         (None: v changes every step, so nothing is cached). One host sync
-        per group when it is (re)computed."""
+        per group when it is (re)computed. `exp_avg_sqs`: the group's v, or
+        a function giving it, called only when the cache misses."""
         cached = self._cache.get(index)
         if version is not None and cached is not None and cached[0] == version:
             return cached[1], cached[2]
+        exp_avg_sqs = resolved(exp_avg_sqs)
         local = torch.stack([torch.count_nonzero(v) for v in exp_avg_sqs]) if exp_avg_sqs else None
         counts = local.tolist() if local is not None else []
         whole = (self.whole_counts(local).tolist() if self.whole_counts is not None

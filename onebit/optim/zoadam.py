@@ -106,14 +106,18 @@ class ZeroOneAdam(OnebitOptimizer):
                 torch._foreach_copy_(out, grads)
             return
         group = self._with_float_lr(self.param_groups[index])
-        trained = self._trainable(group)
-        states = self._states(trained)  # (`params` are trained[j] for j in positions)
-        v = self._state_tensors(trained, "exp_avg_sq", states)
         version = self.counters["var_updates"]
         bc1, bc2 = self._bias_corrections(group, t, version)
-        denom = self._denominators(index, group, v, bc2, version)
-        seen, masks = self._seen(index, group, v, version)
-        m = self._state_tensors(params, "exp_avg", [states[j] for j in positions])
+
+        def group_variances() -> List[torch.Tensor]:
+            # Only where the caches of the frozen v miss (once per v): a
+            # lookup of every trained param per bucket made backward's host
+            # time grow with buckets x params.
+            return self._state_tensors(self._trainable(group), "exp_avg_sq")
+
+        denom = self._denominators(index, group, group_variances, bc2, version)
+        seen, masks = self._seen(index, group, group_variances, version)
+        m = self._state_tensors(params, "exp_avg")  # (`params` are trained[j] for j in positions)
         single_sync_input_into(out, params, m, grads, [denom[j] for j in positions], bc1,
                                [seen[j] for j in positions], [masks[j] for j in positions],
                                beta1=group["betas"][0], weight_decay=group["weight_decay"])
