@@ -77,15 +77,6 @@ __global__ void pack_kernel(const T* __restrict__ x, int64_t n, bool vec,
   }
 }
 
-// The onebit block of a thread's unit of work `unit` (a run of `per_block`
-// units per block): a 32-bit division wherever the indices fit (`narrow`,
-// the same in every thread). A 64-bit division is a long software routine
-// on a GPU, and the decode kernels ran one for every four or eight elements.
-__device__ __forceinline__ int64_t unit_block(int64_t unit, int64_t per_block, bool narrow) {
-  if (narrow && per_block < (int64_t(1) << 32)) return uint32_t(unit) / uint32_t(per_block);
-  return unit / per_block;
-}
-
 // out[j] = (1/rows) * sum_r (bit(r, j) ? s : -s), s = scales[r, j / block], j < cols.
 // Three kernels, each the faster on an H200 for its row counts (same bits:
 // each element sums its rows in turn from 0, as every kernel does).
@@ -103,9 +94,8 @@ __global__ void decode_quads_kernel(const uint8_t* __restrict__ bits, int64_t ro
   const int64_t nblocks = (cols + block - 1) / block;
   const int64_t quads = (cols + 3) / 4;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const bool narrow = quads < (int64_t(1) << 32);
   for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < quads; q += stride) {
-    const int64_t j0 = q * 4, byte = q / 2, k = unit_block(q, block / 4, narrow);
+    const int64_t j0 = q * 4, byte = q / 2, k = j0 / block;
     const int shift = int(q & 1) * 4;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
@@ -152,9 +142,8 @@ __global__ void decode_bytes_kernel(const uint8_t* __restrict__ bits, int64_t ro
   const int64_t nblocks = (cols + block - 1) / block;
   const int64_t nbytes = (cols + 7) / 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const bool narrow = nbytes < (int64_t(1) << 32);
   for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < nbytes; q += stride) {
-    const int64_t j0 = q * 8, k = unit_block(q, block / 8, narrow);
+    const int64_t j0 = q * 8, k = j0 / block;
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     // (Unrolling this loop by 8 measured slower on an H200: 33% and 17% at
     // 8 and 32 rows.)
