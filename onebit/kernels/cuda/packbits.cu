@@ -89,8 +89,8 @@ __global__ void pack_kernel(const T* __restrict__ x, int64_t n, bool vec,
 // most rows, unrolls the loads, so they are all in flight at once), and
 // the block index is a shift where block / 4 is a power of two
 // (`quad_shift`; else -1: a division). On an H200 at 2^28 elements that
-// took one row from 63% to 74% of the copy bandwidth and two from 51% to
-// 70% (a 32-bit division in place of the 64-bit one had measured slower).
+// took one row from 63% to 73% of the copy bandwidth and two from 51% to
+// 68% (a 32-bit division in place of the 64-bit one had measured slower).
 template <int kMaxRows>
 __global__ void decode_quads_kernel(const uint8_t* __restrict__ bits, int64_t row_bytes,
                                     int rows, const float* __restrict__ scales, int64_t block,
