@@ -79,20 +79,28 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
     sizes = list(map(torch.Tensor.numel, tensors))
     if 0 in sizes:
         tensors, sizes = [t for t, n in zip(tensors, sizes) if n], [n for n in sizes if n]
-    # One verdict per device where the gradients live, then one copy of it
-    # to `device` (not a copy per tensor: from a GPU to a gloo group's host
-    # that was a device-to-host copy per tensor).
-    # By index first (get_device: a CPU tensor's is -1), which costs half
-    # what building a torch.device per tensor does; the devices themselves
-    # only where the indices differ.
-    indices = set(map(torch.Tensor.get_device, tensors))
-    devices = ({tensors[0].device} if len(indices) == 1 else set(map(_DEVICE, tensors)))
-    by_device = ([(tensors, sizes)] if len(devices) == 1 else
-                 [([t for t in tensors if t.device == d], [n for t, n in zip(tensors, sizes)
-                                                          if t.device == d]) for d in devices])
+    # The usual GPU case first: every gradient on one device whose kernels
+    # check them in one launch. list_kernel refuses a list spread over
+    # devices, so its yes needs no grouping pass of its own.
+    whole = list_kernel("any_nonfinite", tensors) if tensors else None
+    if whole is not None:
+        by_device = [(tensors, sizes)]
+    else:
+        # One verdict per device where the gradients live, then one copy of
+        # it to `device` (not a copy per tensor: from a GPU to a gloo group's
+        # host that was a device-to-host copy per tensor). By index first
+        # (get_device: a CPU tensor's is -1), which costs half what building
+        # a torch.device per tensor does; the devices themselves only where
+        # the indices differ.
+        indices = set(map(torch.Tensor.get_device, tensors))
+        devices = ({tensors[0].device} if len(indices) == 1 else set(map(_DEVICE, tensors)))
+        by_device = ([(tensors, sizes)] if len(devices) == 1 else
+                     [([t for t in tensors if t.device == d],
+                       [n for t, n in zip(tensors, sizes) if t.device == d]) for d in devices])
     for on_device, their_sizes in by_device:
         here = on_device[0].device
-        check = list_kernel("any_nonfinite", on_device)  # (None: the norms below)
+        check = (whole if whole is not None else
+                 list_kernel("any_nonfinite", on_device))  # (None: the norms below)
         if check is not None:
             mine = flag if here == flag.device else torch.zeros_like(flag, device=here)
             check(on_device, their_sizes, mine)
