@@ -276,15 +276,18 @@ def _alone(rank, p):
         raise AssertionError("a collective was issued at world size 1")
 
     dist.all_to_all_single = collectives.all_gather_flat = forbidden
-    b = compressed.CompressedBackend()
-    m = torch.randn(77)
-    n, ns = b.error_sizes(77)
-    w, s = torch.zeros(n), torch.zeros(ns)
-    (ref_out,), ref_w, ref_s, _ = reference_round([[m.double().numpy()]], [np.zeros(n)],
-                                                  [np.zeros(ns)], b.block_size)
-    out = b.compressed_allreduce(m.clone(), w, s)
-    np.testing.assert_allclose(out.double().numpy(), ref_out, atol=1e-5)
-    np.testing.assert_allclose(w.double().numpy(), ref_w[0], atol=1e-5)
+    # Small blocks too: a message of 8 elements has one byte of signs, so
+    # its scales start at an odd byte (their 4-byte view once failed there).
+    for block, numel in ((256, 77), (8, 8), (8, 77), (24, 77)):
+        b = compressed.CompressedBackend(block_size=block)
+        m = torch.randn(numel)
+        n, ns = b.error_sizes(numel)
+        w, s = torch.zeros(n), torch.zeros(ns)
+        (ref_out,), ref_w, ref_s, _ = reference_round([[m.double().numpy()]], [np.zeros(n)],
+                                                      [np.zeros(ns)], b.block_size)
+        out = b.compressed_allreduce(m.clone(), w, s)
+        np.testing.assert_allclose(out.double().numpy(), ref_out, atol=1e-5)
+        np.testing.assert_allclose(w.double().numpy(), ref_w[0], atol=1e-5)
     return True
 
 

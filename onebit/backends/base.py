@@ -421,5 +421,8 @@ class _AllreducePlan:
             self.buffer_m.detach().copy_(self.src.view(self.buffer_m.shape))
 
     def _scales(self, rows: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
-        """The fp32 scales at the end of each message row, [rows, blocks]."""
-        return rows[:, chunk_bytes:].contiguous().view(self.scale_dtype).float()
+        """The fp32 scales at the end of each message row, [rows, blocks]. A
+        copy of their own: one row alone is contiguous already, and its
+        scales start chunk_bytes into it, where a 4-byte view may not."""
+        return rows[:, chunk_bytes:].clone(memory_format=torch.contiguous_format).view(
+            self.scale_dtype).float()
