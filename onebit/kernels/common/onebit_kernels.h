@@ -70,6 +70,26 @@ ONEBIT_HD float round_bf16(float s, uint16_t* bits) {
   return bits_float(uint32_t(*bits) << 16);
 }
 
+// Pass 1 of error feedback on one onebit block [b, e) (e - b a multiple of
+// 8): err <- x = buf + err (buf is zero from n_buf on: the padding), and
+// the block's sum of x^2 in double, in the one order every kernel sums (so
+// a scale has the same bits wherever it is computed): eight partial sums,
+// partial j over elements j, j + 8, j + 16, ... in turn, combined as
+// ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)). A float's square is
+// exact in double, so a fused multiply-add rounds as a multiply and an add do.
+ONEBIT_HD double block_sumsq_in_order(const float* buf, int64_t n_buf, float* err, int64_t b,
+                                      int64_t e) {
+  double part[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  for (int64_t i = b; i < e; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      float x = i + j < n_buf ? buf[i + j] + err[i + j] : err[i + j];
+      err[i + j] = x;
+      part[j] += double(x) * double(x);
+    }
+  }
+  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+}
+
 // Bit t of `bits` as a signed scale: +s for a 1 (x >= 0), -s for a 0.
 ONEBIT_HD float signed_scale(uint32_t bits, int t, float s) { return ((bits >> t) & 1) ? s : -s; }
 

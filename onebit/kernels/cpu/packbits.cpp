@@ -206,23 +206,11 @@ void decode(uintptr_t src, int64_t row_bytes, int rows, uintptr_t scales_ptr, in
 // the threading and wherever the block sits in the buffer: the same block
 // gives the same scale in a fused buffer, a bucket or a pipelined piece.
 
-// The one order of a block's sum of squares, shared by every kernel (the
-// CUDA kernel and the torch fallback sum the same way, so a scale has the
-// same bits wherever it is computed): eight partial sums, partial j over
-// elements j, j + 8, j + 16, ... in turn, combined as
-// ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)). It is the AVX2 loop's
-// natural order (two 4-lane accumulators). A float's square is exact in
-// double, so a fused multiply-add rounds as a multiply and an add do.
+// Each block's sum of squares runs in block_sumsq_in_order's one order
+// (../common/onebit_kernels.h), the AVX2 loop's natural order (two 4-lane
+// accumulators), so a scale has the same bits on every kernel.
 double block_sumsq_portable(const float* buf, int64_t n_buf, float* err, int64_t b, int64_t e) {
-  double part[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-  for (int64_t i = b; i < e; i += 8) {
-    for (int j = 0; j < 8; ++j) {
-      float x = i + j < n_buf ? buf[i + j] + err[i + j] : err[i + j];
-      err[i + j] = x;
-      part[j] += double(x) * double(x);
-    }
-  }
-  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  return block_sumsq_in_order(buf, n_buf, err, b, e);
 }
 
 void pack_error_portable(float* err, float s, int64_t b, int64_t e, uint8_t* out) {

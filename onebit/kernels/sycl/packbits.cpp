@@ -77,8 +77,9 @@ int onebit_sycl_decode(void* queue, const uint8_t* bits, int64_t row_bytes, int 
 }
 
 // err <- x = buf (zero past n_buf) + err; sumsq[k] = sum of x^2 over onebit
-// block k. One work-item per block, adding in index order: a block's sum does
-// not depend on the launch or on where the block sits.
+// block k. One work-item per block, summing in block_sumsq_in_order's one
+// order (../common/onebit_kernels.h): the CPU's and CUDA's, so a scale has
+// the same bits on every device.
 int onebit_sycl_compensate(void* queue, const float* buf, int64_t n_buf, float* err, int64_t n,
                            int64_t block, double* sumsq) {
   try {
@@ -86,14 +87,8 @@ int onebit_sycl_compensate(void* queue, const float* buf, int64_t n_buf, float* 
     if (block <= 0 || block % 8 || n % block) return 1;
     if (n == 0) return 0;
     q.parallel_for(sycl::range<1>(size_t(n / block)), [=](sycl::id<1> id) {
-      int64_t k = int64_t(id[0]);
-      double sum = 0.0;
-      for (int64_t i = k * block; i < (k + 1) * block; ++i) {
-        float x = (i < n_buf ? buf[i] : 0.0f) + err[i];
-        err[i] = x;
-        sum += double(x) * double(x);
-      }
-      sumsq[k] = sum;
+      const int64_t k = int64_t(id[0]);
+      sumsq[k] = block_sumsq_in_order(buf, n_buf, err, k * block, (k + 1) * block);
     });
     return 0;
   } catch (...) {
