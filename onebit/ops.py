@@ -9,6 +9,10 @@ Used by the compressed backends (one scale per block of `block` elements):
   compress(...)            both passes and the scales between them, in one call (one
                            pass over memory where the kernel fuses them: the CPU's)
   decode_mean(...)         mean over rows of the block's scale * sign
+  compress_rows(...)       compress on each row of a message matrix (every rank's
+                           row of the all-to-all), in one launch where the kernel can
+  decode_rows(...)         each row decoded on its own into its own stretch of out
+                           (every rank's decode of the all-gather), in one launch
 
 Wire format (docs/design.md): bit = 1 iff x >= 0, element 8*i + j in bit j of
 byte i, identical to numpy.packbits(x >= 0, bitorder="little").
@@ -169,3 +173,105 @@ def composed_compress(k, buf, err, counts, block, scale_dtype, scales_out, bits_
     scales = sumsq.div_(counts).sqrt_().to(scale_dtype)
     scales_out.copy_(scales.view(torch.uint8).view(-1))
     k.pack_error(err, scales.float(), block, bits_out)
+
+
+def compress_rows(buf: torch.Tensor, err: torch.Tensor, counts: torch.Tensor, block: int,
+                  scale_dtype: torch.dtype, messages: torch.Tensor, code_bytes: int) -> None:
+    """`compress` on each row r of `err`, into message row r: its codes in
+    messages[r, :code_bytes], its scales right after. Row r's buf is
+    buf[r * S:][:n] (S = err.stride(0), n = err.shape[1]), zero past buf's
+    end; its counts are counts[r]. One launch where the kernel has
+    `compress_rows` (the CPU's, CUDA's, SYCL's); else a call per row. The
+    same bits either way: every block lies inside one row.
+
+    err: fp32 [rows, n], unit inner stride (the worker's error seen as one
+    row per rank); buf: fp32, contiguous; counts: float64 [rows, n / block],
+    unit inner stride, row stride S / block; messages: uint8 [rows, >=
+    code_bytes + n / block * scale bytes], unit inner stride."""
+    _check_block(block)
+    _check_rows(buf, err, counts, block, scale_dtype, messages, code_bytes)
+    k = kernels_for(err.device)
+    if hasattr(k, "compress_rows"):
+        scale_end = code_bytes + counts.shape[1] * scale_dtype.itemsize
+        k.compress_rows(buf, err, counts, block, messages[:, code_bytes:scale_end],
+                        messages[:, :code_bytes])
+    else:
+        compress_each_row(compress, buf, err, counts, block, scale_dtype, messages, code_bytes)
+
+
+def compress_each_row(compress_one, buf, err, counts, block, scale_dtype, messages,
+                      code_bytes) -> None:
+    """`compress_rows` as one call of `compress_one` (`compress`'s arguments) per row."""
+    stride, n = err.stride(0), err.shape[1]
+    scale_end = code_bytes + counts.shape[1] * scale_dtype.itemsize
+    for r in range(err.shape[0]):
+        lo = r * stride
+        compress_one(buf[lo:max(lo, min(lo + n, buf.numel()))], err[r], counts[r], block,
+                     scale_dtype, messages[r, code_bytes:scale_end], messages[r, :code_bytes])
+
+
+def _check_rows(buf, err, counts, block, scale_dtype, messages, code_bytes) -> None:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"compress_rows: scale_dtype must be one of {SCALE_DTYPES}, "
+                         f"got {scale_dtype}")
+    if err.dtype != torch.float32 or err.dim() != 2 or err.stride(1) != 1:
+        raise ValueError(f"compress_rows: err must be float32 [rows, n] with unit inner stride, "
+                         f"got {err.dtype} {tuple(err.shape)} stride {err.stride()}")
+    rows, n = err.shape
+    if rows > 1 and (err.stride(0) < n or err.stride(0) % block):
+        raise ValueError(f"compress_rows: err's rows must not overlap and start on blocks "
+                         f"(row stride {err.stride(0)}, n {n}, block {block})")
+    if buf.dtype != torch.float32 or not buf.is_contiguous():
+        raise ValueError("compress_rows: buf must be contiguous float32")
+    if (counts.dtype != torch.float64 or tuple(counts.shape) != (rows, n // block)
+            or counts.stride(1) != 1 or (rows > 1 and counts.stride(0) * block != err.stride(0))):
+        raise ValueError(f"compress_rows: counts must be float64 [{rows}, {n // block}] laid out "
+                         f"like err's blocks, got {counts.dtype} {tuple(counts.shape)} "
+                         f"stride {counts.stride()}")
+    need = code_bytes + n // block * scale_dtype.itemsize
+    if (messages.dtype != torch.uint8 or messages.dim() != 2 or messages.shape[0] != rows
+            or messages.shape[1] < need or messages.stride(1) != 1):
+        raise ValueError(f"compress_rows: messages must be uint8 [{rows}, >= {need}] with unit "
+                         f"inner stride, got {messages.dtype} {tuple(messages.shape)}")
+    if len({t.device for t in (buf, err, counts, messages)}) != 1:
+        raise ValueError("compress_rows: buf, err, counts and messages must share a device")
+
+
+def decode_rows(bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.Tensor,
+                stride: int, block: int) -> None:
+    """Each row r decoded on its own: out[r * stride + j] = scales[r, j //
+    block] * sign(bits[r], j), for j < cols and r * stride + j < out.numel()
+    (the last rows may be cut short, or left out). One launch where the
+    kernel has `decode_rows`, else a one-row `decode_mean` per row: the same
+    bits.
+
+    bits: uint8 [rows, >= ceil(cols/8)], unit inner stride; scales: float32
+    [rows, ceil(cols/block)], contiguous; out: float32, contiguous; stride
+    >= cols."""
+    _check_block(block)
+    if bits.dim() != 2 or bits.stride(1) != 1 or bits.shape[1] * 8 < cols:
+        raise ValueError(f"decode_rows: bits must be uint8 [rows, >= {(cols + 7) // 8}] with "
+                         f"unit inner stride, got shape {tuple(bits.shape)}")
+    want = (bits.shape[0], -(-cols // block))
+    if scales.dtype != torch.float32 or not scales.is_contiguous() or tuple(scales.shape) != want:
+        raise ValueError(f"decode_rows: scales must be contiguous float32 {list(want)}, got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    if out.dtype != torch.float32 or not out.is_contiguous() or stride < cols:
+        raise ValueError(f"decode_rows: out must be contiguous float32 and stride ({stride}) at "
+                         f"least cols ({cols})")
+    k = kernels_for(out.device)
+    if hasattr(k, "decode_rows"):
+        if cols and out.numel():
+            k.decode_rows(bits, scales, block, cols, out, stride)
+    else:
+        decode_each_row(decode_mean, bits, scales, cols, out, stride, block)
+
+
+def decode_each_row(decode_one, bits, scales, cols, out, stride, block) -> None:
+    """`decode_rows` as one call of `decode_one` (`decode_mean`'s arguments) per row."""
+    for r in range(bits.shape[0]):
+        lo = r * stride
+        hi = min(lo + cols, out.numel())
+        if lo < hi:
+            decode_one(bits[r:r + 1], scales[r, :-(-(hi - lo) // block)], hi - lo, out[lo:hi],
+                       block)

@@ -266,6 +266,45 @@ def test_scratch_buffers_are_allocated_once_per_size():
     assert run_workers(_buffers_reused, 2, timeout=60) == [True, True]
 
 
+def _launches_per_phase(rank, p):
+    from onebit import ops
+    from onebit.backends import compressed
+
+    kernels = ops.kernels_for(torch.device("cpu"))
+    calls = {}
+    for name in ("compress", "compress_rows", "decode", "decode_rows"):
+        def counted(*args, _name=name, _run=getattr(kernels, name)):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _run(*args)
+        setattr(kernels, name, counted)
+    out = {}
+    for pieces in (1, 3):
+        # piece_size counts the whole buffer's elements: 27 blocks per chunk, 9 per piece.
+        b = compressed.CompressedBackend(block_size=64,
+                                         piece_size=0 if pieces == 1 else 64 * 9 * p)
+        numel = 64 * 27 * p - 100  # the last chunk short of its rows
+        n, ns = b.error_sizes(numel)
+        calls.clear()
+        b.compressed_allreduce(torch.randn(numel, generator=torch.Generator().manual_seed(rank)),
+                               torch.zeros(n), torch.zeros(ns))
+        out[pieces] = dict(calls)
+    for name in ("compress", "compress_rows", "decode", "decode_rows"):
+        delattr(kernels, name)
+    return out
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_each_phase_is_one_kernel_call_per_piece_at_any_world_size(p):
+    """The worker compresses every rank's row in one kernel call, the server
+    decodes the p rows it received in one and compresses its chunk in one,
+    and the final decode writes every chunk in one: four calls per piece,
+    not 2p + 2 (issue 44: one launch per phase)."""
+    for counts in run_workers(_launches_per_phase, p, timeout=60):
+        for pieces in (1, 3):
+            assert counts[pieces] == {"compress_rows": pieces, "compress": pieces,
+                                      "decode": pieces, "decode_rows": pieces}, counts
+
+
 def _alone(rank, p):
     import torch.distributed as dist
 

@@ -34,7 +34,7 @@ def test_cuda_shared_library_links_exports_the_launchers_and_carries_ptx(tmp_pat
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
                              text=True, check=True).stdout.split()
     for name in ("pack", "decode", "compensate", "pack_error", "compress", "nonfinite", "norms",
-                 "lamb_ratio_norms"):
+                 "lamb_ratio_norms", "compress_rows", "decode_rows"):
         assert f"onebit_cuda_{name}" in symbols
     plain = builder.run_compiler([*builder.FLAGS, "-no-compress", "-shared",
                                   *map(str, builder.sources())], tmp_path / "plain.so")
@@ -186,6 +186,44 @@ def test_cuda_compress_on_tiles_and_octets_is_bit_exact_against_cpu(block, scale
         res.append([t.cpu() for t in (err, scales, bits)])
     for name, a, b in zip(("error", "scales", "bits"), *res):
         assert torch.equal(a, b), f"the CUDA kernel's {name} differ from the CPU kernel's"
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [8, 256, 8192, 24, 16384])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_cuda_rows_in_one_launch_are_bit_exact_against_cpu(block, scale_dtype, rows, offset):
+    """compress_rows (every rank's row of the worker's message in one
+    launch, on the tiled and the octet kernels: blocks 24 and 16384, or err
+    and out one element off alignment) and decode_rows (every gathered
+    chunk in one launch, the last row cut short) give the CPU kernel's
+    errors, codes, scales and values; rows are strided and the last row's
+    buf ends inside the piece."""
+    from tests.test_packbits import strided_rows_case
+
+    gpu, cpu = CUDAPackbitsBuilder().load(), CPUPackbitsBuilder().load()
+    assert hasattr(gpu, "compress_rows") and hasattr(gpu, "decode_rows")
+    c = strided_rows_case(block, scale_dtype, block + rows + offset, rows)
+    chunk, a, b, cb = c["chunk"], c["a"], c["b"], c["code_bytes"]
+    blocks = (b - a) // block
+    total = (rows - 1) * chunk + (b - a) - 5
+    res = []
+    for k, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        err = torch.zeros(c["err"].numel() + offset, device=dev)[offset:]
+        err.copy_(c["err"].to(dev))
+        counts = c["counts"].to(dev).view(rows, chunk // block)[:, a // block:b // block]
+        messages = torch.full((rows, c["width"]), 7, dtype=torch.uint8, device=dev)
+        k.compress_rows(c["buf"].to(dev)[a:], err.view(rows, chunk)[:, a:b], counts, block,
+                        messages[:, cb:cb + blocks * scale_dtype.itemsize], messages[:, :cb])
+        scales = messages[:, cb:cb + blocks * scale_dtype.itemsize].clone(
+            memory_format=torch.contiguous_format).view(scale_dtype).float()
+        out = torch.full((total + offset,), 3.0, device=dev)[offset:]
+        k.decode_rows(messages, scales, block, b - a, out, chunk)
+        res.append([t.cpu() for t in (err, messages, out)])
+    for name, x, y in zip(("errors", "messages", "decoded values"), *res):
+        assert torch.equal(x, y), f"the CUDA kernel's {name} differ from the CPU kernel's"
 
 
 # ------------------------------------------------ the one-launch check --

@@ -110,8 +110,17 @@ n = 256 * 3 * 67; buf = torch.randn(n - 269) * torch.logspace(-6, 3, n - 269); e
 counts = torch.full((n // 256,), 256.0, dtype=torch.float64); counts[-2:] = 243.0
 scales, bits = torch.empty(4 * (n // 256), dtype=torch.uint8), torch.empty(n // 8, dtype=torch.uint8)
 k.compress(buf, err, counts, 256, scales, bits)
+# Three rows of a piece: strided input, a short last row, rows of messages.
+rows_err = (torch.randn(3 * 4096) * 0.3).view(3, 4096)[:, 1024:3072]
+msgs = torch.zeros(3, 256 + 8 * 4 + 5, dtype=torch.uint8)
+k.compress_rows(buf[1024:2 * 4096 + 1500], rows_err, counts[:48].view(3, 16)[:, 4:12], 256,
+                msgs[:, 256:256 + 32], msgs[:, :256])
+rows_out = torch.zeros(2 * 4096 + 1500)
+k.decode_rows(msgs, blocks[:, :8].contiguous(), 256, 2048 - 3, rows_out, 4096)
 np.save("{path}", np.concatenate([out.numpy().astype(np.float32), dec.numpy(), dec3.numpy(),
-                                 err.numpy(), scales.view(torch.float32).numpy(), bits.numpy().astype(np.float32)]))
+                                 err.numpy(), scales.view(torch.float32).numpy(), bits.numpy().astype(np.float32),
+                                 rows_err.reshape(-1).numpy(), msgs.reshape(-1).numpy().astype(np.float32),
+                                 rows_out.numpy()]))
 """
 
 
@@ -265,6 +274,87 @@ def test_decode_mean_matches_numpy():
         out = torch.empty(cols)
         k.decode(bits, torch.from_numpy(scales), block, cols, out)
         assert np.allclose(out.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def strided_rows_case(block, scale_dtype, seed, rows=3, device="cpu"):
+    """Piece [a, b) of `rows` chunks of `chunk` elements, as the worker sees
+    it: err rows `chunk` apart, buf ending inside the last row, counts laid
+    out like err's blocks, and message rows with room to spare."""
+    g = torch.Generator().manual_seed(seed)
+    chunk, a, b = 7 * block, 2 * block, 6 * block
+    numel = (rows - 1) * chunk + 3 * block + 5  # the last row's buf ends mid-piece
+    buf = torch.randn(numel, generator=g) * torch.logspace(-5, 2, numel)
+    err = torch.randn(rows * chunk, generator=g) * 0.1
+    err[a:a + block] = 0.0
+    buf[a:a + block] = 0.0  # an all-zero block
+    counts = torch.randint(1, block + 1, (rows * chunk // block,), generator=g).double()
+    code_bytes = (b - a) // 8
+    width = code_bytes + (b - a) // block * scale_dtype.itemsize + 3
+    return dict(buf=buf.to(device), err=err.to(device), counts=counts.to(device), chunk=chunk,
+                a=a, b=b, code_bytes=code_bytes, width=width, rows=rows)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [8, 24, 256])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_compress_rows_and_decode_rows_equal_the_torch_kernels_row_by_row(block, scale_dtype,
+                                                                         rows):
+    """ops.compress_rows and ops.decode_rows (the native kernel's one call
+    for every rank's row) give, bit for bit, what the torch fallback gives
+    one row at a time: the same errors, codes, scales and decoded values.
+    Rows are strided, the last one's buf ends inside the piece, and a row
+    of the decode is cut short by the end of out."""
+    from onebit.ops import composed_compress
+
+    c = strided_rows_case(block, scale_dtype, block + rows, rows)
+    chunk, a, b, cb = c["chunk"], c["a"], c["b"], c["code_bytes"]
+    blocks = (b - a) // block
+    counts = c["counts"].view(rows, chunk // block)[:, a // block:b // block]
+    err = c["err"].clone()
+    messages = torch.full((rows, c["width"]), 7, dtype=torch.uint8)
+    assert type(ops.kernels_for(torch.device("cpu"))).__name__ == "CpuKernels"
+    ops.compress_rows(c["buf"][a:], err.view(rows, chunk)[:, a:b], counts, block, scale_dtype,
+                      messages, cb)
+    torch_k, want_err = TorchKernels(), c["err"].clone()
+    for r in range(rows):
+        lo = r * chunk + a
+        scales, codes = torch.empty(blocks * scale_dtype.itemsize, dtype=torch.uint8), \
+            torch.empty(cb, dtype=torch.uint8)
+        composed_compress(torch_k, c["buf"][lo:max(lo, min(lo + b - a, c["buf"].numel()))],
+                          want_err[lo:lo + b - a], counts[r], block, scale_dtype, scales, codes)
+        assert torch.equal(messages[r, :cb], codes), f"row {r}'s codes"
+        assert torch.equal(messages[r, cb:cb + scales.numel()], scales), f"row {r}'s scales"
+        assert (messages[r, cb + scales.numel():] == 7).all(), "nothing written past the scales"
+    assert torch.equal(err, want_err), "the errors (untouched outside [a, b) of each row)"
+
+    scales = messages[:, cb:cb + blocks * scale_dtype.itemsize].clone(
+        memory_format=torch.contiguous_format).view(scale_dtype).float()
+    total = (rows - 1) * chunk + (b - a) - 5  # the last row cut short by the end of out
+    out = torch.full((total,), 3.0)
+    ops.decode_rows(messages, scales, b - a, out, chunk, block)
+    want = torch.full((total,), 3.0)
+    for r in range(rows):
+        lo, hi = r * chunk, min(r * chunk + b - a, total)
+        torch_k.decode(messages[r:r + 1], scales[r, :-(-(hi - lo) // block)], block, hi - lo,
+                       want[lo:hi])
+    assert torch.equal(out, want), "decoded rows (and the gaps between them left alone)"
+
+
+def test_rows_operations_refuse_what_they_cannot_lay_out():
+    err = torch.zeros(3, 64)
+    counts = torch.ones(3, 8, dtype=torch.float64)
+    messages = torch.zeros(3, 8 + 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="counts must be float64"):
+        ops.compress_rows(torch.zeros(10), err, counts.float(), 8, torch.float32, messages, 8)
+    with pytest.raises(ValueError, match="messages must be uint8"):
+        ops.compress_rows(torch.zeros(10), err, counts, 8, torch.float32, messages[:, :30], 8)
+    with pytest.raises(ValueError, match="must not overlap"):
+        ops.compress_rows(torch.zeros(10), torch.zeros(64 * 3 + 64)[:64 * 3].as_strided(
+            (3, 64), (32, 1)), counts, 8, torch.float32, messages, 8)
+    with pytest.raises(ValueError, match="scales must be contiguous float32"):
+        ops.decode_rows(messages, torch.ones(3, 7), 64, torch.zeros(200), 64, 8)
+    with pytest.raises(ValueError, match="stride"):
+        ops.decode_rows(messages, torch.ones(3, 8), 64, torch.zeros(200), 32, 8)
 
 
 JIT = """

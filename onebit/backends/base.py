@@ -379,14 +379,12 @@ class _AllreducePlan:
         self.counts_rows = layout.counts(device).view(p, self.chunk // self.block)
 
     def worker(self, pc: _Piece) -> None:
-        """Step 3: compensate and compress elements [a, b) of every chunk k, into row k."""
-        a, b, cb, block, chunk = pc.a, pc.b, pc.chunk_bytes, self.block, self.chunk
-        for k in range(self.layout.world_size):
-            lo = k * chunk
-            self.codec.compress(self.src[lo + a:max(lo + a, min(lo + b, self.numel))],
-                                self.worker_error[lo + a:lo + b],
-                                self.counts_rows[k, a // block:b // block],
-                                block, self.scale_dtype, pc.send[k, cb:], pc.send[k, :cb])
+        """Step 3: compensate and compress elements [a, b) of every chunk k,
+        into row k: every row in one launch (ops.compress_rows)."""
+        a, b, block, chunk = pc.a, pc.b, self.block, self.chunk
+        rows = self.worker_error.view(self.layout.world_size, chunk)[:, a:b]
+        self.codec.compress_rows(self.src[a:], rows, self.counts_rows[:, a // block:b // block],
+                                 block, self.scale_dtype, pc.send, pc.chunk_bytes)
 
     def server(self, pc: _Piece) -> None:
         """Step 5: serve [a, b) of this rank's chunk: average the p decoded
@@ -403,15 +401,11 @@ class _AllreducePlan:
         err.index_fill_(0, my_pads, 0.0)
 
     def decode(self, pc: _Piece) -> None:
-        """Step 7: everyone decodes the same gathered bits and scales."""
+        """Step 7: everyone decodes the same gathered bits and scales, row k
+        into elements [a, b) of chunk k, every row in one launch."""
         scales = self._scales(pc.gathered, pc.chunk_bytes)
-        block, chunk = self.block, self.chunk
-        for k in range(self.layout.world_size):
-            lo = k * chunk + pc.a
-            hi = min(k * chunk + pc.b, self.numel)
-            if lo < hi:
-                self.codec.decode_mean(pc.gathered[k:k + 1], scales[k, :-(-(hi - lo) // block)],
-                                       hi - lo, self.src[lo:hi], block)
+        self.codec.decode_rows(pc.gathered, scales, pc.b - pc.a, self.src[pc.a:], self.chunk,
+                               self.block)
 
     def finish(self) -> None:
         """Zeros back in the pads; the result into buffer_m if it was copied."""

@@ -48,6 +48,14 @@ class SignCodec:
     def decode_mean(rows, scales, cols, out, block) -> None:
         ops.decode_mean(rows, scales, cols, out, block)
 
+    @staticmethod
+    def compress_rows(buf, err, counts, block, scale_dtype, messages, code_bytes) -> None:
+        ops.compress_rows(buf, err, counts, block, scale_dtype, messages, code_bytes)
+
+    @staticmethod
+    def decode_rows(rows, scales, cols, out, stride, block) -> None:
+        ops.decode_rows(rows, scales, cols, out, stride, block)
+
 
 class TernaryCodec:
     """2 bits per element: -1, 0 or +1 times the block's scale (see the module doc)."""
@@ -99,6 +107,19 @@ class TernaryCodec:
             s = scales[r].view(-1, 1).expand(nblocks, block).reshape(-1)
             acc += torch.where(fields == PLUS, s, torch.where(fields == MINUS, -s, 0.0))
         out.copy_(acc[:cols] * (1.0 / count))
+
+
+    @staticmethod
+    def compress_rows(buf, err, counts, block, scale_dtype, messages, code_bytes) -> None:
+        """`ops.compress_rows` for this code: a compress per row (DiLoCo
+        exchanges once every H steps; torch ops, no kernel to fuse)."""
+        ops.compress_each_row(TernaryCodec.compress, buf, err, counts, block, scale_dtype,
+                              messages, code_bytes)
+
+    @staticmethod
+    def decode_rows(rows, scales, cols, out, stride, block) -> None:
+        """`ops.decode_rows` for this code: a one-row decode_mean per row."""
+        ops.decode_each_row(TernaryCodec.decode_mean, rows, scales, cols, out, stride, block)
 
 
 def pack_fields(fields: torch.Tensor) -> torch.Tensor:

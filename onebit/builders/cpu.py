@@ -58,6 +58,19 @@ class CpuKernels:
                          scales_out.data_ptr(), bits_out.data_ptr(), self._threads())
 
 
+    def compress_rows(self, buf: torch.Tensor, err: torch.Tensor, counts: torch.Tensor,
+                      block: int, scales_out: torch.Tensor, bits_out: torch.Tensor) -> None:
+        self._m.compress_rows(buf.data_ptr(), buf.numel(), err.data_ptr(), err.shape[1],
+                              err.shape[0], err.stride(0), block, counts.data_ptr(),
+                              scales_out.shape[1] // counts.shape[1], scales_out.data_ptr(),
+                              bits_out.data_ptr(), bits_out.stride(0), self._threads())
+
+    def decode_rows(self, bits: torch.Tensor, scales: torch.Tensor, block: int, cols: int,
+                    out: torch.Tensor, stride: int) -> None:
+        self._m.decode_rows(bits.data_ptr(), bits.stride(0), bits.shape[0], scales.data_ptr(),
+                            block, cols, out.data_ptr(), stride, out.numel(), self._threads())
+
+
 class CPUPackbitsBuilder(OpBuilder):
     NAME = "PackbitsBuilder"
     SOURCES = ("cpu/packbits.cpp",)

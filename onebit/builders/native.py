@@ -126,6 +126,28 @@ class LauncherKernels:
                            bits_out.data_ptr())
 
             self.compress = compress
+        rows = getattr(lib, f"{prefix}_compress_rows", None)
+        if rows is not None:  # ops.compress_rows: the worker's row for every rank in one launch
+            rows = self._fn(lib, f"{prefix}_compress_rows",
+                            s + [_P, _I64, _P, _I64, _I, _I64, _I64, _P, _I, _P, _P, _I64] + e)
+
+            def compress_rows(buf, err, counts, block, scales_out, bits_out) -> None:
+                self._call(rows, err.device, buf.data_ptr(), buf.numel(), err.data_ptr(),
+                           err.shape[1], err.shape[0], err.stride(0), block, counts.data_ptr(),
+                           scales_out.shape[1] // counts.shape[1], scales_out.data_ptr(),
+                           bits_out.data_ptr(), bits_out.stride(0))
+
+            self.compress_rows = compress_rows
+        each = getattr(lib, f"{prefix}_decode_rows", None)
+        if each is not None:  # ops.decode_rows: every gathered chunk decoded in one launch
+            each = self._fn(lib, f"{prefix}_decode_rows",
+                            s + [_P, _I64, _I, _P, _I64, _I64, _P, _I64, _I64] + e)
+
+            def decode_rows(bits, scales, block, cols, out, stride) -> None:
+                self._call(each, out.device, bits.data_ptr(), bits.stride(0), bits.shape[0],
+                           scales.data_ptr(), block, cols, out.data_ptr(), stride, out.numel())
+
+            self.decode_rows = decode_rows
         tables = _ChunkTables(stream)
         check = getattr(lib, f"{prefix}_nonfinite", None)
         if check is not None:  # the optimizer's non-finite check in one launch (agreement.py)

@@ -16,6 +16,13 @@ Optional, where a kernel can fuse them (the CPU's):
   compress(buf, err, counts, block, scales_out, bits_out)
                                         compensate, the scales, pack_error in one pass;
                                         ops.compress composes the three elsewhere
+  compress_rows(buf, err, counts, block, scales_out, bits_out)
+                                        compress on each row of a 2-D err (row stride
+                                        S; buf's row r at r * S), into message rows
+  decode_rows(bits, scales, block, cols, out, stride)
+                                        each row decoded on its own into out[r * stride:]
+                                        (ops.compress_rows and ops.decode_rows say more;
+                                        without them, ops calls the above once per row)
 """
 from __future__ import annotations
 

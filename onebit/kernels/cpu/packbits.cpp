@@ -194,6 +194,43 @@ void decode(uintptr_t src, int64_t row_bytes, int rows, uintptr_t scales_ptr, in
   });
 }
 
+// Each of `rows` rows decoded on its own (no mean), into its own stretch of
+// `out`: out[r * out_stride + j] = scales[r, j / block] * sign(row r, bit j)
+// for j < cols and r * out_stride + j < total; scales is [rows,
+// ceil(cols / block)]. The same bits as a one-row decode of each row: every
+// rank's decode of the all-gathered chunks, in one call.
+void decode_rows(uintptr_t src, int64_t row_bytes, int rows, uintptr_t scales_ptr, int64_t block,
+                 int64_t cols, uintptr_t dst, int64_t out_stride, int64_t total, int threads) {
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  const float* scales = reinterpret_cast<const float*>(scales_ptr);
+  float* out = reinterpret_cast<float*>(dst);
+  if (block <= 0 || block % 8) throw py::value_error("decode_rows: block must be a positive multiple of 8");
+  if (rows < 0 || cols < 0 || out_stride < cols) throw py::value_error("decode_rows: rows overlap in out");
+  if (rows == 0 || cols == 0) return;
+  const int64_t nblocks = (cols + block - 1) / block;
+  // One range over every row's columns, each row padded to whole bytes (so
+  // a thread's part starts on a byte of its row); a part may span rows.
+  const int64_t width = (cols + 7) / 8 * 8;
+  py::gil_scoped_release nogil;
+  parallel_for(int64_t(rows) * width, threads, 8, [&](int, int64_t b, int64_t e) {
+    for (int64_t r = b / width; r < rows && r * width < e; ++r) {
+      const int64_t lo = std::max(b, r * width) - r * width;
+      const int64_t hi = std::min({e - r * width, cols, total - r * out_stride});
+      if (lo >= hi) continue;
+      const uint8_t* row = bits + r * row_bytes;
+      const float* row_scales = scales + r * nblocks;
+      float* row_out = out + r * out_stride;
+#ifdef ONEBIT_X86
+      if (has_avx2()) {
+        decode_avx2(row, row_bytes, 1, row_scales, nblocks, block, lo, hi, row_out);
+        continue;
+      }
+#endif
+      decode_portable(row, row_bytes, 1, row_scales, nblocks, block, lo, hi, row_out);
+    }
+  });
+}
+
 // ------------------------------------------------- compensate and pack --
 //
 // The worker's (and the server's) error-feedback step, in two passes over
@@ -321,11 +358,19 @@ void pack_error(uintptr_t err_ptr, int64_t n, uintptr_t scales_ptr, int64_t bloc
 // (onebit/ops.py): sqrt(sumsq / count) in double, rounded to fp32 and, for
 // 2-byte scales, again to bf16 (torch's double -> bfloat16 goes through fp32
 // too), written little-endian; the error uses the rounded value.
-void compress(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, int64_t block,
-              uintptr_t counts_ptr, int scale_bytes, uintptr_t scales_dst, uintptr_t bits_dst,
-              int threads) {
+// compress on `rows` rows in one call (the worker's row for each rank):
+// row r reads buf + r * in_stride (real up to n_buf - r * in_stride, zero
+// after), err + r * in_stride and counts + r * in_stride / block, n
+// elements each, and writes its scales and signs at r * out_stride bytes
+// past scales_dst and bits_dst. Every block lies inside one row, so each
+// row gets the bits a call of its own would give.
+void compress_rows(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, int rows,
+                   int64_t in_stride, int64_t block, uintptr_t counts_ptr, int scale_bytes,
+                   uintptr_t scales_dst, uintptr_t bits_dst, int64_t out_stride, int threads) {
   check_blocks(n, block);
   if (scale_bytes != 4 && scale_bytes != 2) throw py::value_error("compress: scale_bytes must be 4 or 2");
+  if (rows < 0 || (rows > 1 && (in_stride < n || in_stride % block)))
+    throw py::value_error("compress_rows: in_stride must be a multiple of block of at least n");
   const float* buf = reinterpret_cast<const float*>(buf_ptr);
   float* err = reinterpret_cast<float*>(err_ptr);
   const double* counts = reinterpret_cast<const double*>(counts_ptr);
@@ -333,20 +378,38 @@ void compress(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, in
   uint8_t* out = reinterpret_cast<uint8_t*>(bits_dst);
   py::gil_scoped_release nogil;
   const bool avx2 = has_avx2();
-  parallel_for(n, threads, block, [&](int, int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; k += block) {
-      const int64_t j = k / block;
-      float s = float(std::sqrt(block_sumsq(buf, n_buf, err, k, k + block, avx2) / counts[j]));
+  parallel_for(int64_t(rows) * n, threads, block, [&](int, int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; g += block) {
+      const int64_t r = g / n, k = g % n, j = k / block;
+      const int64_t real = std::min(n, n_buf - r * in_stride);  // this row's buf elements
+      const float* row_buf = real > 0 ? buf + r * in_stride : buf;
+      float* row_err = err + r * in_stride;
+      uint8_t* row_scales = scales + r * out_stride;
+      float s = float(std::sqrt(block_sumsq(row_buf, real, row_err, k, k + block, avx2) /
+                                counts[r * (in_stride / block) + j]));
       if (scale_bytes == 2) {
         uint16_t h;
         s = round_bf16(s, &h);
-        std::memcpy(scales + 2 * j, &h, 2);
+        std::memcpy(row_scales + 2 * j, &h, 2);
       } else {
-        std::memcpy(scales + 4 * j, &s, 4);
+        std::memcpy(row_scales + 4 * j, &s, 4);
       }
-      block_pack_error(err, s, k, k + block, out, avx2);
+      block_pack_error(row_err, s, k, k + block, out + r * out_stride, avx2);
     }
   });
+}
+
+// compensate, each block's scale and pack_error in one pass over memory: a
+// block is still in L1 when its signs are packed, so err is read and written
+// once instead of twice. The scale is what the composed path computes
+// (onebit/ops.py): sqrt(sumsq / count) in double, rounded to fp32 and, for
+// 2-byte scales, again to bf16 (torch's double -> bfloat16 goes through fp32
+// too), written little-endian; the error uses the rounded value.
+void compress(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t n, int64_t block,
+              uintptr_t counts_ptr, int scale_bytes, uintptr_t scales_dst, uintptr_t bits_dst,
+              int threads) {
+  compress_rows(buf_ptr, n_buf, err_ptr, n, 1, 0, block, counts_ptr, scale_bytes, scales_dst,
+                bits_dst, 0, threads);
 }
 
 }  // namespace
@@ -358,5 +421,7 @@ PYBIND11_MODULE(_packbits_cpu, m) {
   m.def("compensate", &compensate, "err <- buf + err; sum of squares of each block");
   m.def("pack_error", &pack_error, "pack signs of err; err -= the block's scale * sign");
   m.def("compress", &compress, "compensate, each block's scale and pack_error in one pass");
+  m.def("compress_rows", &compress_rows, "compress on several strided rows in one call");
+  m.def("decode_rows", &decode_rows, "decode each row on its own into its stretch of out");
   m.def("has_avx2", &has_avx2, "whether the AVX2 paths are in use");
 }

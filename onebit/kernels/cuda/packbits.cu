@@ -91,14 +91,26 @@ __global__ void pack_kernel(const T* __restrict__ x, int64_t n, bool vec,
 // (`quad_shift`; else -1: a division). On an H200 at 2^28 elements that
 // took one row from 63% to 73% of the copy bandwidth and two from 51% to
 // 68% (a 32-bit division in place of the 64-bit one had measured slower).
-template <int kMaxRows>
+//
+// With kEachRow (decode_rows: every rank's decode of the all-gathered
+// chunks, one launch), row blockIdx.y is decoded on its own, as one row,
+// into out + y * out_stride, up to element `total` of out: `rows` is then
+// 1 and `cols` each row's columns.
+template <int kMaxRows, bool kEachRow>
 __global__ void decode_quads_kernel(const uint8_t* __restrict__ bits, int64_t row_bytes,
                                     int rows, const float* __restrict__ scales, int64_t block,
                                     int quad_shift, int64_t cols, bool vec,
-                                    float* __restrict__ out) {
+                                    float* __restrict__ out, int64_t out_stride, int64_t total) {
   const float inv = 1.0f / float(rows);
   const int64_t nblocks = (cols + block - 1) / block;
-  const int64_t quads = (cols + 3) / 4;
+  if (kEachRow) {
+    const int64_t y = blockIdx.y;
+    bits += y * row_bytes;
+    scales += y * nblocks;
+    out += y * out_stride;
+    if (total - y * out_stride < cols) cols = total - y * out_stride;  // the last rows, cut short
+  }
+  const int64_t quads = cols > 0 ? (cols + 3) / 4 : 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t q = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; q < quads; q += stride) {
     const int64_t j0 = q * 4, byte = q / 2;
@@ -356,6 +368,32 @@ __device__ __forceinline__ void sign_out(bool live, float x, float s, int64_t e,
   }
 }
 
+// Row blockIdx.y of a compress over several rows (compress_rows: the
+// worker's row for each rank, one launch): its input starts in_stride
+// elements on per row (buf holds n_buf real elements from the first row's
+// start, zero after), its scales and bits out_stride bytes on. Rows are
+// whole blocks apart, so every block's maths is that of a launch of its own.
+struct CompressRow {
+  const float* buf;
+  int64_t n_buf;
+  float* err;
+  const double* counts;
+  uint8_t* scales;
+  uint8_t* bits;
+};
+
+__device__ __forceinline__ CompressRow compress_row(const float* buf, int64_t n_buf, float* err,
+                                                    int64_t n, int64_t block,
+                                                    const double* counts, uint8_t* scales,
+                                                    uint8_t* bits, int64_t in_stride,
+                                                    int64_t out_stride) {
+  const int64_t r = blockIdx.y, start = r * in_stride;
+  int64_t real = n_buf - start < n ? n_buf - start : n;
+  if (real < 0) real = 0;
+  return {real > 0 ? buf + start : buf, real, err + start, counts + start / block,
+          scales + r * out_stride, bits + r * out_stride};
+}
+
 // compensate, each block's scale and pack_error in one pass over memory.
 // An octet owns a block, as in compensate_kernel; with at most kHeld
 // elements per lane (blocks of up to 8 * kHeld) x stays in registers
@@ -364,10 +402,19 @@ __device__ __forceinline__ void sign_out(bool live, float x, float s, int64_t e,
 // kernel's: sqrt(sum / count) in double, rounded to fp32 and, for 2-byte
 // scales, to bf16, written little-endian; the error uses the rounded value.
 template <int kHeld>
-__global__ void compress_kernel(const float* __restrict__ buf, int64_t n_buf,
-                                float* __restrict__ err, int64_t n, int64_t block,
-                                const double* __restrict__ counts, int scale_bytes,
-                                uint8_t* __restrict__ scales, uint8_t* __restrict__ bits) {
+__global__ void compress_kernel(const float* __restrict__ buf_rows, int64_t n_buf_rows,
+                                float* __restrict__ err_rows, int64_t n, int64_t block,
+                                const double* __restrict__ counts_rows, int scale_bytes,
+                                uint8_t* __restrict__ scales_rows, uint8_t* __restrict__ bits_rows,
+                                int64_t in_stride, int64_t out_stride) {
+  const CompressRow row = compress_row(buf_rows, n_buf_rows, err_rows, n, block, counts_rows,
+                                       scales_rows, bits_rows, in_stride, out_stride);
+  const float* __restrict__ buf = row.buf;
+  const int64_t n_buf = row.n_buf;
+  float* __restrict__ err = row.err;
+  const double* __restrict__ counts = row.counts;
+  uint8_t* __restrict__ scales = row.scales;
+  uint8_t* __restrict__ bits = row.bits;
   const int lane = threadIdx.x & 31, part_of = lane & 7, octet = lane / 8;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const int64_t nblocks = n / block, per_lane = block / 8;
@@ -459,10 +506,20 @@ constexpr int kPadEvery = 256, kPad = 8;  // 8 floats after every 256: an octet 
 
 __device__ __forceinline__ int padded(int e) { return e + (e / kPadEvery) * kPad; }
 
-__global__ void compress_tiled_kernel(const float* __restrict__ buf, int64_t n_buf,
-                                      float* __restrict__ err, int64_t n, int block,
-                                      const double* __restrict__ counts, int scale_bytes,
-                                      uint8_t* __restrict__ scales, uint8_t* __restrict__ bits) {
+__global__ void compress_tiled_kernel(const float* __restrict__ buf_rows, int64_t n_buf_rows,
+                                      float* __restrict__ err_rows, int64_t n, int block,
+                                      const double* __restrict__ counts_rows, int scale_bytes,
+                                      uint8_t* __restrict__ scales_rows,
+                                      uint8_t* __restrict__ bits_rows, int64_t in_stride,
+                                      int64_t out_stride) {
+  const CompressRow row = compress_row(buf_rows, n_buf_rows, err_rows, n, block, counts_rows,
+                                       scales_rows, bits_rows, in_stride, out_stride);
+  const float* __restrict__ buf = row.buf;
+  const int64_t n_buf = row.n_buf;
+  float* __restrict__ err = row.err;
+  const double* __restrict__ counts = row.counts;
+  uint8_t* __restrict__ scales = row.scales;
+  uint8_t* __restrict__ bits = row.bits;
   __shared__ __align__(16) float xs[kTile + kTile / kPadEvery * kPad];
   __shared__ float ss[kTile / 8];  // the scale of each of the tile's blocks
   const int64_t tile0 = int64_t(blockIdx.x) * kTile;
@@ -901,6 +958,16 @@ int onebit_cuda_pack(int dtype, const void* x, int64_t n, uint8_t* out, cudaStre
   return int(cudaGetLastError());
 }
 
+// decode_quads_kernel's quad_shift: log2(block / 4) where that is a power
+// of two, else -1.
+int quad_shift_for(int64_t block) {
+  const int64_t per_block = block / 4;
+  int quad_shift = -1;
+  if ((per_block & (per_block - 1)) == 0)
+    for (quad_shift = 0; (int64_t(1) << quad_shift) < per_block; ++quad_shift) {}
+  return quad_shift;
+}
+
 int onebit_cuda_decode(const uint8_t* bits, int64_t row_bytes, int rows, const float* scales,
                        int64_t block, int64_t cols, float* out, cudaStream_t stream) {
   if (cols == 0) return 0;
@@ -916,21 +983,36 @@ int onebit_cuda_decode(const uint8_t* bits, int64_t row_bytes, int rows, const f
       decode_tiled_kernel<false><<<grid, kThreads, 0, stream>>>(
           bits, row_bytes, rows, scales, block, cols, vec_in, aligned16(out), out);
   } else if (rows < 4) {
-    // quad_shift: log2(block / 4) where that is a power of two, else -1.
-    const int64_t per_block = block / 4;
-    int quad_shift = -1;
-    if ((per_block & (per_block - 1)) == 0)
-      for (quad_shift = 0; (int64_t(1) << quad_shift) < per_block; ++quad_shift) {}
+    const int quad_shift = quad_shift_for(block);
     if (rows <= 2)
-      decode_quads_kernel<2><<<grid_for((cols + 3) / 4), kThreads, 0, stream>>>(
-          bits, row_bytes, rows, scales, block, quad_shift, cols, aligned16(out), out);
+      decode_quads_kernel<2, false><<<grid_for((cols + 3) / 4), kThreads, 0, stream>>>(
+          bits, row_bytes, rows, scales, block, quad_shift, cols, aligned16(out), out, 0, cols);
     else
-      decode_quads_kernel<4><<<grid_for((cols + 3) / 4), kThreads, 0, stream>>>(
-          bits, row_bytes, rows, scales, block, quad_shift, cols, aligned16(out), out);
+      decode_quads_kernel<4, false><<<grid_for((cols + 3) / 4), kThreads, 0, stream>>>(
+          bits, row_bytes, rows, scales, block, quad_shift, cols, aligned16(out), out, 0, cols);
   } else {
     decode_bytes_kernel<<<grid_for((cols + 7) / 8), kThreads, 0, stream>>>(
         bits, row_bytes, rows, scales, block, cols, aligned16(out), out);
   }
+  return int(cudaGetLastError());
+}
+
+// Each of `rows` rows decoded on its own (no mean), one launch:
+// out[r * out_stride + j] = scales[r, j / block] * sign(row r, bit j), for j
+// < cols and r * out_stride + j < total; scales is [rows, ceil(cols /
+// block)]. Row r's elements get the bits a one-row decode of it gives.
+int onebit_cuda_decode_rows(const uint8_t* bits, int64_t row_bytes, int rows, const float* scales,
+                            int64_t block, int64_t cols, float* out, int64_t out_stride,
+                            int64_t total, cudaStream_t stream) {
+  if (block <= 0 || block % 8 || rows < 0 || rows > 65535 || out_stride < cols)
+    return int(cudaErrorInvalidValue);
+  if (cols == 0 || rows == 0 || total <= 0) return 0;
+  // A row's out stays 16-byte aligned where the first is: out_stride % 4.
+  const bool vec = aligned16(out) && out_stride % 4 == 0;
+  decode_quads_kernel<2, true><<<dim3(unsigned(grid_for((cols + 3) / 4)), unsigned(rows)),
+                                 kThreads, 0, stream>>>(bits, row_bytes, 1, scales, block,
+                                                        quad_shift_for(block), cols, vec, out,
+                                                        out_stride, total);
   return int(cudaGetLastError());
 }
 
@@ -957,29 +1039,47 @@ int onebit_cuda_pack_error(float* err, int64_t n, const float* scales, int64_t b
 }
 
 // compensate + scales + pack_error in one launch and one pass (the CPU
-// kernel's `compress`): counts holds n / block doubles, scales_out n / block
-// scales of scale_bytes (4: fp32, 2: bf16) each, bits_out n / 8 bytes.
+// kernel's `compress`), on `rows` rows (blockIdx.y; see compress_row): row
+// r reads n elements from buf + r * in_stride (n_buf real from buf on), err
+// + r * in_stride and counts + r * in_stride / block, and writes n / block
+// scales of scale_bytes (4: fp32, 2: bf16) each and n / 8 bytes of bits at
+// r * out_stride bytes past scales_out and bits_out.
+int onebit_cuda_compress_rows(const float* buf, int64_t n_buf, float* err, int64_t n, int rows,
+                              int64_t in_stride, int64_t block, const double* counts,
+                              int scale_bytes, uint8_t* scales_out, uint8_t* bits_out,
+                              int64_t out_stride, cudaStream_t stream) {
+  if (block <= 0 || block % 8 || n % block || (scale_bytes != 4 && scale_bytes != 2) ||
+      rows < 0 || rows > 65535 || (rows > 1 && (in_stride < n || in_stride % block)))
+    return int(cudaErrorInvalidValue);
+  if (n == 0 || rows == 0) return 0;
+  const bool tiled = block <= kTile && (block & (block - 1)) == 0 && aligned16(buf) &&
+                     aligned16(err) && in_stride % 4 == 0 &&
+                     (n + kTile - 1) / kTile <= int64_t(0x7fffffff);
+  if (tiled) {
+    compress_tiled_kernel<<<dim3(unsigned((n + kTile - 1) / kTile), unsigned(rows)), kThreads, 0,
+                            stream>>>(buf, n_buf, err, n, int(block), counts, scale_bytes,
+                                      scales_out, bits_out, in_stride, out_stride);
+    return int(cudaGetLastError());
+  }
+  const dim3 grid(unsigned(octet_grid(n / block)), unsigned(rows));
+  if (block <= 8 * 32)  // blocks up to 256: x held in registers
+    compress_kernel<32><<<grid, kThreads, 0, stream>>>(buf, n_buf, err, n, block, counts,
+                                                       scale_bytes, scales_out, bits_out,
+                                                       in_stride, out_stride);
+  else
+    compress_kernel<0><<<grid, kThreads, 0, stream>>>(buf, n_buf, err, n, block, counts,
+                                                      scale_bytes, scales_out, bits_out,
+                                                      in_stride, out_stride);
+  return int(cudaGetLastError());
+}
+
+// One row of compress_rows: counts holds n / block doubles, scales_out n /
+// block scales, bits_out n / 8 bytes.
 int onebit_cuda_compress(const float* buf, int64_t n_buf, float* err, int64_t n, int64_t block,
                          const double* counts, int scale_bytes, uint8_t* scales_out,
                          uint8_t* bits_out, cudaStream_t stream) {
-  if (block <= 0 || block % 8 || n % block || (scale_bytes != 4 && scale_bytes != 2))
-    return int(cudaErrorInvalidValue);
-  if (n == 0) return 0;
-  const bool tiled = block <= kTile && (block & (block - 1)) == 0 && aligned16(buf) &&
-                     aligned16(err) && (n + kTile - 1) / kTile <= int64_t(0x7fffffff);
-  if (tiled) {
-    compress_tiled_kernel<<<int((n + kTile - 1) / kTile), kThreads, 0, stream>>>(
-        buf, n_buf, err, n, int(block), counts, scale_bytes, scales_out, bits_out);
-    return int(cudaGetLastError());
-  }
-  const int grid = octet_grid(n / block);
-  if (block <= 8 * 32)  // blocks up to 256: x held in registers
-    compress_kernel<32><<<grid, kThreads, 0, stream>>>(buf, n_buf, err, n, block, counts,
-                                                       scale_bytes, scales_out, bits_out);
-  else
-    compress_kernel<0><<<grid, kThreads, 0, stream>>>(buf, n_buf, err, n, block, counts,
-                                                      scale_bytes, scales_out, bits_out);
-  return int(cudaGetLastError());
+  return onebit_cuda_compress_rows(buf, n_buf, err, n, 1, 0, block, counts, scale_bytes,
+                                   scales_out, bits_out, 0, stream);
 }
 
 // table: int64 [3 * count + 1], on the device: the tensors' pointers, their

@@ -122,4 +122,91 @@ int onebit_sycl_pack_error(void* queue, float* err, int64_t n, const float* scal
   }
 }
 
+// compensate, each block's scale and pack_error in one pass (the CPU
+// kernel's `compress`), on `rows` rows in one launch (the worker's row for
+// each rank): row r reads n elements from buf + r * in_stride (n_buf real
+// from buf on, zero after), err + r * in_stride and counts + r * in_stride
+// / block, and writes its n / block scales (scale_bytes each: 4 fp32, 2
+// bf16, little-endian) and n / 8 bytes of signs at r * out_stride bytes
+// past scales_out and bits_out. One work-item per block: the scale is
+// sqrt(sum / count) in double, rounded to fp32 (and to bf16), and the
+// error takes the rounded scale, as on the CPU.
+int onebit_sycl_compress_rows(void* queue, const float* buf, int64_t n_buf, float* err, int64_t n,
+                              int rows, int64_t in_stride, int64_t block, const double* counts,
+                              int scale_bytes, uint8_t* scales_out, uint8_t* bits_out,
+                              int64_t out_stride) {
+  try {
+    auto& q = *static_cast<sycl::queue*>(queue);
+    if (block <= 0 || block % 8 || n % block || (scale_bytes != 4 && scale_bytes != 2) ||
+        rows < 0 || (rows > 1 && (in_stride < n || in_stride % block)))
+      return 1;
+    if (n == 0 || rows == 0) return 0;
+    const int64_t per_row = n / block;
+    q.parallel_for(sycl::range<1>(size_t(rows * per_row)), [=](sycl::id<1> id) {
+      const int64_t r = int64_t(id[0]) / per_row, k = int64_t(id[0]) % per_row;
+      const int64_t start = r * in_stride;
+      const int64_t real = n_buf - start < n ? n_buf - start : n;
+      const float* row_buf = real > 0 ? buf + start : buf;
+      float* row_err = err + start;
+      const double sum = block_sumsq_in_order(row_buf, real > 0 ? real : 0, row_err, k * block,
+                                              (k + 1) * block);
+      float s = float(sycl::sqrt(sum / counts[start / block + k]));
+      uint8_t* scale = scales_out + r * out_stride + k * scale_bytes;
+      if (scale_bytes == 2) {
+        uint16_t h;
+        s = round_bf16(s, &h);
+        scale[0] = uint8_t(h), scale[1] = uint8_t(h >> 8);
+      } else {
+        const uint32_t u = float_bits(s);
+        for (int t = 0; t < 4; ++t) scale[t] = uint8_t(u >> (8 * t));
+      }
+      uint8_t* bits = bits_out + r * out_stride;
+      for (int64_t i = k * block; i < (k + 1) * block; i += 8) {
+        uint8_t v = 0;
+        for (int j = 0; j < 8; ++j) {
+          const float x = row_err[i + j];
+          const bool one = x >= 0.0f;
+          v |= uint8_t(one) << j;
+          row_err[i + j] = one ? x - s : x + s;
+        }
+        bits[i / 8] = v;
+      }
+    });
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+// One row of compress_rows (ops.compress takes it where it exists).
+int onebit_sycl_compress(void* queue, const float* buf, int64_t n_buf, float* err, int64_t n,
+                         int64_t block, const double* counts, int scale_bytes,
+                         uint8_t* scales_out, uint8_t* bits_out) {
+  return onebit_sycl_compress_rows(queue, buf, n_buf, err, n, 1, 0, block, counts, scale_bytes,
+                                   scales_out, bits_out, 0);
+}
+
+// Each of `rows` rows decoded on its own (no mean), in one launch:
+// out[r * out_stride + j] = scales[r, j / block] * sign(row r, bit j), for j
+// < cols and r * out_stride + j < total; scales is [rows, ceil(cols / block)].
+int onebit_sycl_decode_rows(void* queue, const uint8_t* bits, int64_t row_bytes, int rows,
+                            const float* scales, int64_t block, int64_t cols, float* out,
+                            int64_t out_stride, int64_t total) {
+  try {
+    auto& q = *static_cast<sycl::queue*>(queue);
+    if (block <= 0 || block % 8 || rows < 0 || out_stride < cols) return 1;
+    if (cols == 0 || rows == 0 || total <= 0) return 0;
+    const int64_t nblocks = (cols + block - 1) / block;
+    q.parallel_for(sycl::range<1>(size_t(rows * cols)), [=](sycl::id<1> id) {
+      const int64_t r = int64_t(id[0]) / cols, j = int64_t(id[0]) % cols;
+      if (r * out_stride + j < total)
+        out[r * out_stride + j] = decode_element(bits + r * row_bytes, row_bytes, 1,
+                                                 scales + r * nblocks, nblocks, block, j);
+    });
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
 }  // extern "C"
