@@ -29,6 +29,7 @@ import torch
 from .table import int_arg
 
 from ..builders import TorchKernels
+from .. import ops
 from ..ops import composed_compress, kernels_for
 from .table import Table
 
@@ -114,6 +115,29 @@ def measure_shares(n: int, device: torch.device, repeat: int) -> Dict[str, Dict[
     copy_rate = least_bytes("copy") * n / seconds["copy"]
     result = {k: {"ms": t * 1e3, "share": least_bytes(k) * n / t / copy_rate}
               for k, t in seconds.items()}
+    # The same n elements as four ranks' rows, in one call each (ops.compress_rows and
+    # ops.decode_rows, what the worker and the final decode of p = 4 ranks run).
+    rows4 = max(BLOCK, n // 4 // BLOCK * BLOCK)
+    messages = torch.empty(4, rows4 // 8 + rows4 // BLOCK * 4, dtype=torch.uint8, device=device)
+    scales4 = (torch.rand(4, rows4 // BLOCK, generator=g) + 0.5).to(device)
+    row_err = err[:4 * rows4].view(4, rows4) if 4 * rows4 <= n else torch.zeros(4, rows4,
+                                                                                 device=device)
+    counts4 = torch.full((4, rows4 // BLOCK), float(BLOCK), dtype=torch.float64, device=device)
+    # The kernel's own call where it has one (as the other rows time the kernels, not
+    # ops' checks), else what ops runs in its place: a call per row.
+    if hasattr(kernels, "compress_rows") and hasattr(kernels, "decode_rows"):
+        cb = rows4 // 8
+        compress4 = lambda: kernels.compress_rows(  # noqa: E731
+            x, row_err, counts4, BLOCK, messages[:, cb:], messages[:, :cb])
+        decode4 = lambda: kernels.decode_rows(messages, scales4, BLOCK, rows4, out, rows4)  # noqa: E731
+    else:
+        compress4 = lambda: ops.compress_rows(  # noqa: E731
+            x, row_err, counts4, BLOCK, torch.float32, messages, rows4 // 8)
+        decode4 = lambda: ops.decode_rows(messages, scales4, rows4, out, rows4, BLOCK)  # noqa: E731
+    for name, fn in (("compress rows x4", compress4), ("decode rows x4", decode4)):
+        t = timed(fn, repeat)
+        kind = "compress" if name.startswith("compress") else "decode"
+        result[name] = {"ms": t * 1e3, "share": least_bytes(kind) * 4 * rows4 / t / copy_rate}
     for rows in (1, 2, 8, 32):
         cols = max(8, n // rows)  # n bits in all: rows chunks of a message, decoded at once
         row_bits = torch.randint(0, 256, (rows, cols // 8), generator=g, dtype=torch.uint8).to(device)
@@ -189,9 +213,10 @@ def run_shares(args: argparse.Namespace, device: torch.device) -> List[Dict]:
     kernels = kernels_for(device)
     print(f"# {device} ({kernels.name}): each kernel's ms and its share of the copy bandwidth "
           f"measured in the same run, for the least bytes it must move (fp32, block {BLOCK}); "
-          "decode xR: R rows of n/R columns")
-    names = ["copy", "pack", "compensate", "pack_error", "compress",
-             "decode x1", "decode x2", "decode x8", "decode x32"]
+          "decode xR: R rows of n/R columns, averaged; rows x4: four ranks' rows of n/4 "
+          "in one call (the worker's compress, the final decode)")
+    names = ["copy", "pack", "compensate", "pack_error", "compress", "compress rows x4",
+             "decode rows x4", "decode x1", "decode x2", "decode x8", "decode x32"]
     table = Table([("count", 10, "d")] + [(f"{k}", 11, "s") for k in names])
     table.header()
     out = []
