@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import torch
 
 from onebit import ops
 from onebit.bench.kernels import device_timer
+from onebit.bench.table import int_arg
 
 BLOCK = 256
 CASES = [(4, 1024), (4, 16384), (16, 1024), (16, 65536), (4, 1 << 20)]
@@ -51,12 +53,13 @@ def measure(p: int, chunk: int, device: torch.device, rounds: int) -> dict:
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads on the host")
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, or an accelerator (cuda, xpu)")
+    p.add_argument("--threads", type=int_arg(1), default=1, help="torch threads on the host")
+    p.add_argument("--rounds", type=int_arg(1), default=5, help="alternating rounds (median)")
+
+
+def run(args: argparse.Namespace) -> bool:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"# {device}, threads={torch.get_num_threads()}: us per call, median of "
@@ -68,7 +71,10 @@ def main() -> None:
         print(f"  {p:>3} {chunk:>8} {r['compress rows']:>14.1f} {r['compress each']:>8.1f} "
               f"{r['compress each'] / r['compress rows']:>6.2f} {r['decode rows']:>12.1f} "
               f"{r['decode each']:>8.1f} {r['decode each'] / r['decode rows']:>6.2f}")
+    return True
 
 
 if __name__ == "__main__":
-    main()
+    from onebit.bench.command import main
+
+    sys.exit(main(sys.modules[__name__]))
