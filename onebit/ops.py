@@ -190,6 +190,8 @@ def compress_rows(buf: torch.Tensor, err: torch.Tensor, counts: torch.Tensor, bl
     code_bytes + n / block * scale bytes], unit inner stride."""
     _check_block(block)
     _check_rows(buf, err, counts, block, scale_dtype, messages, code_bytes)
+    if err.numel() == 0:
+        return
     k = kernels_for(err.device)
     if hasattr(k, "compress_rows"):
         scale_end = code_bytes + counts.shape[1] * scale_dtype.itemsize
@@ -228,11 +230,16 @@ def _check_rows(buf, err, counts, block, scale_dtype, messages, code_bytes) -> N
         raise ValueError(f"compress_rows: counts must be float64 [{rows}, {n // block}] laid out "
                          f"like err's blocks, got {counts.dtype} {tuple(counts.shape)} "
                          f"stride {counts.stride()}")
+    if code_bytes < (n + 7) // 8:  # every kernel writes n / 8 bytes of signs
+        raise ValueError(f"compress_rows: code_bytes ({code_bytes}) must hold the signs of "
+                         f"{n} elements ({(n + 7) // 8} bytes)")
     need = code_bytes + n // block * scale_dtype.itemsize
     if (messages.dtype != torch.uint8 or messages.dim() != 2 or messages.shape[0] != rows
-            or messages.shape[1] < need or messages.stride(1) != 1):
+            or messages.shape[1] < need or messages.stride(1) != 1
+            or (rows > 1 and messages.stride(0) < need)):
         raise ValueError(f"compress_rows: messages must be uint8 [{rows}, >= {need}] with unit "
-                         f"inner stride, got {messages.dtype} {tuple(messages.shape)}")
+                         f"inner stride, rows apart, got {messages.dtype} "
+                         f"{tuple(messages.shape)} stride {messages.stride()}")
     if len({t.device for t in (buf, err, counts, messages)}) != 1:
         raise ValueError("compress_rows: buf, err, counts and messages must share a device")
 
@@ -249,7 +256,7 @@ def decode_rows(bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.
     [rows, ceil(cols/block)], contiguous; out: float32, contiguous; stride
     >= cols."""
     _check_block(block)
-    if bits.dim() != 2 or bits.stride(1) != 1 or bits.shape[1] * 8 < cols:
+    if bits.dtype != torch.uint8 or bits.dim() != 2 or bits.stride(1) != 1 or bits.shape[1] * 8 < cols:
         raise ValueError(f"decode_rows: bits must be uint8 [rows, >= {(cols + 7) // 8}] with "
                          f"unit inner stride, got shape {tuple(bits.shape)}")
     want = (bits.shape[0], -(-cols // block))
@@ -259,6 +266,8 @@ def decode_rows(bits: torch.Tensor, scales: torch.Tensor, cols: int, out: torch.
     if out.dtype != torch.float32 or not out.is_contiguous() or stride < cols:
         raise ValueError(f"decode_rows: out must be contiguous float32 and stride ({stride}) at "
                          f"least cols ({cols})")
+    if len({t.device for t in (bits, scales, out)}) != 1:
+        raise ValueError("decode_rows: bits, scales and out must share a device")
     k = kernels_for(out.device)
     if hasattr(k, "decode_rows"):
         if cols and out.numel():

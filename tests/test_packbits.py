@@ -351,6 +351,13 @@ def test_rows_operations_refuse_what_they_cannot_lay_out():
     with pytest.raises(ValueError, match="must not overlap"):
         ops.compress_rows(torch.zeros(10), torch.zeros(64 * 3 + 64)[:64 * 3].as_strided(
             (3, 64), (32, 1)), counts, 8, torch.float32, messages, 8)
+    with pytest.raises(ValueError, match="must hold the signs"):  # signs would run into the scales
+        ops.compress_rows(torch.zeros(10), err, counts, 8, torch.float32, messages, 1)
+    with pytest.raises(ValueError, match="rows apart"):  # rows written over each other
+        ops.compress_rows(torch.zeros(10), err, counts, 8, torch.float32,
+                          messages[:1].expand(3, -1), 8)
+    with pytest.raises(ValueError, match="bits must be uint8"):
+        ops.decode_rows(messages.float(), torch.ones(3, 8), 64, torch.zeros(200), 64, 8)
     with pytest.raises(ValueError, match="scales must be contiguous float32"):
         ops.decode_rows(messages, torch.ones(3, 7), 64, torch.zeros(200), 64, 8)
     with pytest.raises(ValueError, match="stride"):

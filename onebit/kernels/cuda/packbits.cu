@@ -1053,7 +1053,7 @@ int onebit_cuda_compress_rows(const float* buf, int64_t n_buf, float* err, int64
     return int(cudaErrorInvalidValue);
   if (n == 0 || rows == 0) return 0;
   const bool tiled = block <= kTile && (block & (block - 1)) == 0 && aligned16(buf) &&
-                     aligned16(err) && in_stride % 4 == 0 &&
+                     aligned16(err) && (rows == 1 || in_stride % 4 == 0) &&
                      (n + kTile - 1) / kTile <= int64_t(0x7fffffff);
   if (tiled) {
     compress_tiled_kernel<<<dim3(unsigned((n + kTile - 1) / kTile), unsigned(rows)), kThreads, 0,
