@@ -21,6 +21,8 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 # The figures first (each short), then the tier, so a slow test cannot cost them.
 step 90 "bench kernels (each kernel's share of the copy bandwidth)" \
   python -m onebit.bench kernels --device cuda --min-exp 20 --max-exp 28
+step 30 "every rank's row in one launch, against a launch per row" \
+  python -m benchmarks.rows_calls --device cuda
 step 45 "bench optim, 100M params in 50 tensors" python -m onebit.bench optim --params 104857600 --tensors 50
 step 60 "bench optim, 20M params in 2000 tensors" python -m onebit.bench optim --params 20971520 --tensors 2000
 step 45 "step profile, 100M params in 50 tensors" python -m benchmarks.step_profile --params 104857600 --tensors 50
