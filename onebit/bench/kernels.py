@@ -253,8 +253,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--min-exp", type=int_arg(3), default=20, help="smallest size, 2^k elements")
-    p.add_argument("--max-exp", type=int_arg(3), default=26, help="largest size, 2^k elements")
+    # From 2^8: a size below one block (BLOCK, 256 elements) has no block to compress.
+    p.add_argument("--min-exp", type=int_arg(8), default=20, help="smallest size, 2^k elements")
+    p.add_argument("--max-exp", type=int_arg(8), default=26, help="largest size, 2^k elements")
     p.add_argument("-n", "--iters", type=int_arg(1), default=10, help="timed repeats (median)")
     p.add_argument("--device", default="cpu",
                    help="cpu (the host table, then the shares table) or an accelerator's "
