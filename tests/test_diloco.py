@@ -631,3 +631,88 @@ def test_a_rank_that_skips_a_warmup_step_joins_the_next_average_from_the_same_pa
     for final, steps in out:
         assert steps == 3 and np.allclose(final, want, rtol=0, atol=1e-5)
         assert np.array_equal(final, out[0][0])
+
+
+def _weights_loaded_after_diloco_is_built(rank, world):
+    """A pretrained model loaded after DiLoCo(...) and before the first
+    forward: with the inner lr at 0 nothing trains, so a round must leave
+    the loaded weights exactly where they are (the anchors follow them),
+    and a checkpoint taken before any forward is no misuse."""
+    import onebit
+
+    torch.manual_seed(rank)  # the ranks' inits differ; the construction broadcasts rank 0's
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    diloco = onebit.DiLoCo(model, inner, sync_every=2, outer_lr=1.3)
+    loaded = {"weight": torch.full((2, 4), 0.25), "bias": torch.tensor([-1.0, 2.0])}
+    model.load_state_dict(loaded)  # the same file on every rank
+    saved = diloco.state_dict()  # before any forward: setup, not another optimizer
+    for _ in range(4):
+        model(torch.ones(3, 4)).sum().backward()
+        inner.step()
+        inner.zero_grad()
+    diloco.close()
+    return (diloco.rounds, [p.detach().tolist() for p in model.parameters()],
+            [a.tolist() for a in saved["anchors"]])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_weights_loaded_after_diloco_is_built_are_where_the_rounds_start(world):
+    for rounds, params, saved in run_workers(_weights_loaded_after_diloco_is_built, world,
+                                             timeout=60):
+        assert rounds == 2
+        assert params == [[[0.25] * 4] * 2, [-1.0, 2.0]]  # not pulled back to the init
+        assert saved[0] == [[0.25] * 4] * 2, "the saved anchors"
+
+
+def test_a_model_loaded_after_diloco_state_keeps_the_checkpoints_anchors():
+    """After DiLoCo.load_state_dict the anchors are the checkpoint's: params
+    loaded next (mid-round, so not equal to them) must not move them, and
+    close() before any forward (a run resumed at its end) is no misuse."""
+    import onebit
+
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = onebit.DiLoCo(model, inner, sync_every=4)
+    for _ in range(6):  # a round and a half: the params are mid-round
+        model(torch.ones(3, 4)).sum().backward()
+        inner.step()
+        inner.zero_grad()
+    state, weights = diloco.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    diloco.close()
+
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    resumed = onebit.DiLoCo(model, inner, sync_every=4)
+    resumed.load_state_dict(state)
+    model.load_state_dict(weights)
+    assert not torch.equal(resumed.anchors[0], model.weight.detach())
+    resumed.close()  # no forward since the load: setup, not another optimizer
+    assert all(torch.equal(a, b) for a, b in zip(resumed.anchors, state["anchors"]))
+
+
+def test_a_closed_diloco_refuses_sync_and_a_second_close_does_nothing():
+    import onebit
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    inner = torch.optim.SGD(params, lr=0.1)
+    diloco = onebit.DiLoCo(params, inner, sync_every=2)
+    diloco.close()
+    diloco.close()
+    with pytest.raises(ValueError, match="this DiLoCo is closed"):
+        diloco.sync()
+    assert diloco.launches == 0 and diloco.rounds == 0
+
+
+def test_a_parameter_listed_twice_or_named_pairs_are_refused():
+    """A tensor listed twice would get two anchors (and, in two fragments,
+    two outer steps a round); named_parameters() pairs are not params."""
+    import onebit
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="is the same tensor as param 0"):
+        onebit.DiLoCo([model.weight, model.bias, model.weight],
+                      torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, fragments=2)
+    with pytest.raises(ValueError, match="got an element of type tuple"):
+        onebit.DiLoCo(model.named_parameters(), torch.optim.SGD(model.parameters(), lr=0.1),
+                      sync_every=2)

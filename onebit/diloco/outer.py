@@ -62,7 +62,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..backends.codecs import CODECS
 from ..backends.stats import TrafficStats
-from ..checks import check_flag, check_number, check_positive_int
+from ..checks import check_each_parameter_once, check_flag, check_number, check_positive_int
 from ..feedback.agreement import RankAgreement, nonfinite_flag
 from ..feedback.channel import ErrorFeedbackChannel, open_backend
 from ..feedback.exchange import GroupKey
@@ -183,10 +183,19 @@ class DiLoCo:
         self.timeout_s = collectives.check_timeout(timeout_s)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError(_DDP_MISUSE)
-        params = model.parameters() if isinstance(model, torch.nn.Module) else model
+        params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
+        odd = next((p for p in params if not isinstance(p, torch.Tensor)), None)
+        if odd is not None:
+            raise ValueError(f"DiLoCo: model must be an nn.Module or an iterable of its "
+                             f"parameters (tensors), got an element of type "
+                             f"{type(odd).__name__} (for named_parameters(), pass "
+                             f"model.parameters() or the model itself)")
         self.params: List[torch.Tensor] = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("DiLoCo: no parameter requires grad")
+        # A tensor listed twice would get two anchors and, in two fragments,
+        # two outer steps a round.
+        check_each_parameter_once("DiLoCo", self.params)
         self._shards = ShardedParams("DiLoCo", [{"params": self.params}], process_group)
         # Fragments by whole-param sizes: every shard of the model launches
         # and lands the same fragment at the same inner step.
@@ -270,7 +279,11 @@ class DiLoCo:
         # params stepped by an optimizer DiLoCo does not hook.
         self._writes = ParamWriteWatch(lambda: self.params)
         self._steps_at_start, self._armed = self.inner_steps, False
-        if isinstance(model, torch.nn.Module):
+        # Built, not loaded: weights written before the first forward (a
+        # pretrained model loaded now, say) are where the first round starts.
+        self._fresh, self._closed = True, False
+        self._has_forward = isinstance(model, torch.nn.Module)
+        if self._has_forward:
             self._hooks.append(model.register_forward_pre_hook(
                 lambda module, _: self._before_forward(module)))
 
@@ -288,13 +301,21 @@ class DiLoCo:
     def _check_writes(self, where: str) -> None:
         """A ValueError when the params were written while DiLoCo has counted
         no inner step since it was built or loaded: another optimizer steps
-        them. Writes before the first forward are setup (a model loaded
-        after DiLoCo's state, say): the first forward takes them as they are."""
+        them. Writes before a model's first forward are setup (weights
+        loaded after DiLoCo was built or after its state was loaded), taken
+        as they are by the first forward or by a state_dict(), sync() or
+        close() before it: on a fresh build the anchors follow them, so the
+        first round starts from the loaded weights (load the same ones on
+        every rank, as the construction's broadcast made the params)."""
         if self.inner_steps != self._steps_at_start:
             return
-        if not self._armed and where == "forward":
+        if not self._armed and self._has_forward:
+            if self._writes.moved() and self._fresh:
+                with torch.no_grad():
+                    for a, p in zip(self.anchors, self._locals()):
+                        a.copy_(p)
             self._writes.mark()
-            self._armed = True
+            self._armed = where == "forward"
             return
         if self._writes.moved():
             raise ValueError(
@@ -360,6 +381,7 @@ class DiLoCo:
         a synced point. Returns False when a fragment's round
         was skipped: its pseudo-gradient was not finite on some rank, and
         every rank went back to its last synced point."""
+        self._refuse_closed("sync")
         self._check_writes("sync")
         synced = self.drain()
         for f in range(self.plan.count):
@@ -375,6 +397,12 @@ class DiLoCo:
         for f in sorted(self._in_flight):
             synced = self._land(f) and synced
         return synced
+
+    def _refuse_closed(self, where: str) -> None:
+        if self._closed:
+            raise ValueError(f"DiLoCo ({where}): this DiLoCo is closed (its hooks are gone and "
+                             "its communication thread stopped); build a new one to go on "
+                             "training with rounds")
 
     @property
     def exchanges_in_flight(self) -> int:
@@ -512,6 +540,9 @@ class DiLoCo:
         self._close(catch_up=True)
 
     def _close(self, catch_up: bool) -> None:
+        if self._closed:  # closing again (close() in a `with` block, say) has nothing to do
+            return
+        self._closed = True
         try:
             self._check_writes("close")
             self.drain()
@@ -665,6 +696,7 @@ class DiLoCo:
                     skipped=status == self._SKIPPED)
         self._channel.owner_loaded(self.backend is not None and self.rounds > 0)
         self._steps_at_start, self._armed = self.inner_steps, False
+        self._fresh = False  # the anchors are the checkpoint's: loaded params must not move them
         self._writes.mark()
 
     def _error_layouts(self) -> dict:
