@@ -186,6 +186,20 @@ def test_resume_with_each_ranks_error_buffers_is_bitwise_identical_to_not_stoppi
     assert [r[3] for r in not_restored] == [1, 1, 1]
 
 
+def test_zero_one_adam_saved_at_its_variance_freeze_resumes_bitwise(tmp_path):
+    """Saved after step 30, its var_freeze_step: the next step restarts the
+    errors (the warmup's are in gradient units), and a resumed run must
+    restart them too, not feed the loaded ones into its first sync."""
+    prefix = str(tmp_path / "ckpt")
+    assert CONFIGS["ZeroOneAdam"]["var_freeze_step"] == 30
+    straight = straight_run("ZeroOneAdam")
+    run_workers(_save_each_rank, 3, "ZeroOneAdam", 30, prefix, timeout=120)
+    resumed = run_workers(_resume_each_rank, 3, "ZeroOneAdam", 20, prefix, 0, timeout=120)
+    for (losses, params), (restored, after, params_after, _) in zip(straight, resumed):
+        assert restored
+        assert after == losses[30:] and params_after == params
+
+
 def test_a_checkpoint_from_warmup_resumes_without_a_restart_warning(tmp_path):
     """Before the first compressed exchange there is no error feedback to lose."""
     prefix = str(tmp_path / "ckpt")

@@ -239,14 +239,17 @@ class ErrorFeedbackExchange:
         return put_back
 
     def reset(self) -> None:
-        """The errors restart from zero; the buffers stay."""
+        """The errors restart from zero; the buffers stay. Errors loaded from
+        a checkpoint and not yet taken up go too: they would come back at
+        the next exchange (0/1 Adam resets at its freeze, and a run resumed
+        from that very step would start it from the warmup's errors)."""
         self._errors.clear()
+        self._saved = {}
 
     def forget_layouts(self) -> None:
         """Drop everything sized for the current params: a param's trainability
         or a checkpoint changed them."""
         self.reset()
-        self._saved = {}
         self._flat.clear()
         self._backups.clear()
 
