@@ -89,6 +89,9 @@ def read_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> ConfigReadin
                                  "needs every gradient's norm before the exchange starts, which "
                                  "the overlap cannot wait for. Drop one of them (or clip in your "
                                  "script before step())")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"gradient_clipping must be a number (the largest gradient "
+                                 f"norm; 0: no clipping), got {value!r}")
             if kind in _ONEBIT_TYPES and "max_grad_norm" not in params:
                 extra["max_grad_norm"] = float(value)
                 notes.append((key, "mapped", f"max_grad_norm={float(value):g}"))
@@ -111,12 +114,16 @@ def read_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> ConfigReadin
                                             "bf16_compress_hook on your DDP model"))
         elif key == "zero_optimization":
             stage = value.get("stage", 0) if isinstance(value, dict) else value
+            if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+                raise ValueError(f"zero_optimization.stage must be an integer from 0 to 3, got "
+                                 f"{stage!r}")
             if stage:
                 raise ValueError(
                     f"zero_optimization.stage={stage}: onebit's optimizers keep whole parameters "
-                    "and optimizer states on every rank (data parallelism, as ZeRO stage 0; "
-                    "DeepSpeed's 1-bit optimizers refused ZeRO too). Set the stage to 0, or "
-                    "shard with FSDP2 and a torch optimizer instead of a 1-bit one")
+                    "and optimizer states on every rank of a data-parallel group (as ZeRO stage "
+                    "0; DeepSpeed's 1-bit optimizers refused ZeRO too). Set the stage to 0; to "
+                    "shard, use FSDP2 inside a node and pass the mesh's replicate group as the "
+                    "optimizer's process_group (docs/sharding.md)")
             notes.append((key, "ignored", "stage 0: plain data parallelism, what onebit does"))
         elif key in ("fp16", "bf16") and _enabled(value):
             dtype = "float16" if key == "fp16" else "bfloat16"

@@ -142,6 +142,8 @@ def test_gradient_clipping_for_torch_adam_is_advice_not_a_silent_drop():
 
 @pytest.mark.parametrize("change, match", [
     ({"zero_optimization": {"stage": 2}}, r"zero_optimization.stage=2: .*whole parameters"),
+    ({"zero_optimization": {"stage": "0"}}, r"stage must be an integer from 0 to 3, got '0'"),
+    ({"gradient_clipping": {"max": 1.0}}, r"gradient_clipping must be a number"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"overlap_backward": True}}},
      r"gradient_clipping=1.0 with overlap_backward=True"),
 ])
