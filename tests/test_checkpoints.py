@@ -200,6 +200,45 @@ def test_zero_one_adam_saved_at_its_variance_freeze_resumes_bitwise(tmp_path):
         assert after == losses[30:] and params_after == params
 
 
+def test_a_param_without_a_gradient_at_a_variance_update_resumes_bitwise():
+    """0/1 Adam, one process: b has no gradient at step 6, its last variance
+    update, so the step puts its v back. What the step derived from the v
+    it had changed (the frozen v's square roots) must not outlive that: a
+    run resumed from step 8, which derives them from the saved v, equals
+    the uninterrupted run bit for bit."""
+    import io
+
+    def build():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(10))]
+        return ps, ZeroOneAdam(ps, lr=1e-2, var_freeze_step=6, var_update_scaler=2)
+
+    def step(ps, opt, t):
+        g = torch.Generator().manual_seed(t)
+        ps[0].grad = torch.randn(10, generator=g)
+        gb = torch.randn(10, generator=g)
+        ps[1].grad = None if t == 6 else gb
+        opt.step()
+
+    ps, opt = build()
+    for t in range(1, 9):
+        step(ps, opt, t)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved = [p.detach().clone() for p in ps]
+    for t in range(9, 14):
+        step(ps, opt, t)
+    resumed, opt2 = build()
+    with torch.no_grad():
+        for p, q in zip(resumed, saved):
+            p.copy_(q)
+    buf.seek(0)
+    opt2.load_state_dict(torch.load(buf, weights_only=False))
+    for t in range(9, 14):
+        step(resumed, opt2, t)
+    assert all(torch.equal(a, b) for a, b in zip(ps, resumed))
+
+
 def test_a_checkpoint_from_warmup_resumes_without_a_restart_warning(tmp_path):
     """Before the first compressed exchange there is no error feedback to lose."""
     prefix = str(tmp_path / "ckpt")

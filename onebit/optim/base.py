@@ -328,6 +328,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 LateJoiners.advance(self._local_state(), params)
         if untouched is not None:
             untouched.restore()
+            # What the step derived from the state it has just put back (v's
+            # square roots, the zero-variance masks) is derived again.
+            self._zero_variance.clear()
+            self._denoms.clear()
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
