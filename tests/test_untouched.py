@@ -18,7 +18,8 @@ SIZES = [32, 300, 16]  # A, B, C: B spans blocks 1-2 of the fused buffer
 CONFIGS = {
     "OnebitAdam": dict(freeze_step=3, lr=1e-2, weight_decay=0.01),
     "OnebitLamb": dict(freeze_step=3, lr=1e-2, weight_decay=0.01),
-    "ZeroOneAdam": dict(var_freeze_step=3, lr=1e-2, weight_decay=0.01, local_step_scaler=2,
+    # Step 5 a local step, step 6 a sync (then local, sync, ...).
+    "ZeroOneAdam": dict(var_freeze_step=3, lr=1e-2, weight_decay=0.01, local_step_scaler=1,
                         local_step_clipper=2),
 }
 B_GRAD_RANKS = {5: (), 6: (), 7: (1,)}  # step -> ranks with a gradient for B (else all)
@@ -71,22 +72,32 @@ def _train(rank, world, cls_name, overlap, backend=None, steps=9):
                     same = same and torch.equal(e["worker"][worker], a["worker"][worker])
                     if server is not None:
                         same = same and torch.equal(e["server"][server], a["server"][server])
-                    same = same and not torch.equal(e["worker"][:SIZES[0]], a["worker"][:SIZES[0]])
-            b_kept.append(same)
+                    if opt.last_stage.name != "local step":  # (a local step exchanges nothing)
+                        same = same and not torch.equal(e["worker"][:SIZES[0]],
+                                                        a["worker"][:SIZES[0]])
+            b_kept.append((same, opt.last_stage.name))
         history.append([p.detach().tolist() for p in params])  # plain data back from a worker
     return history, b_kept
 
 
 @pytest.mark.parametrize("cls_name", sorted(CONFIGS))
 def test_a_param_no_rank_has_a_gradient_for_is_left_untouched(cls_name):
+    """...but at 0/1 Adam's syncs: a sync lands every param on the ranks'
+    common point, so B joins it with a zero gradient (left as it was, it
+    would keep each rank's own value from the local steps before)."""
     runs = run_workers(_train, 3, cls_name, False, timeout=120)
     for history, b_kept in runs:
-        assert b_kept == [True, True]
+        for same, stage in b_kept:
+            assert same == (stage != "sync"), (stage, same)
         # B moved at step 7 (rank 1's gradient, averaged with zeros) and after.
         assert history[5][1] != history[6][1] and history[6][1] != history[7][1]
         # A moved at steps 5 and 6.
         assert history[3][0] != history[4][0]
-    if cls_name != "ZeroOneAdam":  # 0/1 Adam's ranks differ between syncs by design
+    if cls_name == "ZeroOneAdam":  # its ranks differ between syncs by design; equal after each
+        assert [s for _, s in runs[0][1]] == ["local step", "sync"]
+        after_syncs = [t for t, (_, stage) in zip((4, 5), runs[0][1]) if stage == "sync"]
+        assert all(r[0][t] == runs[0][0][t] for r in runs[1:] for t in after_syncs)
+    else:
         assert all(r[0] == runs[0][0] for r in runs[1:])
 
 
@@ -96,7 +107,7 @@ def test_untouched_params_with_overlap_backward_match_the_fused_step(cls_name):
     fused = run_workers(_train, 3, cls_name, False, timeout=120)
     overlapped = run_workers(_train, 3, cls_name, True, timeout=120)
     for (h1, kept1), (h2, kept2) in zip(fused, overlapped):
-        assert kept2 == [True, True]
+        assert kept2 == kept1
         assert h1 == h2
 
 
@@ -106,7 +117,7 @@ def test_untouched_params_on_the_hierarchical_backend():
     runs = run_workers(_train, 4, "OnebitAdam", False, "hierarchical", timeout=120,
                        env={"ONEBIT_RANKS_PER_NODE": "2"})
     for history, b_kept in runs:
-        assert b_kept == [True, True] and history == runs[0][0]
+        assert [same for same, _ in b_kept] == [True, True] and history == runs[0][0]
 
 
 def test_error_ranges_of_a_tensor_split_across_hierarchical_shards():
@@ -123,3 +134,35 @@ def test_error_ranges_of_a_tensor_split_across_hierarchical_shards():
     assert second.error_ranges(1, 0) == ((0, 44), (0, 44))
     assert second.error_ranges(1, 1) == ((0, 44), None)
     assert second.error_ranges(0, 0) == (None, None)
+
+
+def test_zero_one_adam_records_the_synced_point_for_a_param_it_leaves_alone():
+    """One process, syncs at steps 4 and 8, local steps between. B has no
+    gradient at step 9, the first local step after the sync at 8: it stays
+    where the sync put it, and the last synced point the step records for
+    the next local steps is that point, not the one of step 4 (put back,
+    step 10 landed B near step 4's point: 0.1 away instead of one step)."""
+    import onebit
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(10))
+    opt = onebit.ZeroOneAdam([a, b], lr=1e-2, var_freeze_step=2, local_step_scaler=1,
+                             local_step_clipper=4)
+    g = torch.Generator().manual_seed(1)
+    stages, at_sync = [], None
+    for t in range(1, 12):
+        a.grad = torch.randn(10, generator=g)
+        gb = torch.randn(10, generator=g)
+        b.grad = None if t == 9 else gb
+        opt.step()
+        stages.append(opt.last_stage.name)
+        if t == 8:
+            at_sync = b.detach().clone()
+        if t == 9:
+            assert torch.equal(b.detach(), at_sync)  # left alone
+            assert torch.equal(opt.state[b]["sync_point"], at_sync)
+        if t == 10:  # one local step from the sync's point: anchor + this interval's u
+            assert torch.equal(opt.state[b]["sync_point"], at_sync)
+            assert torch.equal(b.detach(), at_sync + opt.state[b]["momentum_accumulator"])
+            assert (b.detach() - at_sync).abs().max() < 0.05
+    assert stages[7:10] == ["sync", "local step", "local step"]

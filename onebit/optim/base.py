@@ -297,7 +297,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 self._channel.telemetry.end_step(t, stage.name, skipped=True)
                 return loss
             untouched = (self._keep_untouched(gradless, [ps for _, ps in groups])
-                         if gradless else None)
+                         if gradless and self._leaves_gradless_params(stage) else None)
             exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
             if stage.full_precision:
                 for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
@@ -382,6 +382,15 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             return collective()
         return self._overlap.in_order(collective)
 
+    # State a step sets whether a param had a gradient or not: left as the
+    # step made it when the step puts an untouched param back.
+    STATE_OF_THE_RUN: tuple = ()
+
+    def _leaves_gradless_params(self, stage: Stage) -> bool:
+        """Whether step `stage` leaves the params no rank has a gradient for
+        as they were (untouched.py): every step does, but 0/1 Adam's syncs."""
+        return True
+
     def _keep_untouched(self, gradless: List[torch.Tensor],
                         trained: List[List[torch.Tensor]]) -> UntouchedParams:
         """What this step must put back for the params no rank has a gradient
@@ -391,7 +400,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         keep = UntouchedParams()
         ids = {id(p) for p in gradless}
         for p in gradless:
-            keep.keep_param(p, self._state_of(p))
+            keep.keep_param(p, self._state_of(p), leave=self.STATE_OF_THE_RUN)
         for i, ps in enumerate(trained):
             places = [(GroupKey(i), ps, j) for j, p in enumerate(ps) if id(p) in ids]
             if self._overlap is not None:

@@ -29,9 +29,13 @@ class UntouchedParams:
     def __init__(self) -> None:
         self._put_back: List[Callable[[], None]] = []
 
-    def keep_param(self, p: torch.Tensor, state: dict) -> None:
+    def keep_param(self, p: torch.Tensor, state: dict, leave=()) -> None:
+        """Keep `p`'s value and `state`, but for the keys in `leave`: what
+        the step sets for every param alike, gradient or not (0/1 Adam's
+        last synced point)."""
         value = p.detach().clone()
-        before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+                  if k not in leave}
 
         def put_back() -> None:
             with torch.no_grad():

@@ -79,6 +79,19 @@ class ZeroOneAdam(OnebitOptimizer):
         return {"momentum_accumulator": (zeros, lambda step: True),
                 "sync_point": (lambda p: torch.zeros_like(p), lambda step: self.frozen(step))}
 
+    # The last synced point is the run's, not a param's move: a local step
+    # that leaves a gradless param as it was still records it (its first
+    # local step after a sync copies it; put back, the next steps would
+    # land on the sync before).
+    STATE_OF_THE_RUN = ("sync_point",)
+
+    def _leaves_gradless_params(self, stage) -> bool:
+        """A sync lands every param on the ranks' common point: one that no
+        rank has a gradient for in this step joins it with a zero gradient,
+        else it would keep this rank's own value and the replicas would
+        stay apart."""
+        return not (stage.variance_frozen and stage.compressed)
+
     # The schedule's settings, read-only (they are agreed at construction).
     var_freeze_step = property(lambda self: self._schedule.var_freeze_step)
     var_update_scaler = property(lambda self: self._schedule.var_update_scaler)
