@@ -291,6 +291,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         grads = [self._gradients(ps) for _, ps in groups]
         late_grads = [self._gradients(ps) for _, ps in late]
         try:
+            if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
+                self._overlap.launch_rest([ps for _, ps in groups], grads)
             skip, gradless = self._agree_before_step(t, grads + late_grads)
             if skip:
                 self._end_overlap()
@@ -328,10 +330,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 LateJoiners.advance(self._local_state(), params)
         if untouched is not None:
             untouched.restore()
-            # What the step derived from the state it has just put back (v's
-            # square roots, the zero-variance masks) is derived again.
-            self._zero_variance.clear()
-            self._denoms.clear()
+            if stage.full_precision:  # v moved in this step, and was just put back for some:
+                # what the step derived from it (its square roots, the
+                # zero-variance masks) is derived again from the v put back.
+                self._zero_variance.clear()
+                self._denoms.clear()
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):

@@ -276,6 +276,24 @@ class BackwardOverlap:
         self.handoff.consume(device, done)
         return results[0]
 
+    def launch_rest(self, trained: List[List[torch.Tensor]],
+                    grads: List[List[torch.Tensor]]) -> None:
+        """step(), before its agreement: launch the buckets backward did not
+        (one holding a param that got no gradient on this rank), from the
+        step's gradients. A param with a gradient on some ranks only left
+        a rank waiting for it: that rank launched fewer buckets and queued
+        the agreement ahead of exchanges its peers had queued it behind,
+        and each waited for the other. Now every rank queues every bucket,
+        then the agreement. Only where backward launches (alike on every
+        rank: not under a GradScaler's relaunch, nor in no_overlap)."""
+        if not self.enabled or self.scaled or not self.callbacks.active():
+            return
+        if not self.planned:
+            self._plan(trained)
+            self.planned = True
+        for b in self.buckets[self.launched:]:
+            self._launch(b, b.pick(grads[b.index]))
+
     def settle(self, trained: List[List[torch.Tensor]], grads: List[List[torch.Tensor]],
                relaunch: bool) -> None:
         """step(), before the update: make sure every bucket was launched
