@@ -409,3 +409,39 @@ def test_a_param_with_a_gradient_on_some_ranks_only_neither_hangs_nor_changes_bi
     assert overlapped == fused
     if cls_name != "ZeroOneAdam":  # (its ranks differ between syncs by design)
         assert overlapped[0] == overlapped[1]
+
+
+def _group_added_mid_run(rank, world, cls_name, add_at, overlap):
+    import onebit
+
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(5, 9), torch.nn.Linear(9, 2)
+    kw = dict(freeze_step=4) if cls_name != "ZeroOneAdam" else dict(var_freeze_step=4,
+                                                                     var_update_scaler=2)
+    opt = getattr(onebit, cls_name)(body.parameters(), lr=1e-2, overlap_backward=overlap,
+                                    timeout_s=20, **kw)
+    for t in range(1, 9):
+        if t == add_at:
+            opt.add_param_group({"params": list(head.parameters())})
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(t * 10 + rank))
+        h = body(x)
+        loss = h.pow(2).mean() + (head(h).sum() if t >= add_at else 0)
+        loss.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the restart notice of the error buffers
+            opt.step()
+        opt.zero_grad()
+    return [p.detach().tolist() for p in list(body.parameters()) + list(head.parameters())]
+
+
+@pytest.mark.parametrize("cls_name,add_at", [("OnebitAdam", 6), ("ZeroOneAdam", 3),
+                                             ("ZeroOneAdam", 6)])
+def test_a_param_group_added_mid_run_with_overlap_matches_the_fused_step(cls_name, add_at):
+    """A group added in a 1-bit stage: backward planned its params into the
+    buckets, then step() took them apart (late joiners) and dropped the
+    buffers those exchanges ran over: a KeyError on the communication
+    thread, its peer at the deadline. The queued exchanges are undone first
+    now, and step() exchanges again: the fused step's bits."""
+    overlapped = run_workers(_group_added_mid_run, 2, cls_name, add_at, True, timeout=90)
+    fused = run_workers(_group_added_mid_run, 2, cls_name, add_at, False, timeout=90)
+    assert overlapped == fused

@@ -514,6 +514,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _trained_lists(self) -> List[List[torch.Tensor]]:
         return [self._trainable(g) for g in self.param_groups]
 
+    def _coming_trained_lists(self) -> List[List[torch.Tensor]]:
+        """The params the coming step trains with its stages, as step() will
+        find them (the overlap plans its buckets by them during backward):
+        a param that starts training after v froze (a group added) is
+        marked a late joiner first, as step() marks it. Else backward's
+        exchange inputs made its state, v = 0 included, and step() then took
+        it for a trained param that never saw a gradient: it never moved."""
+        stage = self.stage_at(self.counters["step"] + 1)
+        self._late.codes(self.state, self.param_groups, stage.variance_frozen)
+        return self._trained_lists()
+
     def _notice_trainable_changes(self, signature: List[List[int]]) -> None:
         """Keep the digest of which params train current (`signature`: each
         group's codes from LateJoiners.codes); when it changes (layers
@@ -523,6 +534,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         and guards, scratch buffers."""
         if signature != self._trainable_signature:
             if self._trainable_signature is not None:
+                if self._overlap is not None and self._overlap.launched:
+                    # Exchanges backward queued over the old buffers (a group
+                    # added mid-run, its params planned in): undone first,
+                    # while their buffers exist; step() exchanges again.
+                    self._overlap.abandon()
                 self._forget_layouts()
             self._trainable_signature = signature
             self._trainable_digest = collectives.stable_digest(signature)
@@ -671,7 +687,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # Late-bound: a subclass (or a test) may replace these methods.
         callbacks = OverlapCallbacks(
             active=lambda: self._exchange_during_backward(),
-            trained=lambda: self._trained_lists(),
+            trained=lambda: self._coming_trained_lists(),
             gradients=lambda params: self._gradients(params),
             write_input=lambda *args: self._exchange_input_(*args),
             input_key=lambda index: self._exchange_input_key(index))

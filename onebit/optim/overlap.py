@@ -288,7 +288,11 @@ class BackwardOverlap:
         rank: not under a GradScaler's relaunch, nor in no_overlap)."""
         if not self.enabled or self.scaled or not self.callbacks.active():
             return
-        if not self.planned:
+        if not self.planned or signature(trained) != self.signature:
+            # (backward planned for other params: a group added since, whose
+            # params step() now trains apart as late joiners)
+            if self.launched:
+                self.abandon()
             self._plan(trained)
             self.planned = True
         for b in self.buckets[self.launched:]:
