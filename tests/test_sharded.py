@@ -741,3 +741,45 @@ def test_streaming_diloco_on_shards_resumes_bitwise_with_dcp(tmp_path):
     for (_, _, _, want), (restored, first, in_flight, got) in zip(straight, resumed):
         assert restored is True and first == 5 and in_flight == 1
         assert got == want
+
+
+def _state_dict_midway(rank, world, nodes, cls_name, save_after):
+    """The same run twice on shards, once with opt.state_dict() taken after
+    step `save_after` (a checkpoint, or get_optimizer_state_dict for DCP)."""
+    runs = []
+    for save in (False, True):
+        torch.manual_seed(0)
+        model, mesh = sharded(world, nodes)
+        opt = make(cls_name, model.parameters(), process_group=mesh.get_group("replicate"),
+                   **CONFIGS[cls_name])
+        for t in range(1, 17):  # (0/1 Adam: local steps from step 13 on)
+            model(weights(rank, t)).backward()
+            opt.step()
+            opt.zero_grad()
+            if save and t == save_after:
+                opt.state_dict()
+        runs.append([a.tolist() for a in local_flat(model)])
+    return runs[0] == runs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_a_state_dict_taken_midway_changes_nothing_on_shards(cls_name):
+    """state_dict() has no side effects: it wrote the placeholders of state
+    a later stage makes (0/1 Adam's sync point) into the optimizer's own
+    per-param dicts, on shards as DTensors, and 0/1 Adam's next local step
+    failed copying into one ('mixed torch.Tensor and DTensor')."""
+    assert run_workers(_state_dict_midway, 4, 2, cls_name, 2, timeout=180) == [True] * 4
+
+
+def test_state_dict_leaves_the_live_state_as_it_was():
+    import onebit
+
+    p = [torch.nn.Parameter(torch.ones(4))]
+    opt = onebit.ZeroOneAdam(p, var_freeze_step=3)
+    p[0].grad = torch.ones(4)
+    opt.step()
+    before = set(opt.state[p[0]])
+    sd = opt.state_dict()
+    assert set(opt.state[p[0]]) == before
+    assert "sync_point" in sd["state"][0]  # the placeholder is in the saved dict only

@@ -127,10 +127,16 @@ def add_placeholders(state_dict: dict, params, staged: Dict[str, tuple]) -> None
     so a fresh optimizer's state_dict has every key a trained one has: DCP
     loads only into keys the target already has. `params`: the optimizer's
     params in state_dict order."""
-    for key, st in state_dict["state"].items():
-        for name, (make, _) in staged.items():
-            if name not in st:
-                st[name] = make(params[key])
+    for key, st in list(state_dict["state"].items()):
+        missing = [name for name in staged if name not in st]
+        if missing:
+            # torch's state_dict() hands out the optimizer's own per-param
+            # dicts: a placeholder written there would join its live state
+            # (on FSDP2 shards a DTensor sync_point, which 0/1 Adam's next
+            # local step could not copy into). A copy of the dict takes it.
+            st = state_dict["state"][key] = dict(st)
+            for name in missing:
+                st[name] = staged[name][0](params[key])
 
 
 def drop_placeholders(state, staged: Dict[str, tuple], step: int) -> None:
