@@ -368,30 +368,27 @@ __device__ __forceinline__ void sign_out(bool live, float x, float s, int64_t e,
   }
 }
 
-// Row blockIdx.y of a compress over several rows (compress_rows: the
-// worker's row for each rank, one launch): its input starts in_stride
-// elements on per row (buf holds n_buf real elements from the first row's
-// start, zero after), its scales and bits out_stride bytes on. Rows are
-// whole blocks apart, so every block's maths is that of a launch of its own.
-struct CompressRow {
-  const float* buf;
-  int64_t n_buf;
-  float* err;
-  const double* counts;
-  uint8_t* scales;
-  uint8_t* bits;
-};
-
-__device__ __forceinline__ CompressRow compress_row(const float* buf, int64_t n_buf, float* err,
-                                                    int64_t n, int64_t block,
-                                                    const double* counts, uint8_t* scales,
-                                                    uint8_t* bits, int64_t in_stride,
-                                                    int64_t out_stride) {
+// The pointers and buf's real count moved to row blockIdx.y of a compress
+// over several rows (compress_rows: the worker's row for each rank, one
+// launch): its input starts in_stride elements on per row (buf holds n_buf
+// real elements from the first row's start, zero after), its scales and
+// bits out_stride bytes on. Rows are whole blocks apart, so every block's
+// maths is that of a launch of its own.
+__device__ __forceinline__ void to_compress_row(const float* __restrict__& buf, int64_t& n_buf,
+                                                float* __restrict__& err,
+                                                const double* __restrict__& counts,
+                                                uint8_t* __restrict__& scales,
+                                                uint8_t* __restrict__& bits, int64_t n,
+                                                int64_t block, int64_t in_stride,
+                                                int64_t out_stride) {
   const int64_t r = blockIdx.y, start = r * in_stride;
-  int64_t real = n_buf - start < n ? n_buf - start : n;
-  if (real < 0) real = 0;
-  return {real > 0 ? buf + start : buf, real, err + start, counts + start / block,
-          scales + r * out_stride, bits + r * out_stride};
+  const int64_t real = n_buf - start < n ? n_buf - start : n;
+  if (real > 0) buf += start;
+  n_buf = real > 0 ? real : 0;
+  err += start;
+  counts += start / block;
+  scales += r * out_stride;
+  bits += r * out_stride;
 }
 
 // compensate, each block's scale and pack_error in one pass over memory.
@@ -402,19 +399,12 @@ __device__ __forceinline__ CompressRow compress_row(const float* buf, int64_t n_
 // kernel's: sqrt(sum / count) in double, rounded to fp32 and, for 2-byte
 // scales, to bf16, written little-endian; the error uses the rounded value.
 template <int kHeld>
-__global__ void compress_kernel(const float* __restrict__ buf_rows, int64_t n_buf_rows,
-                                float* __restrict__ err_rows, int64_t n, int64_t block,
-                                const double* __restrict__ counts_rows, int scale_bytes,
-                                uint8_t* __restrict__ scales_rows, uint8_t* __restrict__ bits_rows,
+__global__ void compress_kernel(const float* __restrict__ buf, int64_t n_buf,
+                                float* __restrict__ err, int64_t n, int64_t block,
+                                const double* __restrict__ counts, int scale_bytes,
+                                uint8_t* __restrict__ scales, uint8_t* __restrict__ bits,
                                 int64_t in_stride, int64_t out_stride) {
-  const CompressRow row = compress_row(buf_rows, n_buf_rows, err_rows, n, block, counts_rows,
-                                       scales_rows, bits_rows, in_stride, out_stride);
-  const float* __restrict__ buf = row.buf;
-  const int64_t n_buf = row.n_buf;
-  float* __restrict__ err = row.err;
-  const double* __restrict__ counts = row.counts;
-  uint8_t* __restrict__ scales = row.scales;
-  uint8_t* __restrict__ bits = row.bits;
+  to_compress_row(buf, n_buf, err, counts, scales, bits, n, block, in_stride, out_stride);
   const int lane = threadIdx.x & 31, part_of = lane & 7, octet = lane / 8;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const int64_t nblocks = n / block, per_lane = block / 8;
@@ -506,20 +496,12 @@ constexpr int kPadEvery = 256, kPad = 8;  // 8 floats after every 256: an octet 
 
 __device__ __forceinline__ int padded(int e) { return e + (e / kPadEvery) * kPad; }
 
-__global__ void compress_tiled_kernel(const float* __restrict__ buf_rows, int64_t n_buf_rows,
-                                      float* __restrict__ err_rows, int64_t n, int block,
-                                      const double* __restrict__ counts_rows, int scale_bytes,
-                                      uint8_t* __restrict__ scales_rows,
-                                      uint8_t* __restrict__ bits_rows, int64_t in_stride,
-                                      int64_t out_stride) {
-  const CompressRow row = compress_row(buf_rows, n_buf_rows, err_rows, n, block, counts_rows,
-                                       scales_rows, bits_rows, in_stride, out_stride);
-  const float* __restrict__ buf = row.buf;
-  const int64_t n_buf = row.n_buf;
-  float* __restrict__ err = row.err;
-  const double* __restrict__ counts = row.counts;
-  uint8_t* __restrict__ scales = row.scales;
-  uint8_t* __restrict__ bits = row.bits;
+__global__ void compress_tiled_kernel(const float* __restrict__ buf, int64_t n_buf,
+                                      float* __restrict__ err, int64_t n, int block,
+                                      const double* __restrict__ counts, int scale_bytes,
+                                      uint8_t* __restrict__ scales, uint8_t* __restrict__ bits,
+                                      int64_t in_stride, int64_t out_stride) {
+  to_compress_row(buf, n_buf, err, counts, scales, bits, n, block, in_stride, out_stride);
   __shared__ __align__(16) float xs[kTile + kTile / kPadEvery * kPad];
   __shared__ float ss[kTile / 8];  // the scale of each of the tile's blocks
   const int64_t tile0 = int64_t(blockIdx.x) * kTile;
