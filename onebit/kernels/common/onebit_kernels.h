@@ -70,6 +70,20 @@ ONEBIT_HD float round_bf16(float s, uint16_t* bits) {
   return bits_float(uint32_t(*bits) << 16);
 }
 
+// A block's scale as it travels: rounded to bf16 when scale_bytes is 2,
+// written little-endian at `out`; returns the value the error uses.
+ONEBIT_HD float store_scale(float s, int scale_bytes, uint8_t* out) {
+  if (scale_bytes == 2) {
+    uint16_t h;
+    s = round_bf16(s, &h);
+    out[0] = uint8_t(h), out[1] = uint8_t(h >> 8);
+  } else {
+    const uint32_t u = float_bits(s);
+    for (int t = 0; t < 4; ++t) out[t] = uint8_t(u >> (8 * t));
+  }
+  return s;
+}
+
 // Pass 1 of error feedback on one onebit block [b, e) (e - b a multiple of
 // 8): err <- x = buf + err (buf is zero from n_buf on: the padding), and
 // the block's sum of x^2 in double, in the one order every kernel sums (so

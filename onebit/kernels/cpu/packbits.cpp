@@ -385,15 +385,10 @@ void compress_rows(uintptr_t buf_ptr, int64_t n_buf, uintptr_t err_ptr, int64_t 
       const float* row_buf = real > 0 ? buf + r * in_stride : buf;
       float* row_err = err + r * in_stride;
       uint8_t* row_scales = scales + r * out_stride;
-      float s = float(std::sqrt(block_sumsq(row_buf, real, row_err, k, k + block, avx2) /
-                                counts[r * (in_stride / block) + j]));
-      if (scale_bytes == 2) {
-        uint16_t h;
-        s = round_bf16(s, &h);
-        std::memcpy(row_scales + 2 * j, &h, 2);
-      } else {
-        std::memcpy(row_scales + 4 * j, &s, 4);
-      }
+      const float s = store_scale(
+          float(std::sqrt(block_sumsq(row_buf, real, row_err, k, k + block, avx2) /
+                          counts[r * (in_stride / block) + j])),
+          scale_bytes, row_scales + scale_bytes * j);
       block_pack_error(row_err, s, k, k + block, out + r * out_stride, avx2);
     }
   });

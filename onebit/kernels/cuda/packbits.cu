@@ -542,17 +542,8 @@ __global__ void compress_tiled_kernel(const float* __restrict__ buf, int64_t n_b
     }
     const double sum = octet_sum(part);
     if (live && lane8 == 0) {
-      float s = float(sqrt(sum / counts[k0 + kb]));
-      uint8_t* out = scales + (k0 + kb) * scale_bytes;
-      if (scale_bytes == 2) {
-        uint16_t h;
-        s = round_bf16(s, &h);
-        out[0] = uint8_t(h), out[1] = uint8_t(h >> 8);
-      } else {
-        const uint32_t u = __float_as_uint(s);
-        for (int t = 0; t < 4; ++t) out[t] = uint8_t(u >> (8 * t));
-      }
-      ss[kb] = s;
+      ss[kb] = store_scale(float(sqrt(sum / counts[k0 + kb])), scale_bytes,
+                           scales + (k0 + kb) * scale_bytes);
     }
   }
   __syncthreads();

@@ -150,16 +150,8 @@ int onebit_sycl_compress_rows(void* queue, const float* buf, int64_t n_buf, floa
       float* row_err = err + start;
       const double sum = block_sumsq_in_order(row_buf, real > 0 ? real : 0, row_err, k * block,
                                               (k + 1) * block);
-      float s = float(sycl::sqrt(sum / counts[start / block + k]));
-      uint8_t* scale = scales_out + r * out_stride + k * scale_bytes;
-      if (scale_bytes == 2) {
-        uint16_t h;
-        s = round_bf16(s, &h);
-        scale[0] = uint8_t(h), scale[1] = uint8_t(h >> 8);
-      } else {
-        const uint32_t u = float_bits(s);
-        for (int t = 0; t < 4; ++t) scale[t] = uint8_t(u >> (8 * t));
-      }
+      const float s = store_scale(float(sycl::sqrt(sum / counts[start / block + k])), scale_bytes,
+                                  scales_out + r * out_stride + k * scale_bytes);
       uint8_t* bits = bits_out + r * out_stride;
       for (int64_t i = k * block; i < (k + 1) * block; i += 8) {
         uint8_t v = 0;
