@@ -520,10 +520,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         a param that starts training after v froze (a group added) is
         marked a late joiner first, as step() marks it. Else backward's
         exchange inputs made its state, v = 0 included, and step() then took
-        it for a trained param that never saw a gradient: it never moved."""
+        it for a trained param that never saw a gradient: it never moved.
+        One pass over the params, as step()'s (the codes say who trains)."""
         stage = self.stage_at(self.counters["step"] + 1)
-        self._late.codes(self.state, self.param_groups, stage.variance_frozen)
-        return self._trained_lists()
+        codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
+        return [self._shards.locals([p for p, c in zip(g["params"], code) if c == TRAINED])
+                for g, code in zip(self.param_groups, codes)]
 
     def _notice_trainable_changes(self, signature: List[List[int]]) -> None:
         """Keep the digest of which params train current (`signature`: each

@@ -288,11 +288,17 @@ class BackwardOverlap:
         rank: not under a GradScaler's relaunch, nor in no_overlap)."""
         if not self.enabled or self.scaled or not self.callbacks.active():
             return
-        if not self.planned or signature(trained) != self.signature:
-            # (backward planned for other params: a group added since, whose
-            # params step() now trains apart as late joiners)
-            if self.launched:
-                self.abandon()
+        # (backward may have planned for other params: a group added since,
+        # whose params step() now trains apart as late joiners)
+        replan = signature(trained) != self.signature
+        if replan and self.launched:
+            self.abandon()
+        self._launch_the_rest(trained, grads, replan)
+
+    def _launch_the_rest(self, trained, grads, replan: bool) -> None:
+        """Plan for `trained` where asked (or not yet planned), then launch
+        every bucket not launched yet from the step's gradients `grads`."""
+        if replan or not self.planned:
             self._plan(trained)
             self.planned = True
         for b in self.buckets[self.launched:]:
@@ -322,11 +328,7 @@ class BackwardOverlap:
                               RuntimeWarning, stacklevel=4)
             self.stats["redone"] += self.launched
             self.abandon()
-        if redo or not self.planned:
-            self._plan(trained)
-            self.planned = True
-        for b in self.buckets[self.launched:]:
-            self._launch(b, b.pick(grads[b.index]))
+        self._launch_the_rest(trained, grads, redo)
         self.settled = True
 
     def collect(self, index: int, out: List[torch.Tensor], seen: List[bool],
