@@ -311,9 +311,7 @@ class DiLoCo:
             return
         if not self._armed and self._has_forward:
             if self._writes.moved() and self._fresh:
-                with torch.no_grad():
-                    for a, p in zip(self.anchors, self._locals()):
-                        a.copy_(p)
+                self._anchor_at_the_params()
             self._writes.mark()
             self._armed = where == "forward"
             return
@@ -324,13 +322,17 @@ class DiLoCo:
                 "after DiLoCo(...), say), so no round ever runs and the replicas drift apart. "
                 "Build the inner optimizer once, pass it to DiLoCo, and step that one")
 
+    @torch.no_grad()
+    def _anchor_at_the_params(self) -> None:
+        """The last synced point is where the params are now."""
+        for a, p in zip(self.anchors, self._locals()):
+            a.copy_(p)
+
     def _inner_step_done(self) -> None:
         self.inner_steps += 1
         past = self.inner_steps - self.warmup_steps
         if past == 0:  # the rounds start from where the warmup ended
-            with torch.no_grad():
-                for a, p in zip(self.anchors, self._locals()):
-                    a.copy_(p)
+            self._anchor_at_the_params()
         elif past > 0:
             for f in self.plan.launching(past):
                 self._launch(f)
