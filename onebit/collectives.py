@@ -20,6 +20,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .accelerator import placement
+
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -29,14 +31,20 @@ class CommunicationError(RuntimeError):
     """A collective failed or timed out; the message names the phase."""
 
 
+# About 31 years: far beyond any job, and well inside what datetime.timedelta holds.
+MAX_TIMEOUT_S = 1e9
+
+
 def check_timeout(timeout_s) -> Optional[float]:
     """None (the default deadline) or a finite number of seconds > 0, checked
-    where it is given rather than at the first collective."""
+    where it is given rather than at the first collective. At most
+    MAX_TIMEOUT_S: a deadline is a timedelta, which holds no more."""
     if timeout_s is None:
         return None
     if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
-            or not math.isfinite(timeout_s) or timeout_s <= 0):
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0 (or None for "
+            or not math.isfinite(timeout_s) or not 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0 and at most "
+                         f"{MAX_TIMEOUT_S:.0e} (or None for "
                          f"$ONEBIT_TIMEOUT_S, else 300), got {timeout_s!r}")
     return float(timeout_s)
 
@@ -142,14 +150,13 @@ def is_distributed(name: str) -> bool:
     $ONEBIT_ALLOW_NO_PROCESS_GROUP=1 runs at world size 1 anyway."""
     if dist.is_available() and dist.is_initialized():
         return True
-    raw = os.environ.get("WORLD_SIZE", "1")
-    try:
-        launched = int(raw)
-    except ValueError:
-        launched = 1
+    # mpirun sets its own variables, not WORLD_SIZE: a script under mpirun
+    # that forgot init_distributed() must fail as one under torchrun does.
+    launched = placement.world_size()
     if launched > 1 and os.environ.get(ALLOW_NO_PROCESS_GROUP) != "1":
+        said = placement.world_size_variable()
         raise ValueError(
-            f"{name}: WORLD_SIZE={raw} says this job has {launched} ranks, but no process group "
+            f"{name}: {said}={launched} says this job has {launched} ranks, but no process group "
             "is initialised, so every rank would train a model of its own. Call "
             "torch.distributed.init_process_group() (or onebit.launch.init_distributed(), which "
             f"also joins mpirun jobs) before building it; to run one process alone anyway, set "

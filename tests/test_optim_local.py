@@ -144,7 +144,10 @@ def test_rejects_non_finite_values_flags_that_are_not_bools_and_bad_timeouts(cls
                       ("bias_correction", "no"), ("eps_inside_sqrt", 1), ("amsgrad", "False"),
                       ("cuda_aware", None),
                       ("timeout_s", "x"), ("timeout_s", 0), ("timeout_s", -1.0),
-                      ("timeout_s", math.inf)):
+                      ("timeout_s", math.inf),
+                      # a deadline timedelta cannot hold: refused here, not an
+                      # OverflowError at the first collective
+                      ("timeout_s", 1e14)):
         with pytest.raises(ValueError, match=name):
             cls(p, **{name: bad})
 
@@ -330,9 +333,12 @@ def test_grad_scaler_skips_inf_step_and_leaves_state_untouched():
     assert opt.counters["step"] == 4  # 5 calls, one skipped
 
 
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                                      "PMIX_SIZE"])
 @pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam", "DiLoCo"])
-def test_a_job_launched_with_ranks_but_no_process_group_is_refused(name, monkeypatch):
-    """WORLD_SIZE=2 set by a launcher, no init_process_group: each rank would
+def test_a_job_launched_with_ranks_but_no_process_group_is_refused(name, variable, monkeypatch):
+    """2 ranks said by a launcher (torchrun's WORLD_SIZE, or Open MPI's,
+    MPICH's or PMIx's size under mpirun), no process group: each rank would
     train its own model and exit 0. A ValueError naming the fix, as DDP
     raises; the documented variable runs one process alone anyway."""
     import torch.distributed as dist
@@ -340,7 +346,9 @@ def test_a_job_launched_with_ranks_but_no_process_group_is_refused(name, monkeyp
     import onebit
 
     assert not dist.is_initialized()
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for other in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(variable, "2")
     monkeypatch.delenv("ONEBIT_ALLOW_NO_PROCESS_GROUP", raising=False)
 
     def build():
@@ -352,13 +360,13 @@ def test_a_job_launched_with_ranks_but_no_process_group_is_refused(name, monkeyp
     with pytest.raises(ValueError) as err:
         build()
     message = str(err.value)
-    assert "WORLD_SIZE=2" in message and "init_process_group" in message, message
+    assert f"{variable}=2" in message and "init_process_group" in message, message
     assert "onebit.launch.init_distributed()" in message, message
     assert "ONEBIT_ALLOW_NO_PROCESS_GROUP=1" in message, message
     monkeypatch.setenv("ONEBIT_ALLOW_NO_PROCESS_GROUP", "1")
     built = build()
     assert built.world_size == 1
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv(variable, "1")
     monkeypatch.delenv("ONEBIT_ALLOW_NO_PROCESS_GROUP")
     assert build().world_size == 1
 

@@ -23,6 +23,11 @@ def world_size() -> int:
     return _first_int(_WORLD_VARS) or 1
 
 
+def world_size_variable() -> str:
+    """The variable world_size() read (for messages), or WORLD_SIZE when none is set."""
+    return next((v for v in _WORLD_VARS if os.environ.get(v, "").isdigit()), "WORLD_SIZE")
+
+
 def local_world_size() -> int:
     """Ranks on this machine, as the launcher tells it; 1 when it does not."""
     return _first_int(_LOCAL_VARS) or 1
