@@ -152,6 +152,25 @@ def test_construction_fingerprint_catches_disagreeing_ranks(what, named):
     assert all(named in m for m in messages), messages
 
 
+def _mpi_outside_mpirun(rank, world, backend):
+    """Spawned ranks with a gloo group: each process is an MPI world of one."""
+    import onebit
+
+    with pytest.raises(ValueError, match="MPI's world has this process as rank 0 of 1") as err:
+        onebit.OnebitAdam(_params(), comm_backend_name=backend)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "mpi_hierarchical"])
+def test_an_mpi_backend_whose_world_is_not_the_process_group_is_refused(backend):
+    """Under torchrun (or spawn) each process is MPI's only rank: the 1-bit
+    exchange averaged nothing and the replicas drifted apart with no error.
+    Construction now refuses, on every rank, naming both worlds and the fix."""
+    messages = run_workers(_mpi_outside_mpirun, 2, backend, timeout=90)
+    assert all("rank 1 of 2" in m or "rank 0 of 2" in m for m in messages), messages
+    assert all("comm_backend_name='compressed'" in m for m in messages), messages
+
+
 def _corrupted(rank, world):
     import onebit
 

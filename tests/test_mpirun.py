@@ -34,3 +34,31 @@ def test_mpi_suite_under_mpirun(ranks):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert out.count(" passed") == ranks, out[-3000:]  # every rank reports its pass line
+
+
+@pytest.mark.mpi
+def test_a_peer_that_misses_an_mpi_collective_ends_in_a_timely_error():
+    """MPI_Wait has no deadline: before the backends polled MPI_Test against
+    `timeout_s`, rank 0 waited for rank 1 for ever. Now, with rank 1 late by
+    three deadlines, every rank raises CommunicationError naming the phase
+    within the deadline, in the flat backend and in the hierarchical one's
+    stage inside the node."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(HERE / "mpi" / "peer_stops.py")]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env,
+                              cwd=HERE.parent)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"an MPI wait hung past 120 s:\n{(exc.stdout or b'')[-3000:]}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(results) == 4, out[-4000:]
+    first_phase = {"flat": "phase 1 (MPI all-to-all", "hierarchical": "stage 1 (MPI reduce-scatter"}
+    for line in results:
+        _, case, _, rank, _, seconds, _, outcome = line.split(" ", 7)
+        assert outcome.startswith("CommunicationError"), line
+        assert "within 2 s" in outcome and "end the job" in outcome, line
+        assert float(seconds) < 2.0 + 3.0, line  # the deadline, not the peer's 6 s
+        if rank == "0":  # waiting on the late rank's first collective
+            assert first_phase[case] in outcome, line

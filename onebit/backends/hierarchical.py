@@ -336,10 +336,12 @@ def mpi_hierarchical(comm=None, node_of_rank: Optional[Sequence[int]] = None,
                      cuda_aware: bool = False, check_finite: bool = True,
                      block_size: int = DEFAULT_BLOCK_SIZE,
                      scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
-                     piece_size: Optional[int] = None) -> HierarchicalBackend:
+                     piece_size: Optional[int] = None,
+                     timeout_s: Optional[float] = None) -> HierarchicalBackend:
     """The hierarchical backend over MPI. Node groups: `node_of_rank`, else
     $ONEBIT_RANKS_PER_NODE, else MPI's shared-memory split (the ranks that
-    share this machine's memory)."""
+    share this machine's memory). `timeout_s`: each collective's deadline,
+    as MpiBackend's."""
     from .mpi import MpiBackend, _mpi
 
     MPI = _mpi()
@@ -355,6 +357,11 @@ def mpi_hierarchical(comm=None, node_of_rank: Optional[Sequence[int]] = None,
     local = nodes[mine].index(rank)
     node_comm = comm.Split(color=mine, key=local)
     cross_comm = comm.Split(color=local, key=mine)
+    timeout_s = collectives.check_timeout(timeout_s)
     net = MpiBackend(cuda_aware=cuda_aware, comm=cross_comm, check_finite=False,
-                     block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size)
-    return HierarchicalBackend(net, MpiNode(node_comm), nodes, rank, check_finite=check_finite)
+                     block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size,
+                     timeout_s=timeout_s)
+    backend = HierarchicalBackend(net, MpiNode(node_comm, timeout_s), nodes, rank,
+                                  check_finite=check_finite)
+    backend.timeout_s = timeout_s
+    return backend

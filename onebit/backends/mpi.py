@@ -2,13 +2,19 @@
 pipelined piece). Without an asynchronous progress thread (MPICH's default),
 MPI moves a nonblocking collective's bytes mostly inside Wait, so pipelining
 overlaps less here than over torch.distributed, whose gloo threads progress
-on their own; set MPIR_CVAR_ASYNC_PROGRESS=1 for MPICH's progress thread."""
+on their own; set MPIR_CVAR_ASYNC_PROGRESS=1 for MPICH's progress thread.
+
+MPI_Wait has no deadline, so a request is finished by polling MPI_Test
+(which drives MPI's progress as Wait does) until `timeout_s` passes, when
+the wait raises CommunicationError as the torch.distributed backends do."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
 
+from .. import collectives
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE
 from .base import CompressedAllreduceBase
 
@@ -46,6 +52,9 @@ class MpiBackend(CompressedAllreduceBase):
         Otherwise device tensors are staged through host memory.
       comm: the communicator (default MPI.COMM_WORLD). Chunk k is served by
         rank k of this communicator.
+      timeout_s: deadline of each collective (default $ONEBIT_TIMEOUT_S or
+        300 s); past it CommunicationError names the phase. MPI cannot cancel
+        a collective, so the communicator is unusable after one: end the job.
       block_size, scale_dtype, check_finite, piece_size: see CompressedAllreduceBase.
     """
 
@@ -54,9 +63,10 @@ class MpiBackend(CompressedAllreduceBase):
     def __init__(self, cuda_aware: bool = False, comm=None, check_finite: bool = True,
                  block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
-                 piece_size: Optional[int] = None) -> None:
+                 piece_size: Optional[int] = None, timeout_s: Optional[float] = None) -> None:
         super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite,
                          piece_size=piece_size)
+        self.timeout_s = collectives.check_timeout(timeout_s)
         MPI = _mpi()
         if cuda_aware and not mpi_cuda_support(MPI):
             raise ValueError(
@@ -89,11 +99,15 @@ class MpiBackend(CompressedAllreduceBase):
     def size(self) -> int:
         return self.comm.Get_size()
 
-    def _start(self, collective, send: torch.Tensor, recv: torch.Tensor):
+    def _start(self, phase: str, collective, send: torch.Tensor, recv: torch.Tensor):
         """Start a nonblocking MPI byte collective on contiguous uint8 tensors;
-        returns its request (wait() = MPI_Wait)."""
+        returns its request (wait(): finished within the deadline)."""
+        def request(started, then=None):
+            return _Request(started, BoundedWait(phase, self.timeout_s, self.rank, self.size),
+                            then)
+
         if send.device.type == "cpu":
-            return _Request(collective([send.numpy(), self._byte], [recv.numpy(), self._byte]))
+            return request(collective([send.numpy(), self._byte], [recv.numpy(), self._byte]))
         from ..accelerator import get_accelerator
 
         # MPI knows nothing of torch streams: the producing kernels (and the
@@ -101,14 +115,14 @@ class MpiBackend(CompressedAllreduceBase):
         stream = get_accelerator().current_stream(send.device.index)
         if self.cuda_aware:
             stream.synchronize()
-            return _Request(collective([send, self._byte], [recv, self._byte]))
+            return request(collective([send, self._byte], [recv, self._byte]))
         # Staged through pinned host twins of the piece's buffers, made once:
         # the collective stays nonblocking, so pieces pipeline as on the host.
         host_send, host_recv = self._staging(send, recv)
         host_send.copy_(send, non_blocking=True)
         stream.synchronize()
-        request = collective([host_send.numpy(), self._byte], [host_recv.numpy(), self._byte])
-        return _Request(request, lambda: recv.copy_(host_recv, non_blocking=True))
+        return request(collective([host_send.numpy(), self._byte], [host_recv.numpy(), self._byte]),
+                       lambda: recv.copy_(host_recv, non_blocking=True))
 
     def _staging(self, send: torch.Tensor, recv: torch.Tensor):
         """Pinned host buffers for this device send/recv pair, kept: the
@@ -124,17 +138,48 @@ class MpiBackend(CompressedAllreduceBase):
         return made
 
     def start_exchange(self, send: torch.Tensor, recv: torch.Tensor):
-        return self._start(self.comm.Ialltoall, send, recv)
+        return self._start("compressed_allreduce phase 1 (MPI all-to-all of worker signs)",
+                           self.comm.Ialltoall, send, recv)
 
     def start_gather(self, send: torch.Tensor, recv: torch.Tensor):
-        return self._start(self.comm.Iallgather, send, recv)
+        return self._start("compressed_allreduce all-gather (MPI, server signs / sizes)",
+                           self.comm.Iallgather, send, recv)
+
+
+class BoundedWait:
+    """Finish MPI requests within a deadline: poll MPI_Test, spinning for the
+    first millisecond (a short collective's wait costs what MPI_Wait's spin
+    would), then sleeping between polls, at most 0.2 ms, so that a long wait
+    leaves the GIL and the core to the other threads. Past `timeout_s`
+    (None: the default deadline), CommunicationError naming the phase."""
+
+    SPIN_S, MAX_PAUSE_S = 1e-3, 2e-4
+
+    def __init__(self, phase: str, timeout_s: Optional[float], rank: int, size: int) -> None:
+        self.phase, self.rank, self.size = phase, rank, size
+        self.timeout_s = collectives.default_timeout_s() if timeout_s is None else timeout_s
+
+    def finish(self, request) -> None:
+        started = time.monotonic()
+        pause = 1e-5
+        while not request.Test():
+            waited = time.monotonic() - started
+            if waited > self.timeout_s:
+                raise collectives.CommunicationError(
+                    f"onebit: {self.phase} did not finish within {self.timeout_s:g} s on rank "
+                    f"{self.rank} of {self.size} (MPI): a peer rank probably died, hung, or "
+                    "stopped calling step() in step with the others. MPI cannot cancel the "
+                    "collective, so this communicator is unusable now: end the job")
+            if waited > self.SPIN_S:
+                time.sleep(pause)
+                pause = min(2 * pause, self.MAX_PAUSE_S)
 
 
 class _Request:
-    def __init__(self, request, then=None) -> None:
-        self.request, self.then = request, then
+    def __init__(self, request, bounded: BoundedWait, then=None) -> None:
+        self.request, self.bounded, self.then = request, bounded, then
 
     def wait(self) -> None:
-        self.request.Wait()
+        self.bounded.finish(self.request)
         if self.then is not None:
             self.then()

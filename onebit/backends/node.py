@@ -76,25 +76,33 @@ class MpiNode(PrivateStaging):
     """Full-precision collectives inside a node over an MPI communicator
     (device tensors staged through host memory)."""
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, timeout_s: Optional[float] = None) -> None:
         from mpi4py import MPI
 
         self.comm, self._float, self._byte, self._sum = comm, MPI.FLOAT, MPI.BYTE, MPI.SUM
         self.size = comm.Get_size()
+        self.timeout_s = timeout_s
+
+    def _finish(self, phase: str, request) -> None:
+        from .mpi import BoundedWait
+
+        BoundedWait(phase, self.timeout_s, self.comm.Get_rank(), self.size).finish(request)
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device.type == "cpu" else t.cpu()
 
     def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         out = self._host(recv)
-        self.comm.Reduce_scatter_block([self._host(send).numpy(), self._float],
-                                       [out.numpy(), self._float], op=self._sum)
+        self._finish("hierarchical stage 1 (MPI reduce-scatter inside the node)",
+                     self.comm.Ireduce_scatter_block([self._host(send).numpy(), self._float],
+                                                     [out.numpy(), self._float], op=self._sum))
         if out is not recv:
             recv.copy_(out)
 
     def _all_gather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         out = self._host(recv)  # any dtype: moved as bytes
-        self.comm.Allgather([self._host(send).view(torch.uint8).numpy(), self._byte],
-                            [out.view(torch.uint8).numpy(), self._byte])
+        self._finish("hierarchical stage 3 (MPI all-gather inside the node)",
+                     self.comm.Iallgather([self._host(send).view(torch.uint8).numpy(), self._byte],
+                                          [out.view(torch.uint8).numpy(), self._byte]))
         if out is not recv:
             recv.copy_(out)

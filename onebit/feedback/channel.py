@@ -27,8 +27,9 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
                  block_size: int, scale_dtype: torch.dtype, codec=SignCodec):
     """The compressed backend `name` (None: the default for this job) for an owner that checks its inputs for
     NaN/Inf itself (agreeing across ranks before anything is exchanged). MPI
-    has its own communicator and no deadlines; torch.distributed backends
-    take the process group and the deadline. A `codec` other than the signs
+    has its own communicator, which must be the process group's world
+    (check_same_world); torch.distributed backends take the process group.
+    Each takes the deadline. A `codec` other than the signs
     (backends/codecs.py) is taken by the "compressed" backend only, which
     is then the default whatever the job's."""
     if codec is not SignCodec:
@@ -40,10 +41,30 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
                            scale_dtype=scale_dtype, timeout_s=timeout_s, codec=codec)
     name = backend_name(name)
     if name.startswith("mpi"):
-        return get_backend(name, group=None, check_finite=False, block_size=block_size,
-                           scale_dtype=scale_dtype, cuda_aware=cuda_aware)
+        backend = get_backend(name, group=None, check_finite=False, block_size=block_size,
+                              scale_dtype=scale_dtype, cuda_aware=cuda_aware, timeout_s=timeout_s)
+        check_same_world(name, backend, group)
+        return backend
     return get_backend(name, group=group, check_finite=False, block_size=block_size,
                        scale_dtype=scale_dtype, timeout_s=timeout_s)
+
+
+def check_same_world(name: str, backend, group) -> None:
+    """An MPI backend's communicator must be the owner's process group, rank
+    for rank: the owner counts ranks by the group, the exchange by MPI. A
+    job launched by torchrun (each process an MPI world of one) or a
+    subgroup would otherwise average nothing, or the wrong ranks, and the
+    replicas would drift apart without an error."""
+    import torch.distributed as dist
+
+    want = (dist.get_rank(group), dist.get_world_size(group))
+    if (backend.rank, backend.size) != want:
+        raise ValueError(
+            f"comm_backend_name={name!r}: MPI's world has this process as rank {backend.rank} "
+            f"of {backend.size}, but the process group as rank {want[0]} of {want[1]}. The "
+            "MPI backends need the group to be MPI's world: launch with mpirun and "
+            "onebit.launch.init_distributed(), with process_group left None; or use "
+            "comm_backend_name='compressed', which takes any process group")
 
 
 class ErrorFeedbackChannel:
