@@ -37,6 +37,47 @@ def test_state_dict_round_trip_continues_exactly(cls):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stop", [2, 7], ids=["warmup", "compression"])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_half_precision_params_resume_exactly(cls, stop, dtype):
+    """torch's load_state_dict casts every floating-point state tensor to its
+    param's dtype: the moments came back bf16 and the next step failed on
+    mixed dtypes. The state is fp32 again (0/1 Adam's sync point stays in the
+    param's dtype), and the resumed run equals the uninterrupted one."""
+    kw = {"var_freeze_step": 4, "local_step_scaler": 2} if cls is ZeroOneAdam else {"freeze_step": 4}
+    m1, x, y = model_and_data(dtype=dtype)
+    o1 = cls(m1.parameters(), lr=1e-2, **kw)
+    train(m1, o1, x, y, stop)
+    m2 = copy.deepcopy(m1)
+    o2 = cls(m2.parameters(), lr=1e-2, **kw)
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for key, value in o1.state[p1].items():  # (o2 may hold zero placeholders beside)
+            if torch.is_tensor(value):
+                assert o2.state[p2][key].dtype == value.dtype, key
+    l1, l2 = train(m1, o1, x, y, 6), train(m2, o2, x, y, 6)
+    assert l1 == l2
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_torch_adam_checkpoint_of_bf16_params_loads_into_fp32_moments():
+    """torch.optim.Adam keeps bf16 params' moments in bf16: loaded into
+    OnebitAdam they become its fp32 moments, with the same values."""
+    m1, x, y = model_and_data(dtype=torch.bfloat16)
+    adam = torch.optim.Adam(m1.parameters(), lr=1e-2)
+    train(m1, adam, x, y, 3)
+    mine = OnebitAdam(m1.parameters(), lr=1e-2, freeze_step=4)
+    mine.load_state_dict(copy.deepcopy(adam.state_dict()))
+    for p in m1.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert mine.state[p][key].dtype == torch.float32
+            assert torch.equal(mine.state[p][key], adam.state[p][key].float())
+    train(m1, mine, x, y, 4)  # into the compression stage: no dtype error
+    assert all(torch.isfinite(p).all() for p in m1.parameters())
+
+
 def test_exp_avg_mask_survives_checkpoint_from_current_groups():
     p = torch.nn.Parameter(torch.randn(4))
     mask = torch.tensor([1.0, 0.0, 1.0, 0.0])

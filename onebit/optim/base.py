@@ -388,6 +388,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # State a step sets whether a param had a gradient or not: left as the
     # step made it when the step puts an untouched param back.
     STATE_OF_THE_RUN: tuple = ()
+    # State held in the param's dtype; every other state tensor is fp32.
+    STATE_IN_PARAM_DTYPE: tuple = ()
 
     def _leaves_gradless_params(self, stage: Stage) -> bool:
         """Whether step `stage` leaves the params no rank has a gradient for
@@ -756,7 +758,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """
         state_dict = checkpoints.adapt(self, state_dict, lambda step: self._schedule.counters_at(
             type(self).__name__, len(self.param_groups), step))
-        super().load_state_dict(checkpoints.keep_masks(state_dict, self.param_groups))
+        state_dict = checkpoints.keep_masks(state_dict, self.param_groups)
+        super().load_state_dict(state_dict)
+        checkpoints.state_in_fp32(self.state, self.param_groups, state_dict,
+                                  keep=self.STATE_IN_PARAM_DTYPE)
         self._shards.from_dtensors(self.state)
         counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
         had_error_feedback = self._schedule.had_error_feedback(counters, counters["step"])

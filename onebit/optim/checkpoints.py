@@ -190,3 +190,25 @@ class MomentumRestart:
         """Whether the coming step restarts the momentum (once per load)."""
         due, self.pending = self.pending and self.enabled, False
         return due
+
+
+
+def state_in_fp32(state: dict, param_groups: list, saved: dict, keep: tuple) -> None:
+    """The optimizer's state tensors back in fp32 after torch's
+    `Optimizer.load_state_dict`, which casts every floating-point state
+    tensor to its param's dtype: bf16 or fp16 params got bf16 moments, and
+    the next step failed on the mixed dtypes. Where `saved` (the dict
+    loaded) held fp32, that tensor is taken again, so nothing is rounded;
+    where it held another dtype (a torch.optim.Adam checkpoint keeps such
+    params' moments in theirs), it is widened. `keep`: the keys held in the
+    param's dtype by design."""
+    for group, saved_group in zip(param_groups, saved["param_groups"]):
+        for p, index in zip(group["params"], saved_group["params"]):
+            st, was = state.get(p), saved["state"].get(index, {})
+            for key, value in (st or {}).items():
+                if (key in keep or not isinstance(value, torch.Tensor)
+                        or not value.is_floating_point() or value.dtype == torch.float32):
+                    continue
+                old = was.get(key)
+                exact = isinstance(old, torch.Tensor) and old.dtype == torch.float32
+                st[key] = old.to(value.device, copy=True) if exact else value.float()

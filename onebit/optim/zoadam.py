@@ -84,6 +84,8 @@ class ZeroOneAdam(OnebitOptimizer):
     # local step after a sync copies it; put back, the next steps would
     # land on the sync before).
     STATE_OF_THE_RUN = ("sync_point",)
+    # A point the params land on: their own dtype, so landing rounds nothing.
+    STATE_IN_PARAM_DTYPE = ("sync_point",)
 
     def _leaves_gradless_params(self, stage) -> bool:
         """A sync lands every param on the ranks' common point: one that no
