@@ -78,6 +78,37 @@ def test_a_torch_adam_checkpoint_of_bf16_params_loads_into_fp32_moments():
     assert all(torch.isfinite(p).all() for p in m1.parameters())
 
 
+@pytest.mark.parametrize("source", ["torch Adam", "OnebitAdam, a later freeze_step"])
+def test_a_variance_with_more_updates_than_freeze_step_keeps_its_bias_correction(source):
+    """v updated 12 times, resumed into OnebitAdam(freeze_step=5): its first
+    step is a compressed one with v frozen, and v's bias correction must
+    count the 12 updates it had, not 5 (the steps came out 0.43x too small,
+    for the rest of the run). Checked against the Adam formula with v
+    frozen, in float64, from the loaded state; world size 1 (exact exchange)."""
+    model, x, y = model_and_data()
+    if source == "torch Adam":
+        before = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        before = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=200)
+    train(model, before, x, y, 12)
+    state = copy.deepcopy(before.state_dict())
+    params = list(model.parameters())
+    m = [before.state[p]["exp_avg"].double() for p in params]
+    v = [before.state[p]["exp_avg_sq"].double() for p in params]
+    start = [p.detach().double().clone() for p in params]
+    opt = OnebitAdam(params, lr=1e-2, freeze_step=5)
+    opt.load_state_dict(state)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    grads = [p.grad.double() for p in params]
+    opt.step()
+    b1, b2, eps, lr = 0.9, 0.999, 1e-8, 1e-2
+    for p, p0, m0, v0, g in zip(params, start, m, v, grads):
+        m1 = b1 * m0 + (1 - b1) * g
+        want = p0 - lr * (m1 / (1 - b1 ** 13)) / ((v0 / (1 - b2 ** 12)).sqrt() + eps)
+        assert torch.allclose(p.double(), want, rtol=1e-5, atol=1e-7)
+
+
 def test_exp_avg_mask_survives_checkpoint_from_current_groups():
     p = torch.nn.Parameter(torch.randn(4))
     mask = torch.tensor([1.0, 0.0, 1.0, 0.0])

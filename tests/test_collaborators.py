@@ -361,6 +361,12 @@ def test_freeze_step_schedule_switches_after_freeze_step():
     assert [(s.name, s.full_precision, s.compressed, s.variance_updates) for s in stages] == [
         ("warmup", True, False, 1), ("warmup", True, False, 2), ("warmup", True, False, 3),
         ("compression", False, True, 3), ("compression", False, True, 3)]
-    assert counters == {"optimizer": "X", "step": 5}
+    assert counters == {"optimizer": "X", "step": 5, "var_updates": 3}
+    # A run whose v froze with more updates than freeze_step (a torch Adam
+    # checkpoint of 7 steps) keeps its count; without the count (a checkpoint
+    # written before it was kept) the run is one of this freeze_step.
+    assert FreezeStepSchedule(3).stage_at({"step": 7, "var_updates": 7}, 8).variance_updates == 7
+    assert FreezeStepSchedule(3).stage_at({"step": 7}, 8).variance_updates == 3
+    assert FreezeStepSchedule(3).stage_at({"step": 1}, 2).variance_updates == 2
     assert not FreezeStepSchedule(3).had_error_feedback(counters, 3)
     assert FreezeStepSchedule(3).had_error_feedback(counters, 4)

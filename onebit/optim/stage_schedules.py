@@ -43,18 +43,25 @@ class FreezeStepSchedule:
 
     def counters_at(self, optimizer: str, groups: int, step: int) -> dict:
         """The counters after `step` steps of full-precision Adam (what a
-        torch.optim.Adam checkpoint means, see checkpoints.py)."""
-        return {**self.initial_counters(optimizer, groups), "step": step}
+        torch.optim.Adam checkpoint means, see checkpoints.py): v has had
+        `step` updates, even past freeze_step."""
+        return {**self.initial_counters(optimizer, groups), "step": step, "var_updates": step}
 
     def compressed(self, step: int) -> bool:
         """Whether step `step` is in the compression stage."""
         return step > self.freeze_step
 
     def stage_at(self, counters: dict, step: int) -> Stage:
+        # v's updates so far are counted, not taken as min(step, freeze_step):
+        # a torch.optim.Adam checkpoint past freeze_step, or a resume with a
+        # smaller freeze_step, froze a v with more updates than that, and its
+        # bias correction must say so for the rest of the run. (A checkpoint
+        # written before the count was kept is a run of this freeze_step.)
+        done = counters.get("var_updates", min(step - 1, self.freeze_step))
         compress = self.compressed(step)
         return Stage(step, "compression" if compress else "warmup", full_precision=not compress,
                      compressed=compress, variance_frozen=compress,
-                     variance_updates=min(step, self.freeze_step), variance_moves=not compress)
+                     variance_updates=done + (not compress), variance_moves=not compress)
 
     def had_error_feedback(self, counters: dict, step: int) -> bool:
         """Whether a run that has taken `step` steps holds error-feedback
@@ -67,7 +74,8 @@ class FreezeStepSchedule:
         return self.compressed(step)
 
     def advance(self, counters: dict, stage: Stage) -> None:
-        """After step `stage.step`: nothing here counts besides the step."""
+        """After step `stage.step`: v's update count."""
+        counters["var_updates"] = stage.variance_updates
 
     def group_added(self, counters: dict) -> None:
         """A param group was added: no counter is per group."""
