@@ -96,6 +96,15 @@ class GradScaler(torch.amp.GradScaler):
         (update)."""
         states = [self._per_optimizer_states[id(o)] for o in optimizers] if optimizers else \
             [st for st in self._per_optimizer_states.values() if not st.get(_AGREED)]
+        for state in states:
+            if (not state["found_inf_per_device"] and state["stage"] is not OptState.READY
+                    and self._scale is not None):
+                # Unscaled or stepped with no gradient on this rank: the
+                # parent recorded no flag, but this rank must still join the
+                # gather its peers make (else they wait out the deadline);
+                # it found nothing.
+                state["found_inf_per_device"][self._scale.device] = torch.zeros(
+                    1, dtype=torch.float32, device=self._scale.device)
         found = [flag for state in states for flag in state["found_inf_per_device"].values()]
         if not found:  # the parent's update() says what is wrong
             return

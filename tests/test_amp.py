@@ -195,3 +195,75 @@ def test_diloco_with_torchs_scaler_ends_a_fixed_loop_on_one_point(fragments):
         points = [landed[k] for landed, _, _ in out if k in landed]
         assert all(p == points[0] for p in points), k
     assert all(landed[rounds] == out[0][0][rounds] for landed, _, _ in out)
+
+
+def _a_rank_without_gradients(rank, world, everyone):
+    """A step whose loss reaches the optimizer's params on rank 0 only (or on
+    no rank): torch's GradScaler records no found-inf flag where no param
+    has a gradient, and hands step() the int 0."""
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = onebit.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2, timeout_s=20)
+    scaler = onebit.amp.GradScaler("cpu", init_scale=4.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.ones(3, 4, requires_grad=True)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(model(x).sum() if rank == 0 and not everyone else x.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+    return opt.counters["step"], scaler.get_scale(), moved, flat_of(model)
+
+
+def flat_of(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("everyone", [False, True], ids=["one rank", "every rank"])
+def test_a_rank_whose_params_got_no_gradient_steps_with_the_others(everyone):
+    """It raised AttributeError ('int' object has no attribute 'to') and its
+    peers waited out the deadline, blaming a dead rank; under update() it
+    skipped the gather the others made. Now the step runs on every rank (a
+    missing gradient counts as zero, as without a scaler) and the scales
+    agree."""
+    out = run_workers(_a_rank_without_gradients, 2, everyone, timeout=90)
+    assert [o[0] for o in out] == [1, 1] and out[0][1] == out[1][1] == 4.0, out
+    assert out[0][3] == out[1][3]  # the same params on both ranks
+    assert all(moved == [not everyone] * 2 for _, _, moved, _ in out), out
+
+
+def _fails_then_steps(rank, world, fail_first):
+    import onebit
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = onebit.OnebitAdam([p], lr=1e-2, freeze_step=5, communication_data_type="fp16")
+    scaler = onebit.amp.GradScaler("cpu", init_scale=4.0)
+    refused = None
+    if fail_first:  # rank 1's unscaled share, 1.5e5, is beyond fp16: the step raises
+        scaler.scale((p * torch.full((8,), 3e5 if rank == 1 else 1.0)).sum()).backward()
+        try:
+            scaler.step(opt)
+        except ValueError as exc:
+            refused = str(exc)
+        scaler.update()
+        p.grad = None
+    scaler.scale((p * (torch.arange(8.0) + rank)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    return refused, opt.state[p]["exp_avg"].tolist()
+
+
+@pytest.mark.timeout(120)
+def test_a_step_that_raised_under_a_scaler_leaves_no_scale_behind():
+    """torch's GradScaler removes the scale it hands step() only after a
+    step that returned: after a refused step the next one multiplied the two
+    scales and divided the gradients by 16, not 4. The momentum after one
+    step is (1 - beta1) x the ranks' mean unscaled gradient, 0.1 x (i + 0.5)."""
+    out = run_workers(_fails_then_steps, 2, True, timeout=90)
+    want = [0.1 * (i + 0.5) for i in range(8)]
+    for refused, m in out:
+        assert refused is not None and "float16's range" in refused, refused
+        assert torch.allclose(torch.tensor(m), torch.tensor(want)), m

@@ -297,6 +297,44 @@ def test_grad_scaler_steps_are_exchanged_in_step_from_unscaled_gradients():
         assert stats["launched_in_step"] >= 3 * stats["buckets"], stats
 
 
+def _changed_after_backward(rank, world, cls_name, mode, how):
+    """The user changes the gradients between backward and step(): clips
+    them in place, or unscales them with a GradScaler first (torch's
+    unscale_ leaves no mark on .grad, and hands step() no scale)."""
+    import onebit
+
+    model, opt = build(cls_name, mode)
+    scaler = onebit.amp.GradScaler("cpu", init_scale=2.0 ** 12) if how == "unscale_" else None
+    for step in range(STEPS[cls_name]):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # clips every step
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    return flat_params(model), opt.overlap_stats()
+
+
+@pytest.mark.parametrize("how", ["clip_grad_norm_", "unscale_"])
+@pytest.mark.parametrize("cls_name", ["OnebitAdam", "ZeroOneAdam"])
+def test_gradients_changed_between_backward_and_step_are_what_is_exchanged(cls_name, how):
+    """The buckets went out during backward with the gradients before the
+    clip (and the scale): step() updated from them, and the params grew to
+    1e9 where the fused step's stayed small. Now such buckets are exchanged
+    again from the gradients step() sees: the fused step's bits."""
+    fused = run_workers(_changed_after_backward, 2, cls_name, "fused", how, timeout=180)
+    bucketed = run_workers(_changed_after_backward, 2, cls_name, "bucketed", how, timeout=180)
+    for (a, _), (b, stats) in zip(fused, bucketed):
+        assert np.array_equal(a, b), f"max {np.abs(a - b).max()}"
+        assert stats["redone"] > 0, stats
+
+
 def _refused(rank, world):
     import onebit
 

@@ -57,7 +57,7 @@ def check_params_served(name: str, param_groups, group) -> None:
 
 
 def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.device,
-                   found_inf: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   found_inf=None) -> torch.Tensor:
     """1 (a 0-dim int64 tensor on `device`) where a GradScaler saw inf/NaN
     (`found_inf`) or a gradient holds a NaN or an inf, or values beyond
     ~1.8e19, which count as overflow (their squares are beyond fp32, so an
@@ -110,7 +110,9 @@ def nonfinite_flag(grads_by_group: List[List[torch.Tensor]], device: torch.devic
         norms = torch.stack(torch._foreach_norm(on_device))
         flag |= (~torch.isfinite(norms).all()).to(device)
     if found_inf is not None:
-        flag |= (found_inf.to(device) > 0).reshape(())
+        # (a GradScaler whose optimizer had no gradient on this rank hands
+        # its step the int 0: it found nothing, and has no tensor to say so)
+        flag |= (torch.as_tensor(found_inf).to(device) > 0).reshape(())
     return flag
 
 

@@ -269,6 +269,18 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         untouched.py), clip each group's gradients (max_grad_norm), then
         let the subclass's `_update` do the maths for step t.
         """
+        try:
+            return self._step(closure)
+        except BaseException:
+            # torch's GradScaler removes what it handed this step only after
+            # a step that returned: left behind, the next step's scale would
+            # be multiplied by this one's (the gradients divided by scale^2).
+            for handed in ("grad_scale", "found_inf"):
+                if hasattr(self, handed):
+                    delattr(self, handed)
+            raise
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -288,6 +300,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             for g, code in zip(self.param_groups, codes)]
         late = [(g, self._shards.locals([p for p, c in zip(raw["params"], code) if c == LATE]))
                 for (g, _), raw, code in zip(groups, self.param_groups, codes)]
+        if self._overlap is not None:  # before _gradients, which unscales in place
+            self._overlap.notice_changed_gradients()
         grads = [self._gradients(ps) for _, ps in groups]
         late_grads = [self._gradients(ps) for _, ps in late]
         try:
@@ -314,9 +328,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.counters["step"] = t
         self._step_in_progress = t  # what an exchange input written from here on is for
         try:
-            if exchanged_in_buckets:  # wait for them (a GradScaler's unscaling: exchange again)
+            if exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
+                # Backward's gradients were scaled whether step() unscales
+                # them (grad_scale) or the user did (unscale_, which leaves
+                # grad_scale None and found_inf set, and no mark on .grad).
                 self._overlap.settle([ps for _, ps in groups], grads,
-                                     relaunch=getattr(self, "grad_scale", None) is not None)
+                                     relaunch=getattr(self, "found_inf", None) is not None)
             for (group, _), gs in zip(groups, grads):  # warmup: the average; else the local one
                 self._clip_(gs, group["max_grad_norm"])
             self._update(stage, groups, grads)

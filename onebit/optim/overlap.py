@@ -32,15 +32,16 @@ the queued exchanges (`in_order`), so the two groups' collectives leave
 every rank in one order too, as NCCL needs across communicators.
 
 When a launched bucket's gradients change (a param thought unused gets a
-gradient after all, or a second backward before step()), the bucket is
-stale: step() agrees on that in the all-gather it makes anyway, and then
+gradient after all, a second backward before step(), or the user's
+clip_grad_norm_ between backward and step()), the bucket is stale: step() agrees on that in the all-gather it makes anyway, and then
 every rank puts the errors back and exchanges every bucket again from the
 final gradients. Correct, but not overlapped: for gradient accumulation, run
 all but the last micro-batch inside `with optimizer.no_overlap():`.
 
-A GradScaler unscales the gradients only in step(), so what backward saw is
-scaled: those buckets are exchanged again from the unscaled gradients, and
-once a step was scaled, later buckets wait for step() instead.
+Under a GradScaler what backward saw is scaled, whether step() unscales it
+or the user's unscale_ did before: those buckets are exchanged again from
+the unscaled gradients, and once a step was scaled, later buckets wait for
+step() instead.
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ import torch
 from ..feedback.exchange import BucketKey, ErrorFeedbackExchange
 from ..feedback.handoff import StreamHandoff
 from .guards import copy_masked_
+
+# Where backward's end-of-pass callbacks are queued (as DDP queues its own).
+_ENGINE = torch.autograd.Variable._execution_engine
 
 FIRST_BUCKET_MB = 1.0  # the last layers' gradients come first: start on the wire early (as DDP)
 
@@ -75,6 +79,7 @@ class Bucket:
         self.done = None  # event: its exchange finished (communication stream)
         self.ready_device: Optional[torch.device] = None  # where its buffer lives
         self.input_key = None  # what its input was written for (_exchange_input_key)
+        self.grads_seen: List[Tuple[Optional[torch.Tensor], int]] = []  # (.grad, its version)
 
     def pick(self, xs: list) -> list:
         """Its entries of a list in the group's trained params' order."""
@@ -152,6 +157,7 @@ class BackwardOverlap:
         self.settled = False  # every bucket of this step is launched; step() collects them
         self.failure: Optional[BaseException] = None  # a bucket's exchange failed in this step
         self._warned = False
+        self._end_of_backward_queued = False
         self._hooked: set = set()
         # Bucket exchanges started during backward and by step(), exchanges
         # done again, and the seconds step() waited for them.
@@ -175,6 +181,9 @@ class BackwardOverlap:
         if not self.planned:
             self._plan(self.callbacks.trained())
             self.planned = True
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            _ENGINE.queue_callback(self._backward_ending)
         bucket = self.of_param.get(id(p))
         if bucket is None:
             return
@@ -184,6 +193,21 @@ class BackwardOverlap:
         bucket.waiting.discard(id(p))
         while self.launched < len(self.buckets) and not self.buckets[self.launched].waiting:
             self._launch(self.buckets[self.launched], None)
+
+    def _backward_ending(self) -> None:
+        """Backward's end (an autograd engine callback). The gradients are
+        read in one more callback, queued now: it runs after those backward
+        queued before this one ran, such as DDP's, which copies the averaged
+        buckets into .grad."""
+        _ENGINE.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        """Note each launched bucket's .grad as backward left it, for
+        notice_changed_gradients."""
+        self._end_of_backward_queued = False
+        for b in self.buckets[:self.launched]:
+            b.grads_seen = [(p.grad, p.grad._version if p.grad is not None else 0)
+                            for p in b.params]
 
     @contextlib.contextmanager
     def no_overlap(self):
@@ -275,6 +299,18 @@ class BackwardOverlap:
                                    self.handoff.produced(device), in_turn).result()
         self.handoff.consume(device, done)
         return results[0]
+
+    def notice_changed_gradients(self) -> None:
+        """step(), first: a bucket launched in backward whose params' .grad
+        changed after backward ended (clipped or scaled in place, or
+        replaced) is stale, as after a second backward. Otherwise step()
+        would update from an exchange of gradients the user had meant to
+        change (clip_grad_norm_ between backward and step())."""
+        for b in self.buckets[:self.launched]:
+            if any(p.grad is not g or (g is not None and g._version != v)
+                   for p, (g, v) in zip(b.params, b.grads_seen)):
+                self.stale = True
+            b.grads_seen = []  # (the gradients are not held past the step)
 
     def launch_rest(self, trained: List[List[torch.Tensor]],
                     grads: List[List[torch.Tensor]]) -> None:
@@ -407,7 +443,7 @@ class BackwardOverlap:
             self.exchange.new_round()
             self.absent = {id(p) for b in self.buckets for p in b.params if p.grad is None}
             for b in self.buckets:
-                b.future, b.collected = None, False
+                b.future, b.collected, b.grads_seen = None, False, []
             self.launched, self.planned, self.stale, self.settled = 0, False, False, False
             self.failure = None
 
