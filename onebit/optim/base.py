@@ -720,8 +720,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _check_overlap_group(self, group: dict) -> None:
         if self._overlap is not None and group["max_grad_norm"] > 0:
             raise ValueError("overlap_backward=True needs max_grad_norm=0: clipping needs the norm "
-                             "of every gradient, which exists only after backward. Clip before "
-                             "step() yourself, or turn the overlap off")
+                             "of every gradient, which exists only after backward. Clipping "
+                             "before step() yourself works, but exchanges every bucket again "
+                             "in step(): turn the overlap off to clip")
 
     def no_overlap(self):
         """Context manager: the backward passes inside it start no exchange

@@ -357,10 +357,13 @@ class BackwardOverlap:
             if self.stale and not self._warned:
                 self._warned = True
                 warnings.warn("onebit overlap_backward: gradients changed after their bucket was "
-                              "exchanged (a param unused at the last step got one, or several "
-                              "backward passes ran before step()); the buckets are exchanged "
-                              "again at step(). With gradient accumulation, run all but the last "
-                              "micro-batch inside `with optimizer.no_overlap():`",
+                              "exchanged (a param unused at the last step got one, several "
+                              "backward passes ran before step(), or the gradients were changed "
+                              "in place after backward, as clip_grad_norm_ does); the buckets "
+                              "are exchanged again at step(). With gradient accumulation, run "
+                              "all but the last micro-batch inside `with "
+                              "optimizer.no_overlap():`; a loop that clips every step gains "
+                              "nothing from the overlap: turn it off",
                               RuntimeWarning, stacklevel=4)
             self.stats["redone"] += self.launched
             self.abandon()
