@@ -267,3 +267,38 @@ def test_optimizers_run_on_hierarchical_and_checkpoints_cross_layouts(cls_name, 
             typical = max(abs(a - b) for a, b in zip(losses[SWITCH - 10:SWITCH],
                                                      losses[SWITCH - 9:SWITCH + 1]))
             assert abs(losses[SWITCH + 1] - losses[SWITCH]) <= 1.5 * typical, losses
+
+
+def _two_replica_groups(rank, world, node_of_rank, shared_memory):
+    """Tensor x data parallelism: data-parallel groups {0, 1} and {2, 3},
+    each with its own hierarchical backend."""
+    import torch.distributed as dist
+
+    from onebit.backends.hierarchical import torch_hierarchical
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    backend = torch_hierarchical(group=groups[rank // 2], node_of_rank=node_of_rank,
+                                 block_size=8, timeout_s=30, shared_memory=shared_memory)
+    out = []
+    for round_ in range(3):
+        x = torch.full((16,), float(rank + 10 * round_))
+        w, s = backend.error_sizes(16)
+        backend.compressed_allreduce(x, torch.zeros(w), torch.zeros(s))
+        out.append(x.tolist())
+    return out
+
+
+@pytest.mark.parametrize("node_of_rank", [[0, 0], [0, 1]], ids=["one node of 2", "2 nodes of 1"])
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_two_data_parallel_groups_each_average_their_own_ranks(node_of_rank, shared_memory):
+    """Each rank created only its own group's node and cross-node groups, so
+    the two groups' ranks made different groups under the same numbers and
+    gloo joined ranks of the other group: a wrong average (rank 0 with rank
+    3) or a hang in new_group, some runs in ten. Every rank now creates every
+    group in one order. A constant buffer's 1-bit average is exact: each
+    group's mean, bitwise, on both of its ranks, every round."""
+    out = run_workers(_two_replica_groups, 4, node_of_rank, shared_memory, timeout=120)
+    for rank, rounds in enumerate(out):
+        for round_, x in enumerate(rounds):
+            mean = (2 * (rank // 2) + 0.5) + 10 * round_
+            assert x == [mean] * 16, (rank, round_, x[:3])

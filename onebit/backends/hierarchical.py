@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -288,6 +288,37 @@ class HierarchicalBackend:
         self._agreed.add(layout.key)
 
 
+def _groups_of_every_replica_group(first_rank: int, node: int, local: int, backend: str,
+                                   timeout_s: Optional[float]):
+    """This rank's node group and cross-node group. Every rank of the world
+    creates every one (torch's rule for dist.new_group: all ranks, one
+    order), for every data-parallel group of the world, not only its own:
+    with two of them (tensor x data parallelism), ranks of each had created
+    different groups under the same numbers, and gloo joined ranks of the
+    other group (a wrong average, or a hang in new_group). One all-gather
+    over the world says where each rank sits: its data-parallel group (by
+    its first world rank), its node there and its place in the node. The
+    groups take `backend` (a gloo group in an nccl world stays gloo)."""
+    table = collectives.gather_numbers(
+        "hierarchical groups of every data-parallel group (all-gather over the world)",
+        [first_rank, node, local], torch.int64, None, timeout_s)
+    replicas: Dict[int, List[Tuple[int, int, int]]] = {}
+    for w, (first, n, s) in enumerate(table):
+        replicas.setdefault(int(first), []).append((int(n), int(s), w))
+    node_group = cross_group = None
+    for first in sorted(replicas):
+        members = replicas[first]
+        for n in sorted({n for n, _, _ in members}):
+            made = dist.new_group(sorted(w for n_, _, w in members if n_ == n), backend=backend)
+            if first == first_rank and n == node:
+                node_group = made
+        for s in sorted({s for _, s, _ in members}):
+            made = dist.new_group(sorted(w for _, s_, w in members if s_ == s), backend=backend)
+            if first == first_rank and s == local:
+                cross_group = made
+    return node_group, cross_group
+
+
 def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
                        check_finite: bool = True, timeout_s: Optional[float] = None,
                        block_size: int = DEFAULT_BLOCK_SIZE,
@@ -312,21 +343,18 @@ def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
                                           torch.int64, group, timeout_s)
 
     nodes = node_map(size, rank, node_of_rank, gather_ints)
-    world = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    # Every rank creates every group, in the same order (torch's rule), with
-    # `group`'s backends (a gloo group in an nccl world stays gloo).
-    backend = collectives.backend_config(group)
-    node_groups = [dist.new_group([world(r) for r in ranks], backend=backend) for ranks in nodes]
-    cross_groups = [dist.new_group([world(n[s]) for n in nodes], backend=backend)
-                    for s in range(len(nodes[0]))]
     mine = next(i for i, n in enumerate(nodes) if rank in n)
     local = nodes[mine].index(rank)
-    net = CompressedBackend(group=cross_groups[local], check_finite=False, timeout_s=timeout_s,
+    world = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    node_group, cross_group = _groups_of_every_replica_group(
+        min(world(r) for n in nodes for r in n), mine, local, collectives.backend_config(group),
+        timeout_s)
+    net = CompressedBackend(group=cross_group, check_finite=False, timeout_s=timeout_s,
                             block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size)
     node = None
     if shared_memory and len(nodes[0]) > 1:
-        node = ShmNode.connect(node_groups[mine], local, len(nodes[0]), timeout_s)
-    backend = HierarchicalBackend(net, node or TorchNode(node_groups[mine], timeout_s), nodes,
+        node = ShmNode.connect(node_group, local, len(nodes[0]), timeout_s)
+    backend = HierarchicalBackend(net, node or TorchNode(node_group, timeout_s), nodes,
                                   rank, check_finite=check_finite)
     backend.timeout_s = timeout_s
     return backend
