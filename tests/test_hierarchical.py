@@ -302,3 +302,40 @@ def test_two_data_parallel_groups_each_average_their_own_ranks(node_of_rank, sha
         for round_, x in enumerate(rounds):
             mean = (2 * (rank // 2) + 0.5) + 10 * round_
             assert x == [mean] * 16, (rank, round_, x[:3])
+
+
+def _uneven_nodes_default(rank, world, owner):
+    """3 ranks on nodes of 2 + 1, as an elastic launcher reports them."""
+    import os
+
+    import onebit
+    from onebit.accelerator import get_accelerator
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "1"
+    os.environ["LOCAL_RANK"] = str(rank if rank < 2 else 0)
+    default_here = get_accelerator().onebit_backend()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37))]
+    if owner == "DiLoCo":
+        model = torch.nn.Linear(5, 3)
+        made = onebit.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2,
+                             compression="1bit", timeout_s=30)
+        return default_here, made.backend.name
+    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step=1, timeout_s=30)
+    for t in range(3):
+        params[0].grad = torch.randn(37, generator=torch.Generator().manual_seed(10 * t + rank))
+        opt.step()
+    return default_here, opt.backend.name, params[0].detach().tolist()
+
+
+@pytest.mark.parametrize("owner", ["OnebitAdam", "DiLoCo"])
+def test_a_default_backend_the_ranks_read_differently_falls_back_to_flat_on_all(owner):
+    """Nodes of 2 + 1 ranks: the two ranks of the first node read
+    'hierarchical' as their default and the third 'compressed'; their first
+    collectives did not match and gloo aborted the process. The ranks now
+    agree on the default, and take the flat backend together."""
+    out = run_workers(_uneven_nodes_default, 3, owner, timeout=120)
+    assert [o[0] for o in out] == ["hierarchical", "hierarchical", "compressed"], out
+    assert all(o[1] == "compressed" for o in out), out
+    if owner == "OnebitAdam":
+        assert out[0][2] == out[1][2] == out[2][2]  # one model on every rank

@@ -14,6 +14,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .. import collectives
 from ..backends import backend_name, get_backend
 from ..backends.codecs import SignCodec
 from ..backends.stats import TrafficStats
@@ -39,7 +40,7 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
                              f"not {name!r}")
         return get_backend(name, group=group, check_finite=False, block_size=block_size,
                            scale_dtype=scale_dtype, timeout_s=timeout_s, codec=codec)
-    name = backend_name(name)
+    name = backend_name(name) if name is not None else agreed_default_backend(group, timeout_s)
     if name.startswith("mpi"):
         backend = get_backend(name, group=None, check_finite=False, block_size=block_size,
                               scale_dtype=scale_dtype, cuda_aware=cuda_aware, timeout_s=timeout_s)
@@ -47,6 +48,24 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
         return backend
     return get_backend(name, group=group, check_finite=False, block_size=block_size,
                        scale_dtype=scale_dtype, timeout_s=timeout_s)
+
+
+def agreed_default_backend(group, timeout_s: Optional[float]) -> str:
+    """The accelerator's default backend (`backend_name(None)`) where every
+    rank of `group` has the same, else 'compressed'. Each rank reads the
+    default from its own launcher's variables: on nodes of uneven size
+    (2 + 1 ranks) some chose 'hierarchical' and some 'compressed', their
+    first collectives did not match, and gloo aborted the process. The
+    flat backend takes any layout."""
+    import torch.distributed as dist
+
+    name = backend_name(None)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return name
+    rows = collectives.gather_numbers("agreeing on the default compressed backend",
+                                      [collectives.stable_digest(name)], torch.int64, group,
+                                      timeout_s)
+    return name if len({tuple(r) for r in rows}) == 1 else "compressed"
 
 
 def check_same_world(name: str, backend, group) -> None:

@@ -52,7 +52,7 @@ from ..backends import backend_name
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once
 from ..feedback.agreement import RankAgreement, check_params_served, nonfinite_flag
-from ..feedback.channel import ErrorFeedbackChannel, open_backend
+from ..feedback.channel import ErrorFeedbackChannel, agreed_default_backend, open_backend
 from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
 from ..feedback.handoff import exchange_group
 from ..half_precision import check_fp16_mean, share
@@ -133,7 +133,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if self._shards.sharded and overlap_backward:
             raise ValueError(f"{type(self).__name__}: overlap_backward is not supported with "
                              "FSDP2-sharded params yet; leave it False")
-        self.comm_backend_name = backend_name(self._shards.comm_backend(comm_backend_name))
+        chosen = self._shards.comm_backend(comm_backend_name)
+        self.comm_backend_name = (backend_name(chosen) if chosen is not None or self.world_size == 1
+                                  else agreed_default_backend(process_group, timeout_s))
         self.backend = None
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
         self.comm_device = collectives.communication_device(process_group, self._device()) \
