@@ -270,6 +270,14 @@ def test_zero_one_adam_saved_at_its_variance_freeze_resumes_bitwise(tmp_path):
     for (losses, params), (restored, after, params_after, _) in zip(straight, resumed):
         assert restored
         assert after == losses[30:] and params_after == params
+    # Without the buffers (a trainer's checkpoint) nothing is lost either:
+    # the next step restarts them in the uninterrupted run too. The resume
+    # had wiped the momentum and warned of a restart it did not need.
+    not_restored = run_workers(_resume_each_rank, 3, "ZeroOneAdam", 20, prefix, None, timeout=120)
+    for (losses, params), (restored, after, params_after, restarts) in zip(straight,
+                                                                           not_restored):
+        assert not restored and restarts == 0
+        assert after == losses[30:] and params_after == params
 
 
 def test_a_param_without_a_gradient_at_a_variance_update_resumes_bitwise():

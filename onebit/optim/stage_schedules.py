@@ -156,7 +156,12 @@ class ZeroOneSchedule:
                      replicas_match=sync)
 
     def had_error_feedback(self, counters: dict, step: int) -> bool:
-        # Every step but the variance updates exchanges 1-bit (or skips it locally).
+        # Every step but the variance updates exchanges 1-bit (or skips it
+        # locally). At var_freeze_step itself the errors are about to be
+        # restarted by the first frozen step: a run that lost them there
+        # lost nothing.
+        if self.frozen(step + 1) and not self.frozen(step):
+            return False
         return step > counters["var_updates"]
 
     def exchanges_during_backward(self, counters: dict, step: int) -> bool:
