@@ -5,7 +5,9 @@
 
 `build_optimizer(params, config)` takes that dict, its inner
 `{"type": ..., "params": ...}` part, or a path to a JSON file. Types are
-case-insensitive; parameter names are DeepSpeed's.
+case-insensitive; parameter names are DeepSpeed's, and so is what a type
+means: "Adam" is torch's AdamW (decoupled weight decay) unless
+`adam_w_mode` is false, as in DeepSpeed.
 
 The rest of a DeepSpeed config is read too (`read_config`), so nothing is
 dropped silently: `gradient_clipping` becomes the optimizer's
@@ -39,11 +41,25 @@ def _lamb(params, **kw):
     return OnebitLamb(params, **kw)
 
 
+def _adam(params, adam_w_mode: bool = True, torch_adam: bool = False, **kw):
+    # DeepSpeed's "Adam" is AdamW (decoupled weight decay) unless adam_w_mode
+    # is false; torch_adam picks torch's implementation, which this always is.
+    if not isinstance(adam_w_mode, bool) or not isinstance(torch_adam, bool):
+        raise ValueError(f"Adam: adam_w_mode and torch_adam must be true or false, got "
+                         f"{adam_w_mode!r} and {torch_adam!r}")
+    return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(params, **kw)
+
+
+def _adamw(params, adam_w_mode: bool = True, torch_adam: bool = False, **kw):
+    # DeepSpeed's "AdamW" is decoupled whatever adam_w_mode says.
+    return _adam(params, True, torch_adam, **kw)
+
+
 def _registry() -> Dict[str, Callable[..., torch.optim.Optimizer]]:
     from .optim import OnebitAdam, OnebitLamb, ZeroOneAdam
 
     return {"onebitadam": OnebitAdam, "onebitlamb": OnebitLamb, "zerooneadam": ZeroOneAdam,
-            "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "lamb": _lamb}
+            "adam": _adam, "adamw": _adamw, "lamb": _lamb}
 
 
 # DeepSpeed's names for each optimizer (error messages list these).
@@ -192,8 +208,11 @@ def build_optimizer(params, config) -> torch.optim.Optimizer:
     kwargs = {**reading.extra_kwargs, **section.get("params", {})}
     from .optim import OnebitLamb
 
-    signature = inspect.signature(OnebitLamb if factory is _lamb else factory)
+    signature = inspect.signature({_lamb: OnebitLamb, _adam: torch.optim.AdamW,
+                                   _adamw: torch.optim.AdamW}.get(factory, factory))
     accepted = {n for n in signature.parameters if n != "params"}
+    if factory in (_adam, _adamw):
+        accepted |= {"adam_w_mode", "torch_adam"}
     unknown = sorted(set(kwargs) - accepted)
     if unknown:
         raise ValueError(f"{kind}: unknown parameter(s) {unknown}; valid: {sorted(accepted)}")

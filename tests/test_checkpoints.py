@@ -455,7 +455,12 @@ def test_checkpoints_from_another_algorithm_are_refused_and_change_nothing():
     ams = trained(torch.optim.Adam(model.parameters(), amsgrad=True), model)
     torch_adam = trained(torch.optim.Adam(model.parameters()), model)
     sgd = trained(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    # torch's Adam with weight decay is L2; onebit decouples it (as AdamW):
+    # the run would have gone on as another method (0.2 apart in 25 steps).
+    l2_adam = trained(torch.optim.Adam(model.parameters(), weight_decay=0.5), model)
     cases = [(onebit.OnebitAdam, lamb, "written by OnebitLamb"),
+             (onebit.OnebitAdam, l2_adam, "weight_decay=0.5 \\(L2"),
+             (onebit.ZeroOneAdam, l2_adam, "weight_decay=0.5 \\(L2"),
              (onebit.OnebitAdam, zero, "written by ZeroOneAdam"),
              (onebit.ZeroOneAdam, adam, "written by OnebitAdam"),
              (onebit.OnebitLamb, adam, "written by OnebitAdam"),
@@ -475,6 +480,9 @@ def test_checkpoints_from_another_algorithm_are_refused_and_change_nothing():
     opt = onebit.OnebitAdam(model.parameters())
     opt.load_state_dict(old)
     assert opt.counters["step"] == 1
+    # AdamW's decay is onebit's: its checkpoint with weight decay loads.
+    adamw = trained(torch.optim.AdamW(model.parameters(), weight_decay=0.5), model)
+    onebit.OnebitAdam(model.parameters(), weight_decay=0.5).load_state_dict(adamw)
 
 
 # ------------------------------------------------- overlap_backward --

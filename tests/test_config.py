@@ -16,10 +16,32 @@ def params():
 @pytest.mark.parametrize("kind, cls", [
     ("OneBitAdam", onebit.OnebitAdam), ("onebitadam", onebit.OnebitAdam),
     ("OneBitLamb", onebit.OnebitLamb), ("ZeroOneAdam", onebit.ZeroOneAdam),
-    ("Adam", torch.optim.Adam), ("AdamW", torch.optim.AdamW), ("Lamb", onebit.OnebitLamb)])
+    ("Adam", torch.optim.AdamW), ("AdamW", torch.optim.AdamW), ("Lamb", onebit.OnebitLamb)])
 def test_type_names_case_insensitive(kind, cls):
     opt = onebit.build_optimizer(params(), {"optimizer": {"type": kind, "params": {"lr": 0.01}}})
     assert type(opt) is cls and opt.param_groups[0]["lr"] == 0.01
+
+
+@pytest.mark.parametrize("given, cls", [({}, torch.optim.AdamW),
+                                        ({"adam_w_mode": True}, torch.optim.AdamW),
+                                        ({"adam_w_mode": False}, torch.optim.Adam),
+                                        ({"adam_w_mode": False, "torch_adam": True},
+                                         torch.optim.Adam)])
+def test_deepspeeds_adam_is_adamw_unless_adam_w_mode_is_false(given, cls):
+    """DeepSpeed's "Adam" decouples the weight decay (adam_w_mode defaults to
+    true); it had built torch's L2 Adam here and refused DeepSpeed's own
+    adam_w_mode and torch_adam keys. A step with weight decay tells them
+    apart: AdamW moves a zero-gradient param by lr x wd x p, Adam by lr."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = onebit.build_optimizer([p], {"type": "Adam", "params": {"lr": 0.1,
+                                                                  "weight_decay": 0.5, **given}})
+    assert type(opt) is cls
+    p.grad = torch.zeros(3)
+    opt.step()
+    want = 1 - 0.1 * 0.5 if cls is torch.optim.AdamW else 1 - 0.1  # Adam: the sign of wd * p
+    assert torch.allclose(p.detach(), torch.full((3,), want)), p
+    with pytest.raises(ValueError, match="adam_w_mode"):
+        onebit.build_optimizer([p], {"type": "Adam", "params": {"adam_w_mode": "no"}})
 
 
 def test_deepspeed_keys_pass_through_and_inner_dict_works(tmp_path):

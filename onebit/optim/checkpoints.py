@@ -88,6 +88,15 @@ def _from_adam(optimizer, state_dict: dict, counters_at) -> dict:
             if saved.get(flag):
                 raise ValueError(f"{mine}.load_state_dict: the Adam checkpoint has {flag}=True, "
                                  f"which {mine} does not do. Nothing was loaded")
+        # torch's Adam adds the decay to the gradient (L2); onebit's, as
+        # AdamW and DeepSpeed's, to the update: the run would go on with
+        # another method. (torch before 2.6 does not say which it was.)
+        if saved.get("weight_decay") and saved.get("decoupled_weight_decay") is False:
+            raise ValueError(f"{mine}.load_state_dict: the checkpoint is torch.optim.Adam's with "
+                             f"weight_decay={saved['weight_decay']} (L2: added to the gradient); "
+                             f"{mine} decouples the decay as AdamW does, so the run would not "
+                             "continue the same method. Load an AdamW checkpoint, or one with "
+                             "weight_decay=0. Nothing was loaded")
         group = {k: v for k, v in saved.items() if k not in _TORCH_ONLY}
         # What Adam has no word for (bias_correction, max_grad_norm, ...) stays as built.
         for k, v in live.items():
