@@ -247,6 +247,49 @@ def test_ranks_that_disagree_on_size_fail_on_every_rank_without_hanging():
     assert run_workers(_disagree, 3, timeout=60) == [True] * 3
 
 
+def _disagree_later(rank, p, how, backend_kind):
+    """Ranks that agreed on their first calls, then disagree: on a layout
+    both had used (each rank's cache said 'agreed'), on an empty buffer on
+    one rank, or on the piece size."""
+    from onebit.backends import CompressedBackend
+    from onebit.backends.hierarchical import torch_hierarchical
+
+    def make(piece_size=None):
+        if backend_kind == "hierarchical":
+            return torch_hierarchical(node_of_rank=[0, 0, 1, 1][:p] if p == 4 else [0] * p,
+                                      timeout_s=20, piece_size=piece_size)
+        return CompressedBackend(timeout_s=20, piece_size=piece_size)
+
+    def call(b, numel):
+        n, ns = b.error_sizes(numel)
+        b.compressed_allreduce(torch.randn(numel), torch.zeros(n), torch.zeros(ns))
+
+    b = make(None if how != "piece size" else (0 if rank == 0 else 256))
+    if how != "piece size":
+        call(b, 100)
+        call(b, 1000)  # both layouts agreed on every rank
+    numel = {"a layout each had agreed": 100 if rank == 0 else 1000,
+             "empty on one rank": 0 if rank == 0 else 1000, "piece size": 4096}[how]
+    with pytest.raises(ValueError, match="ranks disagree on the compressed buffer") as err:
+        call(b, numel)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("backend_kind", ["compressed", "hierarchical"])
+@pytest.mark.parametrize("how", ["a layout each had agreed", "empty on one rank", "piece size"])
+def test_ranks_that_disagree_after_agreed_calls_fail_on_every_rank(how, backend_kind):
+    """The layout was checked on its first call only, and each rank decided
+    from its own cache: ranks that moved to layouts they had each used
+    before ran mismatched collectives (gloo blamed a dead peer, MPI hung); a
+    rank with an empty buffer returned at once and left its peers waiting;
+    the piece size was not compared at all (gloo aborted the process). A
+    direct call now agrees every time, before any data moves."""
+    out = run_workers(_disagree_later, 4, how, backend_kind, timeout=120)
+    assert len(out) == 4, out
+    if how == "piece size" and backend_kind == "compressed":
+        assert all("piece size=auto" not in m and "piece size=256" in m for m in out), out
+
+
 def _buffers_reused(rank, p):
     from onebit.backends import CompressedBackend
 

@@ -75,6 +75,14 @@ register_backend("compressed", CompressedBackend)
 register_backend("mpi", _mpi_factory)
 register_backend("hierarchical", _hierarchical_factory)
 register_backend("mpi_hierarchical", _mpi_hierarchical_factory)
+_BUILT_IN_FACTORIES = tuple(_FACTORIES.values())
+
+
+def is_built_in(name: str) -> bool:
+    """Whether backend `name` is onebit's own (not a vendor's registered in its
+    place): its factory takes CompressedAllreduceBase's options beside the
+    contract's (agree_every_call)."""
+    return any(_FACTORIES.get(backend_name(name)) is f for f in _BUILT_IN_FACTORIES)
 
 
 def get_backend(name: Optional[str] = None, group=None, **kwargs) -> CompressedAllreduce:

@@ -136,14 +136,22 @@ class CompressedAllreduceBase:
         faster (pipeline.py). It never changes a bit of the result.
       codec: what each element carries (codecs.py): SignCodec (1 bit, the
         default) or TernaryCodec (2 bits: -1, 0, +1 times the scale).
+      agree_every_call: check on every call, in one small all-gather before
+        any data moves, that every rank passes the same buffer layout and
+        piece size (the default: ranks that disagree get a ValueError, not
+        mismatched collectives, which gloo can abort on and MPI hang on).
+        False checks each layout's first call only: for owners that agree
+        on what they exchange every step themselves (the optimizers, DiLoCo).
     """
 
     name = "base"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE, check_finite: bool = True,
-                 piece_size: Optional[int] = None, codec=SignCodec) -> None:
+                 piece_size: Optional[int] = None, codec=SignCodec,
+                 agree_every_call: bool = True) -> None:
         check_block_size(block_size)
+        self.agree_every_call = agree_every_call
         self.codec = codec
         self.pipeline = PieceTuner(piece_size)
         self.piece_size = piece_size
@@ -236,22 +244,27 @@ class CompressedAllreduceBase:
         return torch.device("cpu")
 
     def _agree(self, layout: BlockLayout) -> None:
-        """The first time a layout is seen, every rank checks that all ranks
-        use the same one (N, block size, scale dtype, tensor sizes);
-        otherwise the collectives below would mismatch or mean different
-        things."""
+        """Every rank checks that all ranks use the same layout (N, block
+        size, scale dtype, tensor sizes) and piece size; otherwise the
+        collectives below would mismatch or mean different things. On every
+        call (agree_every_call), else on a layout's first: a rank's cache
+        cannot know that another rank has moved to another layout."""
         key = (layout.key, self.scale_dtype)
-        if key in self._agreed or self.size == 1:
+        if self.size == 1 or (key in self._agreed and not self.agree_every_call):
             return
+        pieces = -1 if self.pipeline.piece_size is None else self.pipeline.piece_size
         mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
-                             stable_digest(list(layout.sizes)), self.codec.bits],
+                             stable_digest(list(layout.sizes)), self.codec.bits, pieces],
                             dtype=torch.int64)
         rows = [tuple(r) for r in self.share(mine).tolist()]
         if len(set(rows)) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size N, block size, "
-                             "scale bytes, tensor sizes, bits per element): " + ", ".join(
-                                 f"rank {r}: N={v[0]} B={v[1]} scale bytes={v[2]} bits={v[4]}"
-                                 for r, v in enumerate(rows)) + "; every rank must pass the same")
+                             "scale bytes, tensor sizes, bits per element, piece size): " +
+                             ", ".join(f"rank {r}: N={v[0]} B={v[1]} scale bytes={v[2]} "
+                                       f"bits={v[4]} piece size="
+                                       f"{'auto' if v[5] < 0 else v[5]}"
+                                       for r, v in enumerate(rows)) +
+                             "; every rank must pass the same")
         self._agreed.add(key)
 
     def share(self, t: torch.Tensor) -> torch.Tensor:
@@ -291,8 +304,9 @@ class CompressedAllreduceBase:
 
         The steps (chunk k, elements [k*N/p, (k+1)*N/p), is served by rank k):
 
-        1. Check the arguments, the buffer's values (`check_finite`) and,
-           the first time a layout is seen, that every rank has the same.
+        1. Check the arguments, the buffer's values (`check_finite`), and
+           that every rank has the same layout (on every call, or with
+           agree_every_call=False on a layout's first).
         2. Take buffer_m as one flat fp32 buffer, zeros in the pads.
         3. Worker: add worker_error to every chunk, compress it to codes and
            block scales (row k of the all-to-all), keep what they missed in
@@ -310,14 +324,15 @@ class CompressedAllreduceBase:
         """
         started = time.perf_counter()
         self._validate(buffer_m, worker_error, server_error, layout)
+        if buffer_m.numel() and self.check_finite:
+            self.reject_nonfinite(buffer_m)
+        layout = self._layout_for(buffer_m.numel(), worker_error.numel(), layout)
+        if buffer_m.numel() or self.agree_every_call:  # (an empty one on some ranks only)
+            self._agree(layout)
         if buffer_m.numel() == 0:
             worker_error.zero_()
             server_error.zero_()
             return buffer_m
-        if self.check_finite:
-            self.reject_nonfinite(buffer_m)
-        layout = self._layout_for(buffer_m.numel(), worker_error.numel(), layout)
-        self._agree(layout)
         device = buffer_m.device
         key = (layout.key, device)
         buf = self._buffers.get(key)

@@ -19,7 +19,8 @@ class CompressedBackend(CompressedAllreduceBase):
     Args:
       group: the data-parallel process group (default: the world). Chunk k of
         the buffer is served by rank k *of this group*.
-      block_size, scale_dtype, check_finite, piece_size, codec: see CompressedAllreduceBase.
+      block_size, scale_dtype, check_finite, piece_size, codec, agree_every_call: see
+        CompressedAllreduceBase.
       timeout_s: deadline of each collective (default $ONEBIT_TIMEOUT_S or
         300 s); past it, or when a peer dies, CommunicationError names the phase.
     """
@@ -29,9 +30,10 @@ class CompressedBackend(CompressedAllreduceBase):
     def __init__(self, group=None, check_finite: bool = True,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
-                 piece_size: Optional[int] = None, codec=SignCodec) -> None:
+                 piece_size: Optional[int] = None, codec=SignCodec,
+                 agree_every_call: bool = True) -> None:
         super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite,
-                         piece_size=piece_size, codec=codec)
+                         piece_size=piece_size, codec=codec, agree_every_call=agree_every_call)
         self.timeout_s = collectives.check_timeout(timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CompressedBackend needs torch.distributed initialised "

@@ -150,8 +150,9 @@ class HierarchicalBackend:
     name = "hierarchical"
 
     def __init__(self, net: CompressedAllreduceBase, node, nodes: List[List[int]], rank: int,
-                 check_finite: bool = True) -> None:
+                 check_finite: bool = True, agree_every_call: bool = True) -> None:
         self.net, self.node, self.nodes = net, node, nodes
+        self.agree_every_call = agree_every_call  # see CompressedAllreduceBase
         self.ranks_per_node, self.node_count = len(nodes[0]), len(nodes)
         self._rank = rank
         self.local_rank = next(n.index(rank) for n in nodes if rank in n)
@@ -214,14 +215,15 @@ class HierarchicalBackend:
                 raise ValueError(f"{name} must be a contiguous float32 tensor of {n} elements on "
                                  f"{buffer_m.device} (the shard's: error_sizes), got "
                                  f"{t.numel()} elements")
+        if buffer_m.numel() and self.check_finite:
+            self.net.reject_nonfinite(buffer_m)
+        device, k = buffer_m.device, self.ranks_per_node
+        if buffer_m.numel() or self.agree_every_call:  # (an empty one on some ranks only)
+            self._agree(layout, device)
         if buffer_m.numel() == 0:
             worker_error.zero_()
             server_error.zero_()
             return buffer_m
-        if self.check_finite:
-            self.net.reject_nonfinite(buffer_m)
-        device, k = buffer_m.device, self.ranks_per_node
-        self._agree(layout, device)
         before = self.net.stats.snapshot()
         if k == 1:  # one rank per node: the flat algorithm on the same layout
             self.net.compressed_allreduce(buffer_m, worker_error, server_error, layout=layout.shard)
@@ -262,13 +264,15 @@ class HierarchicalBackend:
                        net["comm_s"] + node_s, time.perf_counter() - started - net["comm_s"] - node_s)
 
     def _agree(self, layout: HierarchicalLayout, device: torch.device) -> None:
-        """The first time a layout is seen, every rank checks that all ranks
-        pass the same one, so a mismatch is a ValueError on every rank, never
-        a hang: the ranks of each node compare theirs, then one rank per
-        node (the cross-node group) compares the nodes' verdicts."""
-        if layout.key in self._agreed:
+        """Every rank checks that all ranks pass the same layout and piece
+        size, so a mismatch is a ValueError on every rank, never a hang: the
+        ranks of each node compare theirs, then one rank per node (the
+        cross-node group) compares the nodes' verdicts. On every call
+        (agree_every_call), else on a layout's first."""
+        if layout.key in self._agreed and not self.agree_every_call:
             return
-        mine = torch.tensor([layout.padded, collectives.stable_digest(layout.key)],
+        pieces = -1 if self.pipeline.piece_size is None else self.pipeline.piece_size
+        mine = torch.tensor([layout.padded, collectives.stable_digest((layout.key, pieces))],
                             dtype=torch.int64, device=device)
         every = mine.view(1, 2)
         if self.ranks_per_node > 1:
@@ -282,7 +286,7 @@ class HierarchicalBackend:
         verdicts = verdicts.view(-1, 2).tolist()
         if not all(ok for ok, _ in verdicts) or len({d for _, d in verdicts}) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size, tensor "
-                             f"sizes); this rank has N={layout.padded} for sizes "
+                             f"sizes, piece size); this rank has N={layout.padded} for sizes "
                              f"{layout.sizes[:8]}{'...' if len(layout.sizes) > 8 else ''}; "
                              "every rank must pass the same")
         self._agreed.add(layout.key)
@@ -324,7 +328,8 @@ def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
                        block_size: int = DEFAULT_BLOCK_SIZE,
                        scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
                        piece_size: Optional[int] = None,
-                       shared_memory: bool = True) -> HierarchicalBackend:
+                       shared_memory: bool = True,
+                       agree_every_call: bool = True) -> HierarchicalBackend:
     """The hierarchical backend over torch.distributed: node groups and
     cross-node groups made with dist.new_group (every rank of the world must
     create it, as with any new group). Inside a node, host tensors move
@@ -349,13 +354,16 @@ def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
     node_group, cross_group = _groups_of_every_replica_group(
         min(world(r) for n in nodes for r in n), mine, local, collectives.backend_config(group),
         timeout_s)
+    # (the net's calls are agreed by this backend's own agreement)
     net = CompressedBackend(group=cross_group, check_finite=False, timeout_s=timeout_s,
-                            block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size)
+                            block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size,
+                            agree_every_call=False)
     node = None
     if shared_memory and len(nodes[0]) > 1:
         node = ShmNode.connect(node_group, local, len(nodes[0]), timeout_s)
     backend = HierarchicalBackend(net, node or TorchNode(node_group, timeout_s), nodes,
-                                  rank, check_finite=check_finite)
+                                  rank, check_finite=check_finite,
+                                  agree_every_call=agree_every_call)
     backend.timeout_s = timeout_s
     return backend
 
@@ -365,7 +373,8 @@ def mpi_hierarchical(comm=None, node_of_rank: Optional[Sequence[int]] = None,
                      block_size: int = DEFAULT_BLOCK_SIZE,
                      scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
                      piece_size: Optional[int] = None,
-                     timeout_s: Optional[float] = None) -> HierarchicalBackend:
+                     timeout_s: Optional[float] = None,
+                     agree_every_call: bool = True) -> HierarchicalBackend:
     """The hierarchical backend over MPI. Node groups: `node_of_rank`, else
     $ONEBIT_RANKS_PER_NODE, else MPI's shared-memory split (the ranks that
     share this machine's memory). `timeout_s`: each collective's deadline,
@@ -388,8 +397,8 @@ def mpi_hierarchical(comm=None, node_of_rank: Optional[Sequence[int]] = None,
     timeout_s = collectives.check_timeout(timeout_s)
     net = MpiBackend(cuda_aware=cuda_aware, comm=cross_comm, check_finite=False,
                      block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size,
-                     timeout_s=timeout_s)
+                     timeout_s=timeout_s, agree_every_call=False)
     backend = HierarchicalBackend(net, MpiNode(node_comm, timeout_s), nodes, rank,
-                                  check_finite=check_finite)
+                                  check_finite=check_finite, agree_every_call=agree_every_call)
     backend.timeout_s = timeout_s
     return backend

@@ -55,7 +55,8 @@ class MpiBackend(CompressedAllreduceBase):
       timeout_s: deadline of each collective (default $ONEBIT_TIMEOUT_S or
         300 s); past it CommunicationError names the phase. MPI cannot cancel
         a collective, so the communicator is unusable after one: end the job.
-      block_size, scale_dtype, check_finite, piece_size: see CompressedAllreduceBase.
+      block_size, scale_dtype, check_finite, piece_size, agree_every_call: see
+        CompressedAllreduceBase.
     """
 
     name = "mpi"
@@ -63,9 +64,10 @@ class MpiBackend(CompressedAllreduceBase):
     def __init__(self, cuda_aware: bool = False, comm=None, check_finite: bool = True,
                  block_size: int = DEFAULT_BLOCK_SIZE,
                  scale_dtype: torch.dtype = DEFAULT_SCALE_DTYPE,
-                 piece_size: Optional[int] = None, timeout_s: Optional[float] = None) -> None:
+                 piece_size: Optional[int] = None, timeout_s: Optional[float] = None,
+                 agree_every_call: bool = True) -> None:
         super().__init__(block_size=block_size, scale_dtype=scale_dtype, check_finite=check_finite,
-                         piece_size=piece_size)
+                         piece_size=piece_size, agree_every_call=agree_every_call)
         self.timeout_s = collectives.check_timeout(timeout_s)
         MPI = _mpi()
         if cuda_aware and not mpi_cuda_support(MPI):

@@ -180,13 +180,16 @@ def _broadcast_int(v: int) -> int:
 
 def _make_backends(names: List[str], piece_size: int, block_size: int,
                    scale_dtype: str) -> Dict[str, object]:
-    from ..backends import get_backend
+    from ..backends import get_backend, is_built_in
 
     made = {}
     for name in names:
+        # Each layout agreed on its first call, as the optimizers call it (they
+        # agree on what they exchange every step themselves), not on every call.
+        once = {"agree_every_call": False} if is_built_in(name) else {}
         try:
             made[name] = get_backend(name, piece_size=piece_size, block_size=block_size,
-                                     scale_dtype=getattr(torch, scale_dtype))
+                                     scale_dtype=getattr(torch, scale_dtype), **once)
         except ImportError as exc:
             raise SystemExit(f"onebit.bench: cannot use backend {name!r}: {exc}")
     return made

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import collectives
-from ..backends import backend_name, get_backend
+from ..backends import backend_name, get_backend, is_built_in
 from ..backends.codecs import SignCodec
 from ..backends.stats import TrafficStats
 from ..wire import WIRE_FORMAT_VERSION
@@ -39,15 +39,21 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
             raise ValueError(f"a {codec.name} wire runs over the 'compressed' backend only, "
                              f"not {name!r}")
         return get_backend(name, group=group, check_finite=False, block_size=block_size,
-                           scale_dtype=scale_dtype, timeout_s=timeout_s, codec=codec)
+                           scale_dtype=scale_dtype, timeout_s=timeout_s, codec=codec,
+                           agree_every_call=False)
     name = backend_name(name) if name is not None else agreed_default_backend(group, timeout_s)
+    # The owner agrees every step on what it exchanges: the built-in backends
+    # then check each layout once, not every call (a vendor's takes the
+    # contract's arguments only).
+    once = {"agree_every_call": False} if is_built_in(name) else {}
     if name.startswith("mpi"):
         backend = get_backend(name, group=None, check_finite=False, block_size=block_size,
-                              scale_dtype=scale_dtype, cuda_aware=cuda_aware, timeout_s=timeout_s)
+                              scale_dtype=scale_dtype, cuda_aware=cuda_aware, timeout_s=timeout_s,
+                              **once)
         check_same_world(name, backend, group)
         return backend
     return get_backend(name, group=group, check_finite=False, block_size=block_size,
-                       scale_dtype=scale_dtype, timeout_s=timeout_s)
+                       scale_dtype=scale_dtype, timeout_s=timeout_s, **once)
 
 
 def agreed_default_backend(group, timeout_s: Optional[float]) -> str:
