@@ -339,3 +339,36 @@ def test_a_default_backend_the_ranks_read_differently_falls_back_to_flat_on_all(
     assert all(o[1] == "compressed" for o in out), out
     if owner == "OnebitAdam":
         assert out[0][2] == out[1][2] == out[2][2]  # one model on every rank
+
+
+def _pads_hold_garbage(rank, world, shared_memory, node_of_rank):
+    from onebit.backends import CompressedBackend
+    from onebit.backends.hierarchical import torch_hierarchical
+
+    out = {}
+    for name, backend in (("hierarchical", torch_hierarchical(
+            node_of_rank=node_of_rank, block_size=64, shared_memory=shared_memory)),
+            ("flat", CompressedBackend(block_size=64))):
+        layout = backend.layout([100, 64])
+        buf = torch.full((layout.numel,), 1000.0 + rank)  # what the pads hold on input
+        torch.manual_seed(rank)
+        for view in layout.views(buf, [(100,), (64,)]):
+            view.copy_(torch.randn(view.shape))
+        w, s = layout.error_sizes
+        backend.compressed_allreduce(buf, torch.zeros(w), torch.zeros(s), layout=layout)
+        out[name] = buf[100:128].tolist()
+    return out
+
+
+@pytest.mark.parametrize("node_of_rank", [[0, 0, 1, 1], [0, 0, 0, 0]],
+                         ids=["2 nodes of 2", "1 node of 4"])
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_pads_between_tensors_come_back_zero_on_every_rank(shared_memory, node_of_rank):
+    """Sizes [100, 64], block 64, 4 ranks: elements 100-127 of the fused
+    buffer are pads at the end of a shard, which no stage touched, so they
+    came back as the node's mean of the inputs there (1000.5 on the first
+    node, 1002.5 on the second): not zero, and not the same on every rank.
+    As the flat backend's, they now come back zero."""
+    for out in run_workers(_pads_hold_garbage, 4, shared_memory, node_of_rank, timeout=120):
+        assert out["flat"] == [0.0] * 28
+        assert out["hierarchical"] == [0.0] * 28, out["hierarchical"][:3]

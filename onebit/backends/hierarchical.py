@@ -237,6 +237,10 @@ class HierarchicalBackend:
         node_s = time.perf_counter() - t
         shard.div_(k)  # the node's mean
         mine = shard[:layout.shard.numel]
+        # Past the shard's last piece are pads only, which no stage below
+        # touches: zeros, as the contract has pads come back (they held the
+        # node's mean of whatever the inputs had there).
+        shard[layout.shard.numel:].zero_()
         if self.node_count > 1:
             self.net.compressed_allreduce(mine, worker_error, server_error, layout=layout.shard)
         else:  # the exact mean; its pads come back zero as the 1-bit ones do
