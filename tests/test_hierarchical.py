@@ -1,6 +1,8 @@
 """The hierarchical backend (full precision inside a node, 1 bit between
 nodes) on real gloo processes, node groups simulated by an explicit layout;
 checked against the independent three-stage float64 reference."""
+import os
+
 import pytest
 import torch
 
@@ -372,3 +374,33 @@ def test_pads_between_tensors_come_back_zero_on_every_rank(shared_memory, node_o
     for out in run_workers(_pads_hold_garbage, 4, shared_memory, node_of_rank, timeout=120):
         assert out["flat"] == [0.0] * 28
         assert out["hierarchical"] == [0.0] * 28, out["hierarchical"][:3]
+
+
+def _peer_dies_in_shared_memory_setup(rank, world):
+    import os
+
+    import onebit.backends.shm as shm
+    from onebit.backends.hierarchical import torch_hierarchical
+
+    if rank == 1:
+        shm.open = lambda *a, **k: os._exit(1)  # dies just before creating its segment
+    try:
+        torch_hierarchical(node_of_rank=[0, 0], timeout_s=10)
+    except Exception as exc:  # noqa: BLE001 - what the survivor saw is the result
+        return type(exc).__name__
+    return "built"
+
+
+def test_a_peer_dying_during_shared_memory_setup_leaves_nothing_in_dev_shm():
+    """The survivor's segment file was unlinked only after both gathers
+    succeeded: with its peer dead between them it got a CommunicationError
+    and its file stayed in /dev/shm for good. Now it goes whatever happens."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/onebit-*"))
+    out = run_workers(_peer_dies_in_shared_memory_setup, 2, timeout=90, may_die=(1,))
+    left = sorted(set(glob.glob("/dev/shm/onebit-*")) - before)
+    for f in left:
+        os.unlink(f)
+    assert out[0] == "CommunicationError", out
+    assert left == []

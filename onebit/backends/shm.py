@@ -87,21 +87,25 @@ class ShmNode:
         names = [f"{SHM_DIR}/onebit-{tag:013x}-{r}" for r in range(self.size)]
         ok = True
         try:
-            with open(names[self.local_rank], "wb") as f:
-                _allocate(f.fileno(), 4 * numel)
-        except OSError:
-            ok = False
-        ok = all(self._gather_floats([float(ok)]))  # also: every file exists
-        segments = []
-        try:
-            if ok:
-                segments = [torch.from_file(n, shared=True, size=numel, dtype=torch.float32)
-                            for n in names]
-        except (OSError, RuntimeError):
-            ok = False
-        ok = all(self._gather_floats([float(ok)]))  # also: everyone has mapped everything
-        if os.path.exists(names[self.local_rank]):
-            os.unlink(names[self.local_rank])  # the mappings stay; the name goes
+            try:
+                with open(names[self.local_rank], "wb") as f:
+                    _allocate(f.fileno(), 4 * numel)
+            except OSError:
+                ok = False
+            ok = all(self._gather_floats([float(ok)]))  # also: every file exists
+            segments = []
+            try:
+                if ok:
+                    segments = [torch.from_file(n, shared=True, size=numel, dtype=torch.float32)
+                                for n in names]
+            except (OSError, RuntimeError):
+                ok = False
+            ok = all(self._gather_floats([float(ok)]))  # also: everyone has mapped everything
+        finally:
+            # The mappings stay; the name goes, whatever happened: a peer that
+            # died between the gathers must not leave this file in /dev/shm.
+            if os.path.exists(names[self.local_rank]):
+                os.unlink(names[self.local_rank])
         self._segments, self._capacity = (segments, numel) if ok else ([], 0)
         return ok
 
