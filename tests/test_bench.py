@@ -94,8 +94,10 @@ def test_bench_on_a_terminal_draws_the_bar_apart_from_the_rows():
 
 def test_bench_piece_sizes_give_the_same_bits(tmp_path):
     """Fixed pieces, no pieces and the tuner: all match the float64 simulation
-    (which knows nothing of pieces), and the footer names the counts used."""
-    for piece, counts in (("0", "1M:1"), ("4K", "1M:64"), ("auto", None)):
+    (which knows nothing of pieces), and the footer names the counts used:
+    at most a chunk's blocks (512 here; 8-element pieces were reported as
+    32768)."""
+    for piece, counts in (("0", "1M:1"), ("4K", "1M:64"), ("8", "1M:512"), ("auto", None)):
         out = bench("--nproc", "2", "-b", "1M", "-e", "1M", "-w", "1", "-n", "2",
                     "--piece-size", piece)
         assert "# Out of bounds values : 0 OK" in out, out
@@ -329,6 +331,7 @@ def test_local_ranks_use_gloo_without_a_device_per_rank():
     ["lm", "--steps", "0"], ["optim", "-n", "0"], ["soak", "--nproc", "0"],
     ["--piece-size", "-1"], ["--piece-size", "many"], ["step", "--params", "0"],
     ["step", "--optimizers", "adamw"], ["step", "--steps", "0"],
+    ["step", "--nproc", "3", "--shards", "2", "--overlap", "off"],
     ["lm", "--nproc", "3", "--ranks-per-node", "2"], ["lm", "--ranks-per-node", "0"],
     ["probe", "--params", "0"], ["probe", "--iters", "0"],
     ["time_to_target", "--target-pct", "-1"], ["time_to_target", "--methods", "OnebitAdam"],

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import collectives, launch
 from ..accelerator import get_accelerator
 from ..wire import DEFAULT_BLOCK_SIZE, check_block_size
-from ..backends.pipeline import TUNING_CALLS
+from ..backends.pipeline import TUNING_CALLS, piece_ranges
 from .reference import count_wrong, simulate, simulate_hierarchical
 from .table import Table, int_arg, piece_arg, progress, size_arg
 
@@ -231,7 +231,9 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
             net, layout = _network_stage(backend, count)
             rows.append(dict(type="fp32", backend=name, time=t, wire=_wire_bytes(backend, count),
                              node_tx=tx,
-                             pieces=net.pipeline.count(layout.key, layout.padded, net.size),
+                             # what run_pipelined cuts: the count, at most a chunk's blocks
+                             pieces=len(piece_ranges(layout.chunk, layout.block, net.pipeline.count(
+                                 layout.key, layout.padded, net.size))),
                              wrong=_check_compressed(backend, count, device)))
         base = rows[0]["time"]
         for r in rows:
@@ -252,6 +254,14 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> List[Dict]:
     return results if rank == 0 else []
 
 
+def _size_label(size: int) -> str:
+    """Bytes in the largest binary unit they fill (under 1 MiB was "0M")."""
+    for shift, unit in ((30, "G"), (20, "M"), (10, "K")):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):g}{unit}"
+    return f"{size}B"
+
+
 def _footer(rows: List[Dict]) -> None:
     by = {}
     for r in rows:
@@ -262,8 +272,8 @@ def _footer(rows: List[Dict]) -> None:
         print(f"# {key:<18} avg busbw {avg:7.3f} GB/s   avg speedup vs fp32 all_reduce {sp:6.2f}x")
     compressed = list(dict.fromkeys(r["backend"] for r in rows if "pieces" in r))
     for name in compressed:
-        pieces = [f"{r['size'] >> 20}M:{r['pieces']}" for r in rows if r["backend"] == name
-                  and "pieces" in r]
+        pieces = [f"{_size_label(r['size'])}:{r['pieces']}" for r in rows
+                  if r["backend"] == name and "pieces" in r]
         which = f" ({name})" if len(compressed) > 1 else ""
         print(f"# pipelined pieces per payload{which}: {' '.join(pieces)}")
     wrong = sum(r["wrong"] for r in rows)

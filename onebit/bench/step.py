@@ -310,6 +310,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.shards and args.overlap != "off":
         raise ValueError("--shards needs --overlap off: overlap_backward is not built for "
                          "FSDP2-sharded params yet")
+    from ..accelerator import placement
+
+    ranks = placement.world_size() if placement.world_size() > 1 else args.nproc
+    if args.shards and ranks % args.shards:
+        raise ValueError(f"--shards {args.shards} does not divide the {ranks} ranks into nodes "
+                         "(the mesh is ranks / shards nodes x shards)")
     unknown = [o for o in args.optimizers.split(",") if o not in CHOICES]
     if unknown:
         raise ValueError(f"unknown optimizer(s) {unknown}; choose from {','.join(CHOICES)}")
