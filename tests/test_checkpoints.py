@@ -109,6 +109,53 @@ def test_a_variance_with_more_updates_than_freeze_step_keeps_its_bias_correction
         assert torch.allclose(p.double(), want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("trust_ratio, staged", [("fresh", "exp_avg_smoothed"),
+                                                  ("frozen", "exp_avg_sq_fresh")])
+def test_lamb_resumed_with_a_smaller_freeze_step_drops_the_saved_placeholders(trust_ratio,
+                                                                              staged):
+    """Saved at step 20 of freeze_step=30, resumed with freeze_step=10: the
+    saved zeros that stood in for the ratio's state were judged by the new
+    freeze_step, kept as real, and the first compressed step's trust ratios
+    came out 5x too large. The checkpoint now lists its placeholders: the
+    resume equals a load of the same checkpoint without them."""
+    import onebit
+
+    def params():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.randn(8, 5))]
+
+    def grad(ps, t):
+        g = torch.Generator().manual_seed(t)
+        for p in ps:
+            p.grad = p.detach() * 0.5 + torch.randn(p.shape, generator=g) * 0.1
+
+    ps = params()
+    opt = onebit.OnebitLamb(ps, lr=1e-2, freeze_step=30, trust_ratio=trust_ratio)
+    for t in range(1, 21):
+        grad(ps, t)
+        opt.step()
+    saved, state = [p.detach().clone() for p in ps], copy.deepcopy(opt.state_dict())
+    assert all(staged in st for st in state["state"].values())  # the placeholders
+
+    def resume(sd):
+        qs = params()
+        with torch.no_grad():
+            for q, s in zip(qs, saved):
+                q.copy_(s)
+        again = onebit.OnebitLamb(qs, lr=1e-2, freeze_step=10, trust_ratio=trust_ratio)
+        again.load_state_dict(copy.deepcopy(sd))
+        grad(qs, 21)
+        again.step()
+        return again.lamb_coeffs, [q.detach() for q in qs]
+
+    without = copy.deepcopy(state)
+    for st in without["state"].values():
+        st.pop(staged)
+    (coeffs, after), (want, want_after) = resume(state), resume(without)
+    assert coeffs == want and max(coeffs) < 2.0, (coeffs, want)
+    assert all(torch.equal(a, b) for a, b in zip(after, want_after))
+
+
 def test_exp_avg_mask_survives_checkpoint_from_current_groups():
     p = torch.nn.Parameter(torch.randn(4))
     mask = torch.tensor([1.0, 0.0, 1.0, 0.0])

@@ -753,9 +753,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         compressed = self._momentum_restart.pending or (
             self.world_size > 1
             and self._schedule.had_error_feedback(self.counters, self.counters["step"]))
+        step = self.counters["step"]
+        placeholders = sorted(name for name, (_, real) in self._staged_state().items()
+                              if not real(step))
         for g in sd["param_groups"]:
             g[COUNTERS_KEY] = {**copy.deepcopy(g[COUNTERS_KEY]),
-                               checkpoints.MOMENTUM_KEY: compressed}
+                               checkpoints.MOMENTUM_KEY: compressed,
+                               checkpoints.PLACEHOLDERS_KEY: placeholders}
         params = [p for g in self.param_groups for p in g["params"]]
         checkpoints.add_placeholders(sd, params, self._all_staged_state())
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
@@ -787,8 +791,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         had_error_feedback = self._schedule.had_error_feedback(counters, counters["step"])
         # Absent from checkpoints written before it: the stage decides.
         compressed = counters.pop(checkpoints.MOMENTUM_KEY, had_error_feedback)
+        placeholders = counters.pop(checkpoints.PLACEHOLDERS_KEY, None)
         self._share_counters(counters)
-        checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"])
+        checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"],
+                                      placeholders)
         self._forget_layouts()
         self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)

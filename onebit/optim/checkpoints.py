@@ -27,6 +27,7 @@ import torch
 
 COUNTERS_KEY = "onebit"  # param_group[COUNTERS_KEY]: the counters that decide the stage
 MOMENTUM_KEY = "momentum_compressed"  # saved with them: see MomentumRestart
+PLACEHOLDERS_KEY = "placeholders"  # saved with them: the staged state saved as placeholders
 STATE_KEY = "onebit"  # where checkpoints before DCP support kept them: state["onebit"]
 
 # Keys torch.optim.Adam/AdamW keep in a param group that onebit has no use for.
@@ -148,11 +149,17 @@ def add_placeholders(state_dict: dict, params, staged: Dict[str, tuple]) -> None
                 st[name] = staged[name][0](params[key])
 
 
-def drop_placeholders(state, staged: Dict[str, tuple], step: int) -> None:
+def drop_placeholders(state, staged: Dict[str, tuple], step: int,
+                      saved_as_placeholders=None) -> None:
     """Remove from a loaded `state` the placeholders `add_placeholders` wrote:
-    the staged entries a checkpoint at `step` cannot hold for real."""
+    the staged entries the saving run could not hold for real, as it listed
+    them (`saved_as_placeholders`). The loading run's own schedule may
+    differ (a smaller freeze_step): by it, LAMB's zero placeholder had
+    passed for a real trust-ratio average. Checkpoints written before the
+    list: the staged entries a checkpoint at `step` cannot hold for real."""
     for name, (_, real) in staged.items():
-        if not real(step):
+        if (name in saved_as_placeholders if saved_as_placeholders is not None
+                else not real(step)):
             for st in state.values():
                 st.pop(name, None)
 
