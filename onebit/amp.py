@@ -16,8 +16,9 @@ NaN since the last update is gathered across the process group (one
 bounded all-gather of one number per update), and every rank's scaler
 backs off, or grows, on that answer.
 
-For an optimizer that does not check found-inf itself (torch's, such as
-DiLoCo's inner optimizer), the agreement comes earlier, in `step()`, so
+For an optimizer that does not agree on found-inf itself (torch's, fused
+or not, such as DiLoCo's inner optimizer), the agreement comes earlier, in
+`step()`, so
 that every rank skips the step when any rank found an inf: local steps
 (DiLoCo's inner steps) then stay counted alike on every rank, and the
 rounds run at the same iterations everywhere. A rank skipping alone would
@@ -66,8 +67,11 @@ class GradScaler(torch.amp.GradScaler):
         self.timeout_s = collectives.check_timeout(timeout_s)
 
     def step(self, optimizer, *args, **kwargs):
+        # Not only optimizers that leave found-inf to the scaler: torch's
+        # fused ones (AdamW(fused=True)) take it into their kernel, and
+        # skipped on the ranks that found an inf alone.
         if self.is_enabled() and self._distributed() and \
-                not getattr(optimizer, "_step_supports_amp_scaling", False):
+                not getattr(optimizer, "agrees_on_found_inf", False):
             # torch's step() skips on this rank's found-inf alone: unscale
             # (what its step() would do first) and agree before it looks.
             if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:

@@ -267,3 +267,35 @@ def test_a_step_that_raised_under_a_scaler_leaves_no_scale_behind():
     for refused, m in out:
         assert refused is not None and "float16's range" in refused, refused
         assert torch.allclose(torch.tensor(m), torch.tensor(want)), m
+
+
+def _fused_torch_optimizer(rank, world):
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = onebit.amp.GradScaler("cpu", init_scale=4.0)
+    moved = []
+    for t in range(3):
+        before = flat_of(model)
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(5, 4, generator=torch.Generator().manual_seed(t)))
+                     .sum()).backward()
+        if t == 1 and rank == 1:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        moved.append(flat_of(model) != before)
+    return moved, scaler.get_scale()
+
+
+@pytest.mark.timeout(120)
+def test_a_fused_torch_optimizer_skips_on_every_rank_where_one_found_an_inf():
+    """torch's fused AdamW takes found-inf into its kernel, and the scaler
+    left the agreement to it as it does to the onebit optimizers: the rank
+    that found the inf skipped alone. The scaler now agrees in step() for
+    every optimizer but onebit's, which agree themselves."""
+    out = run_workers(_fused_torch_optimizer, 2, timeout=90)
+    assert [moved for moved, _ in out] == [[True, False, True]] * 2, out
+    assert out[0][1] == out[1][1] == 2.0  # one backoff, on both

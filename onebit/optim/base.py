@@ -102,6 +102,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
     # stepping only on ranks that saw finite gradients (which would hang).
     _step_supports_amp_scaling = True
+    # ... and agrees on found_inf across ranks itself (amp.py need not).
+    agrees_on_found_inf = True
     rank_agreed_settings: Tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, schedule, options: CommOptions) -> None:
