@@ -60,7 +60,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     """Initialise torch.distributed from torchrun's or mpirun's environment.
 
     backend: torch.distributed backend (default: the accelerator's). Under
-    mpirun, rank 0 chooses MASTER_PORT unless it is set, and MPI broadcasts it.
+    mpirun, rank 0 chooses MASTER_PORT and MASTER_ADDR unless they are set
+    (default_master_addr), and MPI broadcasts them.
     The device is chosen by *local* rank.
     """
     import torch.distributed as dist
@@ -78,9 +79,11 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
 
         comm = MPI.COMM_WORLD
         rank, size = comm.Get_rank(), comm.Get_size()
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local = node.Get_rank()
         port = comm.bcast(os.environ.get("MASTER_PORT") or (free_port() if rank == 0 else None))
-        addr = comm.bcast(os.environ.get("MASTER_ADDR", "127.0.0.1") if rank == 0 else None)
+        addr = comm.bcast(os.environ.get("MASTER_ADDR") or default_master_addr(
+            spans_nodes=node.Get_size() < size) if rank == 0 else None)
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), LOCAL_RANK=str(local))
     else:
         raise RuntimeError("init_distributed: not launched by torchrun or mpirun")
@@ -88,6 +91,17 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
         acc.set_device(local % acc.device_count())
     dist.init_process_group(backend or acc.communication_backend_name(), rank=rank,
                             world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def default_master_addr(spans_nodes: bool) -> str:
+    """Where rank 0's store listens when MASTER_ADDR is not set under mpirun:
+    the loopback on one machine; across machines rank 0's host name, which
+    the others resolve (on theirs, 127.0.0.1 would be their own loopback,
+    and each would wait out the deadline). Not verified on several nodes
+    here: set MASTER_ADDR where host names do not resolve."""
+    import socket
+
+    return socket.gethostname() if spans_nodes else "127.0.0.1"
 
 
 def local_backend(world_size: int) -> str:

@@ -322,6 +322,18 @@ def test_local_ranks_use_gloo_without_a_device_per_rank():
         set_accelerator(None)
 
 
+def test_mpirun_jobs_across_machines_default_to_rank_0s_host_name():
+    """Under mpirun without MASTER_ADDR, ranks on other machines were sent
+    127.0.0.1, their own loopback, and waited out the deadline. Across
+    machines the default is now rank 0's host name (one machine: loopback)."""
+    import socket
+
+    from onebit.launch import default_master_addr
+
+    assert default_master_addr(spans_nodes=False) == "127.0.0.1"
+    assert default_master_addr(spans_nodes=True) == socket.gethostname()
+
+
 @pytest.mark.parametrize("flags", [
     ["-b", "0"], ["-f", "1", "-i", "0"], ["-f", "1.0001"], ["-f", "0.5"], ["-f", "inf"],
     ["-n", "0"], ["-n", "-3"], ["--nproc", "0"], ["--nproc", "-1"], ["-w", "-1"],
