@@ -270,15 +270,17 @@ def _buckets(tensors: List[torch.Tensor], bucket_bytes: int) -> List[List[torch.
 
 
 def gather_numbers(phase: str, values: list, dtype: torch.dtype, group=None,
-                   timeout_s: Optional[float] = None) -> List[list]:
+                   timeout_s: Optional[float] = None,
+                   device: Optional[torch.device] = None) -> List[list]:
     """Every rank's `values` (a few numbers, as many on each rank), one list
     per rank of `group`, through one bounded all-gather on the group's
-    communication device, and one host sync to read the result.
+    communication device (or `device`, the caller's own), and one host sync
+    to read the result.
 
     A value may be a 0-dim tensor already on the device (a flag computed
     there): it joins the message on the device, never read on the host
     before the gather."""
-    device = communication_device(group)
+    device = communication_device(group) if device is None else device
     mine = to_device(torch.tensor([0 if isinstance(v, torch.Tensor) else v for v in values],
                                   dtype=dtype), device)
     for i, v in enumerate(values):

@@ -102,23 +102,28 @@ def test_a_hang_in_one_bucket_costs_one_deadline_not_one_per_bucket():
         assert stats["launched_in_step"] == 6 * 2, stats  # steps 3 and 4: all 6 from step()
 
 
-def _backend_peer_dies(rank, world):
+def _backend_peer_dies(rank, world, agree_every_call):
     import onebit
     from onebit.backends import CompressedBackend
 
-    b = CompressedBackend(timeout_s=4.0)
+    b = CompressedBackend(timeout_s=4.0, agree_every_call=agree_every_call)
     n, ns = b.error_sizes(1000)
     w, s = torch.zeros(n), torch.zeros(ns)
     b.compressed_allreduce(torch.randn(1000), w, s)
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-    with pytest.raises(onebit.CommunicationError, match="phase 1"):
+    # A direct call's first collective is the layout agreement; an owner's
+    # backend (agreed once) starts with phase 1.
+    phase = "agreeing on the compressed buffer's layout" if agree_every_call else "phase 1"
+    with pytest.raises(onebit.CommunicationError, match=phase):
         b.compressed_allreduce(torch.randn(1000), w, s)
     return True
 
 
-def test_backend_names_the_phase_when_a_peer_dies():
-    assert run_workers(_backend_peer_dies, 3, timeout=60, may_die=(2,))[:2] == [True, True]
+@pytest.mark.parametrize("agree_every_call", [True, False])
+def test_backend_names_the_phase_when_a_peer_dies(agree_every_call):
+    assert run_workers(_backend_peer_dies, 3, agree_every_call, timeout=60,
+                       may_die=(2,))[:2] == [True, True]
 
 
 def _disagree(rank, world, what):

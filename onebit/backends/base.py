@@ -36,13 +36,14 @@ is a schedule only: it changes no bit of the result or of the errors.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..collectives import stable_digest
+from ..collectives import CommunicationError, stable_digest
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_block_size
 from .codecs import SignCodec
 from .layout import BlockLayout
@@ -110,6 +111,17 @@ def check_operands(buffer_m, worker_error, server_error) -> None:
             raise ValueError(f"{name} is on {t.device} but buffer_m is on {buffer_m.device}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (it is updated in place)")
+
+
+@contextlib.contextmanager
+def naming_the_agreement():
+    """A CommunicationError in the layout agreement says so: its all-gather
+    goes through the transport's gather, whose phase is the data's."""
+    try:
+        yield
+    except CommunicationError as exc:
+        raise CommunicationError(f"onebit: agreeing on the compressed buffer's layout, before "
+                                 f"any data moved: {exc}") from exc
 
 
 class Finished:
@@ -256,7 +268,8 @@ class CompressedAllreduceBase:
         mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
                              stable_digest(list(layout.sizes)), self.codec.bits, pieces],
                             dtype=torch.int64)
-        rows = [tuple(r) for r in self.share(mine).tolist()]
+        with naming_the_agreement():
+            rows = [tuple(r) for r in self.share(mine).tolist()]
         if len(set(rows)) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size N, block size, "
                              "scale bytes, tensor sizes, bits per element, piece size): " +

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..accelerator.placement import RANKS_PER_NODE_ENV, local_world_size
 from ..wire import DEFAULT_BLOCK_SIZE, DEFAULT_SCALE_DTYPE
-from .base import CompressedAllreduceBase, check_operands
+from .base import CompressedAllreduceBase, check_operands, naming_the_agreement
 from .layout import BlockLayout
 from .node import MpiNode, TorchNode
 from .shm import ShmNode
@@ -279,14 +279,15 @@ class HierarchicalBackend:
         mine = torch.tensor([layout.padded, collectives.stable_digest((layout.key, pieces))],
                             dtype=torch.int64, device=device)
         every = mine.view(1, 2)
-        if self.ranks_per_node > 1:
-            every = torch.empty(self.ranks_per_node, 2, dtype=torch.int64, device=device)
-            self.node.all_gather(mine.view(torch.uint8), every.view(torch.uint8).view(-1))
-        node_agrees = int(len({tuple(r) for r in every.tolist()}) == 1)
-        verdicts = torch.tensor([node_agrees, collectives.stable_digest(every.tolist())],
-                                dtype=torch.int64, device=device)
-        if self.node_count > 1:
-            verdicts = self.net.share(verdicts)
+        with naming_the_agreement():
+            if self.ranks_per_node > 1:
+                every = torch.empty(self.ranks_per_node, 2, dtype=torch.int64, device=device)
+                self.node.all_gather(mine.view(torch.uint8), every.view(torch.uint8).view(-1))
+            node_agrees = int(len({tuple(r) for r in every.tolist()}) == 1)
+            verdicts = torch.tensor([node_agrees, collectives.stable_digest(every.tolist())],
+                                    dtype=torch.int64, device=device)
+            if self.node_count > 1:
+                verdicts = self.net.share(verdicts)
         verdicts = verdicts.view(-1, 2).tolist()
         if not all(ok for ok, _ in verdicts) or len({d for _, d in verdicts}) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size, tensor "
@@ -297,7 +298,8 @@ class HierarchicalBackend:
 
 
 def _groups_of_every_replica_group(first_rank: int, node: int, local: int, backend: str,
-                                   timeout_s: Optional[float]):
+                                   timeout_s: Optional[float],
+                                   layout: List[Tuple[int, int, int]]):
     """This rank's node group and cross-node group. Every rank of the world
     creates every one (torch's rule for dist.new_group: all ranks, one
     order), for every data-parallel group of the world, not only its own:
@@ -306,10 +308,20 @@ def _groups_of_every_replica_group(first_rank: int, node: int, local: int, backe
     other group (a wrong average, or a hang in new_group). One all-gather
     over the world says where each rank sits: its data-parallel group (by
     its first world rank), its node there and its place in the node. The
-    groups take `backend` (a gloo group in an nccl world stays gloo)."""
-    table = collectives.gather_numbers(
-        "hierarchical groups of every data-parallel group (all-gather over the world)",
-        [first_rank, node, local], torch.int64, None, timeout_s)
+    groups take `backend` (a gloo group in an nccl world stays gloo).
+    `layout`: (world rank, node, place) of every rank of this rank's own
+    data-parallel group; where it spans the world, it is the only one and
+    no gather is needed (nor made on the world's device, which may not be
+    the group's)."""
+    if len(layout) == dist.get_world_size():
+        table = [None] * len(layout)
+        for w, n, s in layout:
+            table[w] = (first_rank, n, s)
+    else:
+        table = collectives.gather_numbers(
+            "hierarchical groups of every data-parallel group (all-gather over the world)",
+            [first_rank, node, local], torch.int64, None, timeout_s,
+            collectives.communication_device(None, torch.device("cpu")))
     replicas: Dict[int, List[Tuple[int, int, int]]] = {}
     for w, (first, n, s) in enumerate(table):
         replicas.setdefault(int(first), []).append((int(n), int(s), w))
@@ -357,7 +369,7 @@ def torch_hierarchical(group=None, node_of_rank: Optional[Sequence[int]] = None,
     world = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     node_group, cross_group = _groups_of_every_replica_group(
         min(world(r) for n in nodes for r in n), mine, local, collectives.backend_config(group),
-        timeout_s)
+        timeout_s, [(world(r), i, s) for i, n in enumerate(nodes) for s, r in enumerate(n)])
     # (the net's calls are agreed by this backend's own agreement)
     net = CompressedBackend(group=cross_group, check_finite=False, timeout_s=timeout_s,
                             block_size=block_size, scale_dtype=scale_dtype, piece_size=piece_size,

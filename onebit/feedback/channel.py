@@ -41,7 +41,8 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
         return get_backend(name, group=group, check_finite=False, block_size=block_size,
                            scale_dtype=scale_dtype, timeout_s=timeout_s, codec=codec,
                            agree_every_call=False)
-    name = backend_name(name) if name is not None else agreed_default_backend(group, timeout_s)
+    name = backend_name(name) if name is not None else agreed_backend_name(None, group,
+                                                                            timeout_s)
     # The owner agrees every step on what it exchanges: the built-in backends
     # then check each layout once, not every call (a vendor's takes the
     # contract's arguments only).
@@ -56,22 +57,29 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
                        scale_dtype=scale_dtype, timeout_s=timeout_s, **once)
 
 
-def agreed_default_backend(group, timeout_s: Optional[float]) -> str:
-    """The accelerator's default backend (`backend_name(None)`) where every
-    rank of `group` has the same, else 'compressed'. Each rank reads the
-    default from its own launcher's variables: on nodes of uneven size
-    (2 + 1 ranks) some chose 'hierarchical' and some 'compressed', their
-    first collectives did not match, and gloo aborted the process. The
-    flat backend takes any layout."""
+def agreed_backend_name(chosen: Optional[str], group, timeout_s: Optional[float],
+                        device: Optional[torch.device] = None) -> str:
+    """The backend `chosen` names (None: the accelerator's default), agreed
+    across `group` in one small all-gather that every rank makes, whatever
+    it chose. Each rank reads the default from its own launcher's
+    variables: on nodes of uneven size (2 + 1 ranks) some chose
+    'hierarchical' and some 'compressed', their first collectives did not
+    match, and gloo aborted the process. Where every rank took the default
+    and the defaults differ, all take 'compressed' (the flat backend takes
+    any layout); names that differ otherwise are the construction check's
+    to report. `device`: where the owner's collectives take tensors
+    (default: the group's communication device)."""
     import torch.distributed as dist
 
-    name = backend_name(None)
+    name = backend_name(chosen)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return name
-    rows = collectives.gather_numbers("agreeing on the default compressed backend",
-                                      [collectives.stable_digest(name)], torch.int64, group,
-                                      timeout_s)
-    return name if len({tuple(r) for r in rows}) == 1 else "compressed"
+    rows = collectives.gather_numbers("agreeing on the compressed backend",
+                                      [int(chosen is None), collectives.stable_digest(name)],
+                                      torch.int64, group, timeout_s, device)
+    if all(default for default, _ in rows) and len({d for _, d in rows}) > 1:
+        return "compressed"
+    return name
 
 
 def check_same_world(name: str, backend, group) -> None:

@@ -52,7 +52,7 @@ from ..backends import backend_name
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once
 from ..feedback.agreement import RankAgreement, check_params_served, nonfinite_flag
-from ..feedback.channel import ErrorFeedbackChannel, agreed_default_backend, open_backend
+from ..feedback.channel import ErrorFeedbackChannel, agreed_backend_name, open_backend
 from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
 from ..feedback.handoff import exchange_group
 from ..half_precision import check_fp16_mean, share
@@ -136,8 +136,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"{type(self).__name__}: overlap_backward is not supported with "
                              "FSDP2-sharded params yet; leave it False")
         chosen = self._shards.comm_backend(comm_backend_name)
-        self.comm_backend_name = (backend_name(chosen) if chosen is not None or self.world_size == 1
-                                  else agreed_default_backend(process_group, timeout_s))
+        self.comm_backend_name = backend_name(chosen)  # a default: agreed below
         self.backend = None
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
         self.comm_device = collectives.communication_device(process_group, self._device()) \
@@ -155,6 +154,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                                self.comm_backend_name)
         if self.world_size > 1:
             check_params_served(type(self).__name__, self.param_groups, process_group)
+            # (a default: each rank read it from its own launcher's variables)
+            self.comm_backend_name = agreed_backend_name(chosen, process_group, timeout_s,
+                                                         self.comm_device)
             group = process_group
             if overlap_backward and not self.comm_backend_name.startswith("mpi"):
                 group = exchange_group(process_group)  # the communication thread's own (overlap.py)

@@ -42,9 +42,13 @@ def case(name, make):
     COMM.Barrier()  # the world communicator still works: the next case starts together
 
 
-case("flat", lambda comm: get_backend("mpi", comm=comm, timeout_s=DEADLINE_S))
-case("hierarchical", lambda comm: get_backend("mpi_hierarchical", comm=comm,
-                                              node_of_rank=[0] * SIZE, timeout_s=DEADLINE_S))
+for once in (False, True):  # a direct user's backend, then an owner's (layouts agreed once)
+    suffix = "-once" if once else ""
+    case("flat" + suffix, lambda comm: get_backend("mpi", comm=comm, timeout_s=DEADLINE_S,
+                                                   agree_every_call=not once))
+    case("hierarchical" + suffix, lambda comm: get_backend(
+        "mpi_hierarchical", comm=comm, node_of_rank=[0] * SIZE, timeout_s=DEADLINE_S,
+        agree_every_call=not once))
 sys.stdout.flush()
 # MPI_Finalize would wait on the collectives the deadline abandoned.
 os._exit(0)
