@@ -149,32 +149,30 @@ class MpiBackend(CompressedAllreduceBase):
 
 
 class BoundedWait:
-    """Finish MPI requests within a deadline: poll MPI_Test, spinning for the
-    first millisecond (a short collective's wait costs what MPI_Wait's spin
-    would), then sleeping between polls, at most 0.2 ms, so that a long wait
-    leaves the GIL and the core to the other threads. Past `timeout_s`
-    (None: the default deadline), CommunicationError naming the phase."""
+    """Finish MPI requests within a deadline: poll MPI_Test, giving the core
+    away between polls (sleep(0)). Past `timeout_s` (None: the default
+    deadline), CommunicationError naming the phase.
 
-    SPIN_S, MAX_PAUSE_S = 1e-3, 2e-4
+    Measured against MPI_Wait (4 ranks on 2 cores, one piece): 1.59 against
+    0.81 ms a call at 2^16 elements, 22.9 against 23.8 ms at 2^22. A Python
+    loop that spun on MPI_Test for a millisecond before sleeping took 3.8
+    and 29 ms there: on shared cores a spinning rank takes the time its
+    peers need to progress."""
 
     def __init__(self, phase: str, timeout_s: Optional[float], rank: int, size: int) -> None:
         self.phase, self.rank, self.size = phase, rank, size
         self.timeout_s = collectives.default_timeout_s() if timeout_s is None else timeout_s
 
     def finish(self, request) -> None:
-        started = time.monotonic()
-        pause = 1e-5
+        deadline = time.monotonic() + self.timeout_s
         while not request.Test():
-            waited = time.monotonic() - started
-            if waited > self.timeout_s:
+            if time.monotonic() > deadline:
                 raise collectives.CommunicationError(
                     f"onebit: {self.phase} did not finish within {self.timeout_s:g} s on rank "
                     f"{self.rank} of {self.size} (MPI): a peer rank probably died, hung, or "
                     "stopped calling step() in step with the others. MPI cannot cancel the "
                     "collective, so this communicator is unusable now: end the job")
-            if waited > self.SPIN_S:
-                time.sleep(pause)
-                pause = min(2 * pause, self.MAX_PAUSE_S)
+            time.sleep(0)
 
 
 class _Request:
