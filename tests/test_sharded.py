@@ -557,6 +557,37 @@ def _sharded_diloco(rank, world, nodes, compression, fragments=1, overlap=0, dev
             rounds, len(diloco.anchors[0]) == model.ps[0].to_local().shape[0])
 
 
+def _diloco_inf_on_one_shard(rank, world, nodes):
+    import math
+
+    import onebit
+
+    model, mesh = sharded(world, nodes)
+    inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    diloco = onebit.DiLoCo(model, inner, sync_every=3, outer_lr=0.7, compression="none",
+                           process_group=mesh.get_group("replicate"))
+    per_node = world // nodes
+    for t in range(1, 7):
+        w = weights(rank // per_node, t)
+        if t == 2:
+            w[0][0, 0] = math.inf  # row 0 of param 0: the first shard's rows only
+        model(w).backward()
+        inner.step()
+        inner.zero_grad()
+    diloco.close()
+    return diloco.rounds, bool(torch.isfinite(model.ps[0].to_local()).all())
+
+
+@pytest.mark.parametrize("nodes", [2, 1], ids=["2 x 2 mesh", "1 x 2 mesh"])
+def test_diloco_skips_a_round_on_every_shard_when_one_shard_saw_an_inf(nodes):
+    """With one replica of shards (a 1 x N mesh) each shard decided alone:
+    the shard that saw the inf skipped round 1 and the other took it, half
+    a parameter stepped. Every shard now skips it, as on a 2 x N mesh."""
+    out = run_workers(_diloco_inf_on_one_shard, 2 * nodes, nodes, timeout=120)
+    assert [rounds for rounds, _ in out] == [1] * len(out), out  # round 2 landed, round 1 skipped
+    assert all(finite for _, finite in out), out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("compression,nodes,device", [
     ("1bit", 2, "cpu"), ("1bit", 3, "cpu"), ("none", 2, "cpu"),

@@ -255,6 +255,12 @@ class DiLoCo:
                                             cuda_aware=False, block_size=block_size,
                                             scale_dtype=self.scale_dtype,
                                             codec=CODECS[compression])
+        elif self._shards.sharded:
+            # One replica of shards (a 1 x N mesh): no exchange, but a round
+            # is still skipped on every shard of the model or on none.
+            self._agree_group = self._shards.mesh_group
+            self.comm_device = collectives.communication_device(self._agree_group,
+                                                                self.params[0].device)
         # The last synced point, kept in fp32 whatever the params' dtype: the
         # outer optimizer steps it, and the params are set from it.
         self.anchors = [p.detach().float().clone() for p in self._locals()]
@@ -522,7 +528,7 @@ class DiLoCo:
         makes it); the same all-gather checks that every rank is at exchange
         `number`."""
         flag = nonfinite_flag([deltas], self.comm_device)
-        if self.world_size == 1:
+        if self.world_size == 1 and not self._shards.sharded:
             return bool(flag), closing
         table = collectives.gather_numbers("DiLoCo: agreeing on the outer round",
                                            [flag, number, int(closing)], torch.int64,
