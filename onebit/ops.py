@@ -104,9 +104,11 @@ def decode_mean(bits: torch.Tensor, scales: torch.Tensor, cols: int,
     carry trailing scales); scales: float32 [rows, ceil(cols/block)],
     contiguous; block: a positive multiple of 8.
     """
-    if bits.dim() != 2 or bits.stride(1) != 1 or bits.shape[1] * 8 < cols:
-        raise ValueError(f"decode_mean: bits must be uint8 [rows, >= {(cols + 7) // 8}] with "
-                         f"unit inner stride, got shape {tuple(bits.shape)} stride {bits.stride()}")
+    if (bits.dtype != torch.uint8 or bits.dim() != 2 or bits.stride(1) != 1
+            or bits.shape[1] * 8 < cols or (cols and bits.shape[0] < 1)):
+        raise ValueError(f"decode_mean: bits must be uint8 [rows >= 1, >= {(cols + 7) // 8}] with "
+                         f"unit inner stride, got {bits.dtype} shape {tuple(bits.shape)} "
+                         f"stride {bits.stride()}")
     _check_block(block)
     want = bits.shape[0] * ((cols + block - 1) // block)
     if scales.dtype != torch.float32 or not scales.is_contiguous() or scales.numel() != want:
@@ -114,6 +116,12 @@ def decode_mean(bits: torch.Tensor, scales: torch.Tensor, cols: int,
                          f"(rows x ceil(cols/block)), got {scales.dtype} {tuple(scales.shape)}")
     if out is None:
         out = torch.empty(cols, dtype=torch.float32, device=bits.device)
+    elif (out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < cols
+          or out.device != bits.device or scales.device != bits.device):
+        # (the kernels write cols floats from out's first byte)
+        raise ValueError(f"decode_mean: out must be contiguous float32 with at least {cols} "
+                         f"elements on {bits.device}, as scales, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
     if cols:
         kernels_for(bits.device).decode(bits, scales, block, cols, out)
     return out
@@ -156,9 +164,23 @@ def compress(buf: torch.Tensor, err: torch.Tensor, counts: torch.Tensor, block: 
     _check_block(block)
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"compress: scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}")
+    # The kernels take raw pointers: what they read and write must be there.
+    n = err.numel()
+    for name, t, dtype in (("buf", buf, torch.float32), ("err", err, torch.float32),
+                           ("counts", counts, torch.float64), ("scales_out", scales_out, torch.uint8),
+                           ("bits_out", bits_out, torch.uint8)):
+        if t.dtype != dtype or not t.is_contiguous() or t.device != err.device:
+            raise ValueError(f"compress: {name} must be contiguous {dtype} on {err.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if n % block or buf.numel() > n or counts.numel() != n // block or bits_out.numel() < n // 8:
+        raise ValueError(f"compress: err ({n}) must be whole blocks of {block}, buf at most as "
+                         f"long ({buf.numel()}), counts one per block ({counts.numel()}, need "
+                         f"{n // block}), bits_out at least {n // 8} bytes ({bits_out.numel()})")
     if scales_out.numel() != counts.numel() * scale_dtype.itemsize:
         raise ValueError(f"compress: scales_out needs {counts.numel() * scale_dtype.itemsize} "
                          f"bytes, got {scales_out.numel()}")
+    if n == 0:
+        return
     k = kernels_for(err.device)
     if hasattr(k, "compress"):
         k.compress(buf, err, counts, block, scales_out, bits_out)
@@ -220,6 +242,8 @@ def _check_rows(buf, err, counts, block, scale_dtype, messages, code_bytes) -> N
         raise ValueError(f"compress_rows: err must be float32 [rows, n] with unit inner stride, "
                          f"got {err.dtype} {tuple(err.shape)} stride {err.stride()}")
     rows, n = err.shape
+    if n % block:
+        raise ValueError(f"compress_rows: a row of err ({n}) must be whole blocks of {block}")
     if rows > 1 and (err.stride(0) < n or err.stride(0) % block):
         raise ValueError(f"compress_rows: err's rows must not overlap and start on blocks "
                          f"(row stride {err.stride(0)}, n {n}, block {block})")

@@ -413,3 +413,77 @@ def test_broken_source_gives_clear_builder_error(tmp_path, monkeypatch):
     monkeypatch.setenv("ONEBIT_BUILD_DIR", str(tmp_path / "build"))
     with pytest.raises(OpBuilderError, match="compiling failed"):
         CPUPackbitsBuilder().jit_load()
+
+
+@pytest.mark.parametrize("rows, block", [(5, 8), (8, 24), (16, 8)])
+def test_torch_decode_adds_rows_in_order_as_the_native_kernel(rows, block):
+    """torch's sum(0) split 5 or more rows over several accumulators: the
+    fallback's server average differed from the C++ kernel's in the last
+    bit. Both now equal the rows added in order in fp32 (numpy, row by row)."""
+    g = torch.Generator().manual_seed(rows * block)
+    cols = 13 * block - 5
+    bits = torch.randint(0, 256, (rows, (cols + 7) // 8), dtype=torch.uint8, generator=g)
+    nblocks = -(-cols // block)
+    scales = torch.exp2(torch.randint(-24, 2, (rows, nblocks), generator=g).float()) * \
+        (1 + torch.rand(rows, nblocks, generator=g))
+    signs = np.unpackbits(bits.numpy(), axis=1, bitorder="little")[:, :cols].astype(np.float32) * 2 - 1
+    per = np.repeat(scales.numpy(), block, axis=1)[:, :cols]
+    acc = signs[0] * per[0]
+    for r in range(1, rows):
+        acc = (acc + signs[r] * per[r]).astype(np.float32)
+    want = (acc * np.float32(1.0 / rows)).astype(np.float32)
+    native = CPUPackbitsBuilder().load()
+    for kernels in (native, TorchKernels()):
+        out = torch.empty(cols)
+        kernels.decode(bits, scales, block, cols, out)
+        assert np.array_equal(out.numpy().view(np.int32), want.view(np.int32)), type(kernels)
+
+
+def test_ops_refuse_buffers_the_kernels_would_read_or_write_past():
+    """The native kernels take raw pointers: an `out` too short, of another
+    dtype or strided, a bits_out of one byte, counts of another dtype or
+    length, and a row that is not whole blocks were written or read past
+    their ends. Each is a ValueError now, and nothing is written."""
+    bits, scales = torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2)
+    big = torch.zeros(32)
+    for out in (big[:8], torch.zeros(64, dtype=torch.float16), torch.zeros(128)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            ops.decode_mean(bits, scales, 64, out, 64)
+    assert not big.any()
+    with pytest.raises(ValueError, match="bits must be"):
+        ops.decode_mean(torch.zeros(0, 8, dtype=torch.uint8), torch.ones(0), 64, None, 64)
+    err, counts = torch.zeros(512), torch.full((2,), 256.0, dtype=torch.float64)
+    scales_out, bits_out = torch.zeros(8, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    good = dict(buf=torch.ones(512), err=err, counts=counts, block=256,
+                scale_dtype=torch.float32, scales_out=scales_out, bits_out=bits_out)
+    for bad in (dict(bits_out=torch.zeros(1, dtype=torch.uint8)),
+                dict(err=torch.zeros(512, dtype=torch.float16)),
+                dict(counts=counts.float()), dict(counts=counts[:1]),
+                dict(buf=torch.ones(600))):
+        with pytest.raises(ValueError, match="compress"):
+            ops.compress(**{**good, **bad})
+    assert not err.any() and not bits_out.any()
+    ops.compress(**good)  # the same call with good buffers works
+    assert bits_out.eq(255).all()
+    ops.compress(**{**good, "buf": torch.ones(0), "err": torch.zeros(0), "counts": counts[:0],
+                    "scales_out": scales_out[:0], "bits_out": bits_out[:0]})  # empty: nothing
+    with pytest.raises(ValueError, match="whole blocks"):
+        ops.compress_rows(torch.ones(8), torch.zeros(1, 8), torch.ones(1, 0, dtype=torch.float64),
+                          256, torch.float32, torch.zeros(1, 8, dtype=torch.uint8), 1)
+
+
+def test_a_native_module_built_from_older_sources_is_not_taken(monkeypatch):
+    """An ahead-of-time module without the newer entry points (a checkout
+    updated without reinstalling) loaded without a word and failed in the
+    first allreduce. The loader now builds the current sources instead."""
+    import importlib
+    import types
+
+    from onebit.builders import cpu
+
+    old = types.SimpleNamespace(pack=None, decode=None)  # lacks compress_rows and the rest
+    built = []
+    monkeypatch.setattr(importlib, "import_module", lambda name: old)
+    monkeypatch.setattr(cpu.CPUPackbitsBuilder, "jit_load", lambda self: built.append(1) or "jit")
+    monkeypatch.setattr(cpu, "CpuKernels", lambda m: m)
+    assert cpu.CPUPackbitsBuilder().load() == "jit" and built == [1]

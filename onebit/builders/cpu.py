@@ -71,6 +71,10 @@ class CpuKernels:
                             block, cols, out.data_ptr(), stride, out.numel(), self._threads())
 
 
+ENTRY_POINTS = ("pack", "compensate", "pack_error", "compress", "compress_rows", "decode",
+                "decode_rows")
+
+
 class CPUPackbitsBuilder(OpBuilder):
     NAME = "PackbitsBuilder"
     SOURCES = ("cpu/packbits.cpp",)
@@ -78,9 +82,14 @@ class CPUPackbitsBuilder(OpBuilder):
     def load(self) -> CpuKernels:
         if os.environ.get("ONEBIT_FORCE_JIT", "0") in ("", "0"):
             try:
-                return CpuKernels(importlib.import_module(f"onebit.{MODULE}"))
+                built = importlib.import_module(f"onebit.{MODULE}")
             except ImportError:
-                pass  # not built at install time: build it now
+                built = None  # not built at install time: build it now
+            # A module built from older sources (a checkout updated without
+            # reinstalling) lacks the newer entry points: it failed in the
+            # first allreduce. Build the current sources instead.
+            if built is not None and all(hasattr(built, f) for f in ENTRY_POINTS):
+                return CpuKernels(built)
         return CpuKernels(self.jit_load())
 
     def jit_load(self):

@@ -72,7 +72,12 @@ class TorchKernels:
                out: torch.Tensor) -> None:
         signs = self.signs(bits, cols)
         per_element = scales.reshape(signs.shape[0], -1).repeat_interleave(block, dim=1)[:, :cols]
-        acc = (signs * per_element).sum(0)
+        # The rows added in order, as the wire's one order has it (the C++
+        # and CUDA kernels): torch's sum(0) splits 5 or more rows over
+        # several accumulators, and its last bits differed.
+        acc = signs[0] * per_element[0]
+        for r in range(1, signs.shape[0]):
+            acc += signs[r] * per_element[r]
         out.copy_(acc * (1.0 / signs.shape[0]))
 
     def compensate(self, buf: torch.Tensor, err: torch.Tensor, sumsq: torch.Tensor,
