@@ -20,17 +20,23 @@ def mpiexec() -> str:
     return str(exe)
 
 
+def run_under_mpiexec(ranks: int, args: list, timeout_s: int) -> subprocess.CompletedProcess:
+    """`python ARGS` on `ranks` ranks under the venv's mpiexec, one thread
+    each; a test failure, with the output so far, past `timeout_s`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
+                              cwd=HERE.parent)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpirun -n {ranks} hung past {timeout_s} s:\n{(exc.stdout or b'')[-3000:]}")
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_mpi_suite_under_mpirun(ranks):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "pytest", "-q", "-x",
-           "-p", "no:cacheprovider", "--timeout=240", str(HERE / "mpi")]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env,
-                              cwd=HERE.parent)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpirun -n {ranks} hung past 420 s:\n{(exc.stdout or b'')[-3000:]}")
+    proc = run_under_mpiexec(ranks, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                     "--timeout=240", str(HERE / "mpi")], 420)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert out.count(" passed") == ranks, out[-3000:]  # every rank reports its pass line
@@ -44,13 +50,7 @@ def test_a_peer_that_misses_an_mpi_collective_ends_in_a_timely_error():
     within the deadline, in the flat backend and in the hierarchical one
     (the peer_stops.py script also runs the agreed-once backends an owner
     builds, whose first collectives are phase 1 and the node's stage 1)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [mpiexec(), "-n", "2", sys.executable, str(HERE / "mpi" / "peer_stops.py")]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env,
-                              cwd=HERE.parent)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"an MPI wait hung past 120 s:\n{(exc.stdout or b'')[-3000:]}")
+    proc = run_under_mpiexec(2, [str(HERE / "mpi" / "peer_stops.py")], 120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
