@@ -13,7 +13,7 @@ must know the transfer's time, takes it from device events instead
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 FIELDS = ("calls", "bytes_sent", "bytes_received", "fp32_bytes", "comm_s", "compress_s")
 
@@ -47,11 +47,14 @@ class TrafficStats:
         t["compress_s"] += compress_s
 
     def add_allreduce(self, numel: int, world_size: int, itemsize: int,
-                      comm_s: float = 0.0) -> None:
+                      comm_s: float = 0.0, payload: Optional[int] = None) -> None:
         """One ring all-reduce of `numel` elements of `itemsize` bytes, sent
-        and received alike, against fp32's bytes for the same elements."""
+        and received alike, against fp32's bytes for the `payload` elements
+        in it (default all of them; fewer where the buffer carries pads,
+        which are sent all the same)."""
         sent = allreduce_bytes(numel, world_size, itemsize)
-        self.add(sent, sent, fp32_allreduce_bytes(numel, world_size), comm_s)
+        fp32 = fp32_allreduce_bytes(numel if payload is None else payload, world_size)
+        self.add(sent, sent, fp32, comm_s)
 
     def snapshot(self) -> Dict[str, float]:
         return dict(self.totals)

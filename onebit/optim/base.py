@@ -681,8 +681,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             wire = flat if dtype == torch.float32 else share(flat, world, dtype)
             self._collective("gradient averaging (full-precision all-reduce)",
                              lambda: dist.all_reduce(wire, group=self.process_group, async_op=True))
-            self.traffic.add_allreduce(sum(t.numel() for t in tensors), world, dtype.itemsize,
-                                       time.perf_counter() - started)
+            # The buffer is in the compression layout, every tensor padded to
+            # whole blocks: the pads go over the wire too, so they count as
+            # sent, though not in the fp32 baseline of the params' bytes.
+            self.traffic.add_allreduce(wire.numel(), world, dtype.itemsize,
+                                       time.perf_counter() - started,
+                                       payload=sum(t.numel() for t in tensors))
             if wire is flat:
                 flat.div_(world)
             else:
