@@ -1,6 +1,7 @@
 """opt.comm_stats(): per-step telemetry, checked against an independent
 count (the bytes from the wire format and the world size; the seconds
 against a wall clock) on real gloo ranks."""
+import copy
 import math
 import time
 
@@ -93,3 +94,48 @@ def test_zero_one_adam_names_its_stages():
     stages = [s["stage"] for s in run_workers(_run, 2, "ZeroOneAdam", timeout=90)[0]]
     # Interval 1 before the freeze (every step updates v), then a sync every step.
     assert stages == ["variance update", "variance update", "sync", "sync", "sync"]
+
+
+def _norms_across_a_resume(rank, world):
+    import onebit
+
+    def make():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SIZES]
+        return params, onebit.OnebitAdam(params, lr=1e-2, freeze_step=2)
+
+    def train(params, opt, steps):
+        for t in steps:
+            g = torch.Generator().manual_seed(10 * t + rank)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+
+    params, opt = make()
+    train(params, opt, range(5))
+    # Copies, as a file would hold: torch's load_state_dict keeps the tensors it is given.
+    saved, errors = copy.deepcopy(opt.state_dict()), opt.error_feedback_state_dict()
+    # An independent norm: every saved error buffer, in float64.
+    expected = [torch.cat([g[part].double().flatten() for g in errors["groups"].values()]).norm().item()
+                for part in ("worker", "server")]
+    before = opt.comm_stats()
+    params2, opt2 = make()
+    with torch.no_grad():
+        for p, q in zip(params2, params):
+            p.copy_(q)
+    opt2.load_state_dict(saved)
+    restored = opt2.load_error_feedback_state_dict(errors)
+    after = opt2.comm_stats()
+    train(params, opt, [5])
+    train(params2, opt2, [5])
+    return restored, expected, before, after, opt.comm_stats(), opt2.comm_stats()
+
+
+def test_error_norms_are_reported_from_a_checkpoint_before_the_first_step_after_it():
+    for restored, expected, before, after, went_on, resumed in run_workers(
+            _norms_across_a_resume, 2, timeout=90):
+        assert restored and expected[0] > 0 and expected[1] > 0
+        for name, want in zip(("worker_error_norm", "server_error_norm"), expected):
+            assert math.isclose(before[name], want, rel_tol=1e-6)
+            assert math.isclose(after[name], want, rel_tol=1e-6)  # read 0 here before
+            assert resumed[name] == went_on[name]

@@ -127,7 +127,7 @@ class ErrorFeedbackChannel:
 
     def report(self, step: int) -> Dict[str, object]:
         """`comm_stats()` after `step` steps (or rounds)."""
-        return self.telemetry.report(step, self.world_size, self.exchange.error_buffers().values())
+        return self.telemetry.report(step, self.world_size, self.exchange.errors_to_report())
 
     # --------------------------------------------------------- checkpoints --
     def identity(self, position: Dict[str, int]) -> Dict[str, object]:

@@ -185,6 +185,15 @@ class ErrorFeedbackExchange:
         (telemetry sums their norms in this order)."""
         return dict(self._errors)
 
+    def errors_to_report(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """The error pairs the next exchanges start from: every one made so
+        far, then those loaded from a checkpoint and not yet taken up (a
+        resumed run's errors wait there until their buffer's first exchange,
+        and its telemetry should not read 0 meanwhile)."""
+        waiting = [(g["worker"], g["server"]) for k, g in self._saved.items()
+                   if k not in self._errors]
+        return list(self._errors.values()) + waiting
+
     def backup(self, key: ErrorKey) -> None:
         """Copy buffer `key`'s errors aside, before an exchange that may be undone."""
         worker, server = self.errors(key)

@@ -20,7 +20,14 @@ def _norm(tensors: List[torch.Tensor]) -> float:
     """The 2-norm of several tensors together (0 for none)."""
     if not tensors:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
+    # Errors loaded from a checkpoint may wait on another device than the
+    # live ones until taken up: each device's norms are stacked apart.
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))).cpu()
+             for ts in by_device.values()]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if len(norms) > 1 else float(norms[0])
 
 
 class StepTelemetry:
