@@ -41,9 +41,25 @@ class OnebitHookState:
                         "loading a checkpoint instead of pickling it")
 
 
+def _optimizer_of(state):
+    """The onebit optimizer in `state`, refusing a state of another kind
+    (the mistakes are registering the optimizer itself, or a hook state
+    around an optimizer that has no stages) with what to register."""
+    if not isinstance(state, OnebitHookState):
+        raise TypeError(f"onebit.ddp_comm_hook: the hook state is of type {type(state).__name__}; "
+                        "register it with model.register_comm_hook(opt.ddp_hook_state(), "
+                        "onebit.ddp_comm_hook)")
+    opt = state.optimizer
+    if opt is not None and not hasattr(opt, "needs_full_precision_gradients"):
+        raise TypeError(f"onebit.ddp_comm_hook: the hook state holds an optimizer of type {type(opt).__name__}, "
+                        "not a onebit optimizer (OnebitAdam, OnebitLamb, ZeroOneAdam); other "
+                        "optimizers need no hook (DDP's own all-reduce serves them)")
+    return opt
+
+
 def ddp_comm_hook(state: OnebitHookState,
                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    opt = state.optimizer
+    opt = _optimizer_of(state)
     if opt is None:
         raise RuntimeError("onebit.ddp_comm_hook: the hook state has no optimizer yet; set "
                            "state.optimizer = the onebit optimizer before the first backward")

@@ -559,3 +559,29 @@ def test_ddp_hook_one_full_allreduce_in_warmup_none_after():
     for per_step in run_workers(_count_ddp_allreduces, 2, timeout=60):
         assert per_step[:3] == [[n]] * 3, per_step  # warmup: DDP's one bucket, the optimizer none
         assert per_step[3:] == [[]] * 3, per_step  # compression: only the 1-bit exchange
+
+
+def _register_a_wrong_hook_state(rank, world, case):
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = onebit.OnebitAdam(ddp.parameters(), freeze_step=2)
+    state = opt if case == "the optimizer" else onebit.OnebitHookState(torch.optim.Adam(model.parameters()))
+    ddp.register_comm_hook(state, onebit.ddp_comm_hook)
+    try:
+        ddp(torch.randn(3, 4)).sum().backward()
+    except Exception as e:  # DDP may wrap the hook's error: its text is what counts
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+@pytest.mark.parametrize("case,names", [("the optimizer", "the hook state is of type OnebitAdam"),
+                                        ("a torch optimizer", "of type Adam, not a onebit")])
+def test_a_ddp_hook_registered_with_a_wrong_state_says_what_to_register(case, names):
+    for kind, message in run_workers(_register_a_wrong_hook_state, 2, case, timeout=60):
+        assert kind is not None, "backward ran with a wrong hook state"
+        assert names in message, message
+        if case == "the optimizer":
+            assert "opt.ddp_hook_state()" in message, message
