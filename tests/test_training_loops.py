@@ -120,6 +120,43 @@ def test_ranks_disagreeing_on_requires_grad_mid_run_raise_on_every_rank_and_chan
             assert r["unchanged"] and r["step"], r
 
 
+def _settings_apart_mid_run(rank, world, name, at, what):
+    model = small_model(0)
+    opt = _make(name, model.parameters(), freeze=3)
+    for t in range(1, at):
+        _train_step(model, opt, rank, t)
+    if rank == 1 and what == "lr":  # a scheduler stepped on one rank only
+        opt.param_groups[0]["lr"] *= 0.5
+    if rank == 1 and what == "counters":  # as if resumed from another checkpoint
+        saved = copy.deepcopy(opt.state_dict())
+        for g in saved["param_groups"]:
+            g["onebit"] = {**g["onebit"], "step": g["onebit"]["step"] + 2}
+        opt.load_state_dict(saved)
+    # A load without the error buffers restarts the momentum at the next
+    # step, before anything is agreed (momentum_restart): the counters and
+    # params are what must stay, and the whole state where nothing was loaded.
+    before, state = flat(model), copy.deepcopy(opt.state_dict())
+    counters = copy.deepcopy(opt.counters)
+    try:
+        _train_step(model, opt, rank, at)
+    except ValueError as exc:
+        kept = (opt.counters == counters if what == "counters"
+                else repr(opt.state_dict()) == repr(state))
+        return {"error": str(exc), "unchanged": flat(model) == before, "state": kept}
+    return {"error": "no error"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("what,named", [("lr", "hyper-parameters"), ("counters", "the step counters")])
+def test_ranks_whose_settings_drift_apart_mid_run_raise_on_every_rank_and_change_nothing(
+        name, what, named):
+    for at in (2, 6):  # in warmup, and after the freeze
+        for r in run_workers(_settings_apart_mid_run, 3, name, at, what, timeout=60):
+            assert f"ranks disagree on {named} at step" in r["error"], r
+            assert r["unchanged"] and r["state"], r
+
+
 def _freeze_then_unfreeze(rank, world, name):
     model = small_model(0)
     model[0].requires_grad_(False)  # the bottom layer starts frozen

@@ -184,26 +184,41 @@ class RankAgreement:
 
     def before_step(self, step: int, nonfinite: torch.Tensor, trainable_digest: int,
                     redo_buckets: bool, param_groups,
-                    no_grad: Sequence[bool] = ()) -> StepVerdict:
+                    no_grad: Sequence[bool] = (), settings: Optional[dict] = None) -> StepVerdict:
         """One all-gather before step `step` changes anything: the ranks must
         train the same params (else the exchanges would not match: gloo
-        aborts the process; a ValueError here instead), and they learn
+        aborts the process; a ValueError here instead) and hold the same
+        `settings` (name -> value: the counters that decide the stage, the
+        groups' hyper-parameters; a scheduler stepped on one rank only would
+        let the replicas drift apart with no error), and they learn
         whether any rank saw a non-finite gradient (`nonfinite`, a 0-dim
         device flag: it stays on the device until the table comes back),
         must redo its backward buckets, and which params (`no_grad`: this
         rank's flag for every param of every group, so the message has the
         same length on every rank) no rank has a gradient for."""
+        settings = settings or {}
+        digests = [collectives.stable_digest(v) for v in settings.values()]
+        head = 3 + len(digests)
         table = self.gather("agreeing on the trainable params and on skipping a non-finite step",
-                            [nonfinite, trainable_digest, int(redo_buckets)] + pack_flags(no_grad))
+                            [nonfinite, trainable_digest, int(redo_buckets)] + digests
+                            + pack_flags(no_grad))
         if len({row[1] for row in table}) > 1:
             raise ValueError(
                 f"{self.name}: ranks disagree on which parameters require grad at step {step}; "
                 f"nothing was updated. This rank ({self.rank}) trains "
                 f"{trainable_summary(param_groups)}. Freeze and unfreeze the same parameters on "
                 "every rank, at the same step")
+        bad = [name for j, name in enumerate(settings) if len({row[3 + j] for row in table}) > 1]
+        if bad:
+            raise ValueError(
+                f"{self.name}: ranks disagree on {', '.join(bad)} at step {step}; nothing was "
+                f"updated. This rank ({self.rank}) has " + "; ".join(
+                    f"{b} = {settings[b]!r}"[:1500] for b in bad)
+                + ". Change them on every rank alike (a scheduler on every rank, one "
+                "checkpoint loaded everywhere)")
         return StepVerdict(any(row[0] for row in table), any(row[2] for row in table),
                            all(row[0] for row in table),
-                           tuple(flags_on_every_rank([row[3:] for row in table], len(no_grad))))
+                           tuple(flags_on_every_rank([row[head:] for row in table], len(no_grad))))
 
     def check_replicas(self, step: int, param_groups, state) -> None:
         """Divergence guard: compare a checksum of every parameter and state

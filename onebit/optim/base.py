@@ -73,6 +73,26 @@ from .untouched import UntouchedParams
 
 
 
+def step_settings(counters: dict, param_groups) -> dict:
+    """What every rank must hold alike at each step, named for the message:
+    the counters that decide the stage (a rank resumed from another
+    checkpoint would run another stage's collectives) and each group's
+    hyper-parameters (a scheduler stepped on one rank only). A 0-dim tensor
+    is compared by value (the step reads it as a float anyway), another
+    tensor by shape, as at construction."""
+    def plain(v):
+        if isinstance(v, torch.Tensor):
+            return float(v) if v.dim() == 0 else (tuple(v.shape), str(v.dtype))
+        return v
+
+    return {
+        "the step counters": sorted(counters.items()),
+        "hyper-parameters": [sorted((k, plain(v)) for k, v in g.items()
+                                    if k not in ("params", COUNTERS_KEY))
+                             for g in param_groups],
+    }
+
+
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base class; see OnebitAdam for the user-facing documentation.
 
@@ -381,8 +401,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         no_grad = [p.grad is None for p in every]
         if self._agreeing:
             stale = self._overlap is not None and self._overlap.stale
+            settings = step_settings(self.counters, self.param_groups)
             verdict = self._in_order(lambda: self._agreement.before_step(
-                t, flag, self._trainable_digest, stale, self.param_groups, no_grad))
+                t, flag, self._trainable_digest, stale, self.param_groups, no_grad, settings))
             if self._overlap is not None:  # every rank redoes its buckets, or none
                 self._overlap.stale = verdict.redo_buckets
             bad, no_grad = verdict.nonfinite, verdict.gradless
