@@ -128,6 +128,21 @@ class StepVerdict(NamedTuple):
     gradless: tuple = ()  # per param of no_grad: no rank has a gradient for it (untouched.py)
 
 
+def group_settings(param_groups, leave_out: Sequence[str] = ()) -> list:
+    """Each group's settings but its params (and `leave_out`), as sorted
+    (name, value) pairs that ranks can compare by digest. A 0-dim tensor
+    counts by value (a step reads its lr as a float anyway), another tensor
+    by shape and dtype, as at construction: its repr would name the device,
+    which differs between ranks."""
+    def plain(v):
+        if isinstance(v, torch.Tensor):
+            return float(v) if v.dim() == 0 else (tuple(v.shape), str(v.dtype))
+        return v
+
+    return [sorted((k, plain(v)) for k, v in g.items() if k != "params" and k not in leave_out)
+            for g in param_groups]
+
+
 def trainable_summary(param_groups) -> str:
     """Which params of each group require grad, in words."""
     return "; ".join(f"group {i}: {sum(p.requires_grad for p in g['params'])} of "

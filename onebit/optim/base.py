@@ -51,7 +51,8 @@ from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends import backend_name
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once
-from ..feedback.agreement import RankAgreement, check_params_served, nonfinite_flag
+from ..feedback.agreement import (RankAgreement, check_params_served, group_settings,
+                                  nonfinite_flag)
 from ..feedback.channel import ErrorFeedbackChannel, agreed_backend_name, open_backend
 from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
 from ..feedback.handoff import exchange_group
@@ -77,20 +78,9 @@ def step_settings(counters: dict, param_groups) -> dict:
     """What every rank must hold alike at each step, named for the message:
     the counters that decide the stage (a rank resumed from another
     checkpoint would run another stage's collectives) and each group's
-    hyper-parameters (a scheduler stepped on one rank only). A 0-dim tensor
-    is compared by value (the step reads it as a float anyway), another
-    tensor by shape, as at construction."""
-    def plain(v):
-        if isinstance(v, torch.Tensor):
-            return float(v) if v.dim() == 0 else (tuple(v.shape), str(v.dtype))
-        return v
-
-    return {
-        "the step counters": sorted(counters.items()),
-        "hyper-parameters": [sorted((k, plain(v)) for k, v in g.items()
-                                    if k not in ("params", COUNTERS_KEY))
-                             for g in param_groups],
-    }
+    hyper-parameters (a scheduler stepped on one rank only)."""
+    return {"the step counters": sorted(counters.items()),
+            "hyper-parameters": group_settings(param_groups, leave_out=(COUNTERS_KEY,))}
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
