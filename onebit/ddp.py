@@ -46,14 +46,15 @@ def _optimizer_of(state):
     (the mistakes are registering the optimizer itself, or a hook state
     around an optimizer that has no stages) with what to register."""
     if not isinstance(state, OnebitHookState):
-        raise TypeError(f"onebit.ddp_comm_hook: the hook state is of type {type(state).__name__}; "
-                        "register it with model.register_comm_hook(opt.ddp_hook_state(), "
-                        "onebit.ddp_comm_hook)")
+        raise TypeError("onebit.ddp_comm_hook: the hook state is of type "
+                        f"{type(state).__name__}; register it with "
+                        "model.register_comm_hook(opt.ddp_hook_state(), onebit.ddp_comm_hook)")
     opt = state.optimizer
     if opt is not None and not hasattr(opt, "needs_full_precision_gradients"):
-        raise TypeError(f"onebit.ddp_comm_hook: the hook state holds an optimizer of type {type(opt).__name__}, "
-                        "not a onebit optimizer (OnebitAdam, OnebitLamb, ZeroOneAdam); other "
-                        "optimizers need no hook (DDP's own all-reduce serves them)")
+        raise TypeError("onebit.ddp_comm_hook: the hook state holds an optimizer of type "
+                        f"{type(opt).__name__}, not a onebit optimizer (OnebitAdam, OnebitLamb, "
+                        "ZeroOneAdam); other optimizers need no hook (DDP's own all-reduce "
+                        "serves them)")
     return opt
 
 

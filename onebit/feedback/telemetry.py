@@ -27,7 +27,9 @@ def _norm(tensors: List[torch.Tensor]) -> float:
         by_device.setdefault(t.device, []).append(t)
     norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))).cpu()
              for ts in by_device.values()]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if len(norms) > 1 else float(norms[0])
+    if len(norms) == 1:
+        return float(norms[0])
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
 class StepTelemetry:

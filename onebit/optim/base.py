@@ -72,8 +72,6 @@ from .stage import Stage
 from .untouched import UntouchedParams
 
 
-
-
 def step_settings(counters: dict, param_groups) -> dict:
     """What every rank must hold alike at each step, named for the message:
     the counters that decide the stage (a rank resumed from another
