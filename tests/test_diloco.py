@@ -603,6 +603,27 @@ def test_an_inner_optimizer_built_again_after_diloco_is_refused():
         assert diloco.sync() and diloco.rounds == 3
 
 
+def test_dilocos_own_landings_before_any_inner_step_are_no_misuse():
+    """sync() lands rounds before an inner step is counted (an evaluation
+    forward, then sync(); a resumed run synced at once): its own writes must
+    not read as another optimizer's, while a write after them still does."""
+    import onebit
+
+    model = torch.nn.Linear(4, 2)
+    diloco = onebit.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4)
+    model(torch.ones(3, 4))
+    assert diloco.sync()
+    model(torch.ones(3, 4))  # raised "counted no inner step" before
+    params = [torch.nn.Parameter(torch.randn(5))]
+    diloco = onebit.DiLoCo(params, torch.optim.SGD(params, lr=0.1), sync_every=4)
+    assert diloco.sync() and diloco.sync() and diloco.rounds == 2
+    assert len(diloco.state_dict()["anchors"]) == 1
+    params[0].grad = torch.ones(5)
+    torch.optim.SGD(params, lr=0.1).step()  # another optimizer, after the landings
+    with pytest.raises(ValueError, match="an optimizer it does not hook"):
+        diloco.sync()
+
+
 def _warmup_with_a_skipped_step(rank, world):
     """Rank 1 skips its first inner step (as torch's GradScaler does on the
     rank that overflowed alone) and takes one more iteration to make up."""

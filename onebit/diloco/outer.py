@@ -484,6 +484,7 @@ class DiLoCo:
         if job.skipped:
             for p, a in zip(params, anchors):
                 p.copy_(a)
+            self._writes.mark()  # DiLoCo's own write (sync() may land before any inner step)
             self._channel.telemetry.end_step(round_no, self.compression, skipped=True)
             return False
         for a, d in zip(anchors, job.deltas):
@@ -500,6 +501,7 @@ class DiLoCo:
         else:  # anchor + keep * (p - p at the launch), in fp32, rounded once
             for p, a, start in zip(params, anchors, job.launch_points):
                 p.copy_(torch.add(a, p.float() - start, alpha=self.keep_local_progress))
+        self._writes.mark()
         self.rounds = round_no
         self._channel.telemetry.end_step(round_no, self.compression, skipped=False)
         return True
