@@ -353,6 +353,38 @@ def test_overlap_refuses_clipping_clearly():
         assert "max_grad_norm=0" in msgs[0]
 
 
+def _a_refused_group(rank, world, cls_name):
+    import onebit
+
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))
+    stage = "var_freeze_step" if cls_name == "ZeroOneAdam" else "freeze_step"
+    opt = getattr(onebit, cls_name)([a], lr=0.1, overlap_backward=True, timeout_s=60,
+                                    **{stage: 1})
+    counters = {k: list(v) if isinstance(v, list) else v for k, v in opt.counters.items()}
+    try:
+        opt.add_param_group({"params": [b], "max_grad_norm": 1.0})
+        refused = "accepted"
+    except ValueError as exc:
+        refused = str(exc)
+    groups, same_counters = len(opt.param_groups), opt.counters == counters
+    for _ in range(4):  # past the freeze: 0/1 Adam's local steps read every group's lr sum
+        a.grad, b.grad = torch.full((4,), 0.5 + rank), torch.full((3,), 0.5 + rank)
+        opt.step()
+    return refused, groups, same_counters, b.detach().tolist(), a.detach().tolist()
+
+
+@pytest.mark.parametrize("cls_name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_a_refused_param_group_leaves_the_optimizer_as_it_was(cls_name):
+    """The group's refusal came after torch had added it: it stayed and
+    trained, and 0/1 Adam's per-group lr sums missed it (IndexError)."""
+    out = run_workers(_a_refused_group, 2, cls_name, timeout=120)
+    for refused, groups, same_counters, b, a in out:
+        assert "max_grad_norm=0" in refused
+        assert groups == 1 and same_counters
+        assert b == [1.0] * 3  # never trained
+        assert a != [1.0] * 4 and a == out[0][4]  # the optimizer goes on, replicas alike
+
+
 def _two_groups(rank, world):
     import onebit
     from onebit.feedback.exchange import BucketKey

@@ -474,14 +474,23 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         super().add_param_group(param_group)
         if not getattr(self, "_constructed", False):  # torch's __init__ adding the first groups
             return
+        # A refused group leaves: it would train unchecked, and 0/1 Adam's
+        # per-group counters would miss it. The checks come before the
+        # broadcast, so a refusal leaves its params as they were, too.
+        try:
+            if self.world_size > 1:
+                check_params_served(type(self).__name__, self.param_groups, self.process_group)
+                self._agreement.check_construction(self._settings, self.param_groups,
+                                                   self.comm_backend_name)
+            if self._overlap is not None:
+                self._check_overlap_group(self.param_groups[-1])
+        except BaseException:
+            self.param_groups.pop()
+            raise
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
-            check_params_served(type(self).__name__, self.param_groups, self.process_group)
-            self._agreement.check_construction(self._settings, self.param_groups,
-                                               self.comm_backend_name)
             self._broadcast_parameters(groups=self.param_groups[-1:])
         if self._overlap is not None:  # its params get hooks too
-            self._check_overlap_group(self.param_groups[-1])
             self._overlap.watch(self.param_groups[-1]["params"])
         self._schedule.group_added(self.counters)
 
