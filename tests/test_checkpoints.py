@@ -109,6 +109,38 @@ def test_a_variance_with_more_updates_than_freeze_step_keeps_its_bias_correction
         assert torch.allclose(p.double(), want, rtol=1e-5, atol=1e-7)
 
 
+def test_lamb_resumed_with_a_smaller_freeze_step_keeps_the_bias_correction_of_its_variance():
+    """OnebitLamb saved at step 10 of freeze_step=20, resumed with
+    freeze_step=5: v had 10 updates, but the compressed step's bias
+    correction took freeze_step's 5 (its steps 14% off; OnebitAdam counted
+    them). Checked against LAMB's formula with v frozen, in float64, from the
+    loaded state; world size 1 (exact exchange)."""
+    import onebit
+
+    b1, b2, eps, lr, wd = 0.9, 0.999, 1e-8, 1e-2, 0.1
+
+    def grads(t):
+        return torch.randn(64, generator=torch.Generator().manual_seed(t)) * (1 + t % 3)
+
+    p = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(99)))
+    before = onebit.OnebitLamb([p], lr=lr, weight_decay=wd, freeze_step=20)
+    for t in range(1, 11):
+        p.grad = grads(t)
+        before.step()
+    m0, v0 = before.state[p]["exp_avg"].double(), before.state[p]["exp_avg_sq"].double()
+    p0 = p.detach().double().clone()
+    q = torch.nn.Parameter(p.detach().clone())
+    resumed = onebit.OnebitLamb([q], lr=lr, weight_decay=wd, freeze_step=5)
+    resumed.load_state_dict(copy.deepcopy(before.state_dict()))
+    q.grad = grads(11)
+    resumed.step()
+    m1 = b1 * m0 + (1 - b1) * grads(11).double()
+    update = m1 / (1 - b1 ** 11) / ((v0 / (1 - b2 ** 10)).sqrt() + eps) + wd * p0
+    coeff = min(max(float(p0.norm() / update.norm()), 0.01), 10.0)
+    want = p0 - lr * coeff * update
+    assert float((q.double() - want).abs().max() / (want - p0).abs().max()) < 1e-4
+
+
 @pytest.mark.parametrize("trust_ratio, staged", [("fresh", "exp_avg_smoothed"),
                                                   ("frozen", "exp_avg_sq_fresh")])
 def test_lamb_resumed_with_a_smaller_freeze_step_drops_the_saved_placeholders(trust_ratio,

@@ -137,9 +137,12 @@ class OnebitLamb(FreezeStepOptimizer):
     def _update(self, stage, groups, grads) -> None:
         self.lamb_coeffs = []
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
-            if params:
-                (self._compressed_step if stage.compressed else self._warmup_step)(
-                    i, group, params, gs, stage.step)
+            if not params:
+                continue
+            if stage.compressed:
+                self._compressed_step(i, group, params, gs, stage.step, stage.variance_updates)
+            else:
+                self._warmup_step(i, group, params, gs, stage.step)
 
     def _late_update(self, key, group, params, grads) -> None:
         """A late joiner's own warmup (late.py): LAMB's warmup maths, one
@@ -182,7 +185,9 @@ class OnebitLamb(FreezeStepOptimizer):
         list of shard norms is completed over the shard group (shards.py)."""
         return self._shards.whole_norms if self._shards.sharded else None
 
-    def _compressed_step(self, i, group, params, gs, t) -> None:
+    def _compressed_step(self, i, group, params, gs, t, variance_updates: int) -> None:
+        """`variance_updates`: how many updates the frozen v had (freeze_step,
+        unless a checkpoint from a run with another freeze_step was loaded)."""
         states = self._states(params)
         m, v = self._moments(params, states)
         frozen = self.trust_ratio == "frozen"
@@ -191,14 +196,14 @@ class OnebitLamb(FreezeStepOptimizer):
             torch._foreach_copy_(m_last, m)
         # m <- the 1-bit average of the new momentum: one fused exchange for
         # the whole group (see the class doc for why it is not rescaled).
-        seen, masks = self._seen(i, group, v, self.freeze_step)
+        seen, masks = self._seen(i, group, v, variance_updates)
         exchange = self._exchanges.group(i)
         inputs = exchange.inputs(m)
         if inputs is not None:  # (else backward wrote them: the same expression)
             F.momentum_into(inputs, m, gs, group["betas"][0])
         exchange.average_(m, seen, masks)
         self._mask_(group, m)
-        bc1, bc2 = self._bias_corrections(group, t, self.freeze_step)
+        bc1, bc2 = self._bias_corrections(group, t, variance_updates)
         # freeze_step = 0 or a restored warmup: the ratio's state starts here
         start, name = (v, "exp_avg_sq_fresh") if frozen else (m, "exp_avg_smoothed")
         for st, x in zip(states, start):
@@ -207,7 +212,7 @@ class OnebitLamb(FreezeStepOptimizer):
         params, m, v, states = only_seen(seen, params, m, v, states)
         if not params:
             return
-        denom = self._denominators(i, group, v, bc2, self.freeze_step)
+        denom = self._denominators(i, group, v, bc2, variance_updates)
         common = dict(scratch=lambda like: self._static.scratch("update", i, like),
                       whole_norms=self._whole_norms(), lr=group["lr"],
                       weight_decay=group["weight_decay"], bc1=bc1,
