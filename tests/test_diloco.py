@@ -233,7 +233,7 @@ def _resume(rank, world, saved, fragments=1, overlap=0, dcp_dir=None, keep=0.0):
                   overlap, dcp_dir, keep)
 
 
-def _resume_without_errors(rank, world, saved):
+def _resume_without_errors(rank, world, saved, fragments=1, overlap=0):
     """Load the shared state only (what a trainer's rank-0 checkpoint
     holds); count the restart warnings over the next round."""
     import warnings
@@ -245,7 +245,7 @@ def _resume_without_errors(rank, world, saved):
     inner = torch.optim.SGD(params, lr=INNER_LR)
     inner.load_state_dict(start["inner"])
     diloco = onebit.DiLoCo(params, inner, sync_every=H, block_size=BLOCK, timeout_s=30,
-                           **OUTERS["nesterov"])
+                           fragments=fragments, overlap_steps=overlap, **OUTERS["nesterov"])
     diloco.load_state_dict(start["diloco"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -278,6 +278,17 @@ def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_
                 f"rank {rank} inner step {step} differs after the resume"
     if fragments == 1:  # without its errors a resume is not exact, and each rank says so once
         assert run_workers(_resume_without_errors, world, saved, timeout=120) == [1] * world
+
+
+def test_a_resume_without_errors_warns_with_the_first_exchange_still_in_flight():
+    """Streaming, saved after inner step H + 1: the first exchange went out
+    at step H and lands at H + 2, so no round has landed, but the errors
+    have moved. The resume without them warned only once a round had landed."""
+    world, overlap = 3, 2
+    straight = run_workers(_train, world, "1bit", ROUNDS, None, H + 1, "nesterov", 0, 1,
+                           overlap, timeout=120)
+    saved = [r[1] for r in straight]
+    assert run_workers(_resume_without_errors, world, saved, 1, overlap, timeout=120) == [1] * world
 
 
 @pytest.mark.parametrize("compression, outer, fragments, overlap, keep", [

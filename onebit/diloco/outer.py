@@ -704,7 +704,9 @@ class DiLoCo:
                 self._in_flight[int(f)] = _FragmentRound(
                     [local(d).to(a.device) for d, a in zip(entry["deltas"], anchors)],
                     skipped=status == self._SKIPPED)
-        self._channel.owner_loaded(self.backend is not None and self.rounds > 0)
+        # An exchange launched and not landed yet (streaming) has moved the
+        # errors too: the launches count, not the landed rounds.
+        self._channel.owner_loaded(self.backend is not None and self.launches > 0)
         self._steps_at_start, self._armed = self.inner_steps, False
         self._fresh = False  # the anchors are the checkpoint's: loaded params must not move them
         self._writes.mark()
