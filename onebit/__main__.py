@@ -5,7 +5,8 @@ import sys
 
 import torch
 
-from .config import build_optimizer, read_config
+from .config import build_optimizer, build_scheduler, read_config
+from .schedules import SCHEDULES
 
 
 def main(argv=None) -> int:
@@ -18,6 +19,9 @@ def main(argv=None) -> int:
             config = json.load(f)  # once: the path may be a pipe
         reading = read_config(config)
         opt = build_optimizer([torch.nn.Parameter(torch.zeros(1))], config)
+        scheduler = config.get("scheduler")
+        if isinstance(scheduler, dict) and scheduler.get("type") in SCHEDULES:
+            build_scheduler(opt, config)  # its params checked as the training script's will be
     except (ValueError, OSError) as exc:
         print(f"invalid config: {exc}", file=sys.stderr)
         return 1

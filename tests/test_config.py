@@ -85,6 +85,13 @@ def test_command_line_validates_a_config(tmp_path):
         assert key in told.stdout
     no = subprocess.run([sys.executable, "-m", "onebit", str(bad)], capture_output=True, text=True, timeout=60)
     assert no.returncode == 1 and "unknown parameter" in no.stderr
+    # A scheduler section build_scheduler would refuse (it passed as "mapped").
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({**DEEPSPEED_CONFIG, "scheduler": {
+        "type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_num_stepz": 10}}}))
+    no = subprocess.run([sys.executable, "-m", "onebit", str(typo)], capture_output=True,
+                        text=True, timeout=60)
+    assert no.returncode == 1 and "['warmup_num_stepz']" in no.stderr, no.stderr
 
 
 @pytest.mark.parametrize("section, match", [
