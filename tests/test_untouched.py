@@ -166,3 +166,32 @@ def test_zero_one_adam_records_the_synced_point_for_a_param_it_leaves_alone():
             assert torch.equal(b.detach(), at_sync + opt.state[b]["momentum_accumulator"])
             assert (b.detach() - at_sync).abs().max() < 0.05
     assert stages[7:10] == ["sync", "local step", "local step"]
+
+
+def _late_joiner_never_used(rank, world, cls_name):
+    import onebit
+
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    stage = "var_freeze_step" if cls_name == "ZeroOneAdam" else "freeze_step"
+    opt = getattr(onebit, cls_name)([*trunk.parameters(), *branch.parameters()], lr=1e-2,
+                                    weight_decay=0.01, **{stage: 3})
+    start = branch.weight.detach().clone()
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, 11):
+        branch.requires_grad_(step > 3)  # unfrozen after the freeze, then used by no rank
+        x = torch.randn(8, 4, generator=g)
+        opt.zero_grad(set_to_none=True)
+        trunk(x).pow(2).mean().backward()
+        opt.step()
+    return (branch.weight.detach() - start).abs().max().item()
+
+
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_a_late_joiner_no_rank_has_a_gradient_for_stays_as_it_was(cls_name):
+    """Unfrozen after the freeze (a late joiner, late.py) but used by no
+    rank: weight decay included, it must stay as torch leaves it. At 0/1
+    Adam's syncs it took a step of weight decay (a sync takes every trained
+    param, to land the replicas on one point, which a late joiner averaged
+    in full precision every step does not need)."""
+    assert run_workers(_late_joiner_never_used, 2, cls_name, timeout=120) == [0.0, 0.0]

@@ -326,8 +326,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 self._end_overlap()
                 self._channel.telemetry.end_step(t, stage.name, skipped=True)
                 return loss
+            if not self._leaves_gradless_params(stage):
+                # (0/1 Adam's syncs:) a late joiner is averaged in full
+                # precision every step, so its replicas need no common point.
+                late_ids = {id(p) for _, ps in late for p in ps}
+                gradless = [p for p in gradless if id(p) in late_ids]
             untouched = (self._keep_untouched(gradless, [ps for _, ps in groups])
-                         if gradless and self._leaves_gradless_params(stage) else None)
+                         if gradless else None)
             exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
             if stage.full_precision:
                 for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
