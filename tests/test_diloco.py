@@ -635,6 +635,40 @@ def test_dilocos_own_landings_before_any_inner_step_are_no_misuse():
         diloco.sync()
 
 
+def _unfreezes_a_layer_diloco_left_out(rank, world):
+    import onebit
+
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    head.requires_grad_(False)  # frozen when DiLoCo is built
+    model = torch.nn.Sequential(body, head)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    diloco = onebit.DiLoCo(model, inner, sync_every=2, timeout_s=60)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, 5):
+        if step == 3:
+            head.requires_grad_(True)
+        before = [p.detach().clone() for p in model.parameters()]
+        inner.zero_grad()
+        model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+        try:
+            inner.step()
+        except ValueError as exc:
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            return step, str(exc), unchanged
+    return None, "", False
+
+
+def test_a_layer_frozen_when_diloco_was_built_and_unfrozen_later_is_refused():
+    """The rounds sync the params that required grad at construction: the
+    head unfrozen later trained on each rank apart, never synced (0.02
+    apart after every round). Now the inner step refuses, on every rank."""
+    for step, message, unchanged in run_workers(_unfreezes_a_layer_diloco_left_out, 2,
+                                                timeout=60):
+        assert step == 3 and "2 param(s) frozen when DiLoCo was built" in message, message
+        assert unchanged
+
+
 def _warmup_with_a_skipped_step(rank, world):
     """Rank 1 skips its first inner step (as torch's GradScaler does on the
     rank that overflowed alone) and takes one more iteration to make up."""

@@ -191,6 +191,9 @@ class DiLoCo:
                              f"{type(odd).__name__} (for named_parameters(), pass "
                              f"model.parameters() or the model itself)")
         self.params: List[torch.Tensor] = [p for p in params if p.requires_grad]
+        # The rounds sync self.params only: one of these unfrozen later would
+        # train on every rank apart, never synced (checked at each inner step).
+        self._frozen_when_built = [p for p in params if not p.requires_grad]
         if not self.params:
             raise ValueError("DiLoCo: no parameter requires grad")
         # A tensor listed twice would get two anchors and, in two fragments,
@@ -295,6 +298,14 @@ class DiLoCo:
 
     # ---------------------------------------------------------------- loop --
     def _before_inner_step(self) -> None:
+        unfrozen = sum(p.requires_grad for p in self._frozen_when_built)
+        if unfrozen:
+            raise ValueError(
+                f"DiLoCo: {unfrozen} param(s) frozen when DiLoCo was built now require grad; "
+                "the rounds sync only the params that required grad then, so these would "
+                "train on every rank apart. Nothing was stepped. Build DiLoCo with them "
+                "trainable (a param no rank has a gradient for stays as it is), or build it "
+                "again after unfreezing")
         self._channel.restart_notice.before_step()
         if self.inner_steps < self.warmup_steps and self.world_size > 1:
             self._average_gradients()
