@@ -272,3 +272,40 @@ def test_zero_one_adam_trains_through_an_lr_that_returns_from_0(schedule):
     assert max(losses[40:]) < 0.2 * losses[0]  # it kept training after the lr came back
     assert sum(losses[-10:]) / 10 < 0.05 * losses[0]
     assert out[0]["synced"] and out[1]["params"] == out[0]["params"]
+
+
+def _zero_one_adam_freezes_between_syncs(rank, world, unfreeze_at):
+    import onebit
+
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+    opt = onebit.ZeroOneAdam([*body.parameters(), *head.parameters()], lr=1e-2,
+                             var_freeze_step=2, local_step_scaler=1, local_step_clipper=4)
+    out = []
+    for step in range(1, 17):
+        if step == 6:  # after a local step: the replicas are apart by design
+            body.requires_grad_(False)
+        if step == unfreeze_at:
+            body.requires_grad_(True)
+        g = torch.Generator().manual_seed(10 * step + rank)
+        opt.zero_grad(set_to_none=True)
+        head(torch.tanh(body(torch.randn(8, 4, generator=g)))).pow(2).mean().backward()
+        opt.step()
+        out.append((opt.last_stage.name, flat(body)))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("unfreeze_at", [None, 9])
+def test_zero_one_adam_layer_frozen_between_syncs_comes_back_to_the_common_point(unfreeze_at):
+    """Frozen after a local step, the body kept each rank's own value, and
+    no later sync took it: 0.013 apart for good, even after it was unfrozen
+    again (each rank's anchor was its own). It now goes back to its last
+    synced point when it stops training."""
+    ranks = run_workers(_zero_one_adam_freezes_between_syncs, 2, unfreeze_at, timeout=90)
+    stages = [stage for stage, _ in ranks[0]]
+    assert stages[4] == "local step" and "sync" in stages[6:]
+    for step, ((stage, a), (_, b)) in enumerate(zip(*ranks), start=1):
+        frozen = step >= 6 and (unfreeze_at is None or step < unfreeze_at)
+        if frozen or stage == "sync":
+            assert a == b, (step, stage)

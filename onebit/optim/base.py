@@ -64,7 +64,7 @@ from . import functional as F
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
 from .guards import Variances, ZeroVarianceGuard, resolved
-from .late import LATE, LATE_KEY, TRAINED, LateJoiners
+from .late import FROZEN, LATE, LATE_KEY, TRAINED, LateJoiners
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
 from .step_exchange import StepExchange
@@ -190,6 +190,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
         self._hook_averaged: set = set()  # ids of params the DDP hook averaged, for one step
         self._trainable_signature = None  # see _notice_trainable_changes
+        self._stopped_training: List[torch.Tensor] = []  # ... and _params_stopped_training
         self._trainable_digest = 0
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
         self._share_counters(self._initial_counters())
@@ -322,6 +323,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
                 self._overlap.launch_rest([ps for _, ps in groups], grads)
             skip, gradless = self._agree_before_step(t, grads + late_grads)
+            if self._stopped_training:  # (the ranks agree on them: the step goes on)
+                self._params_stopped_training(self._stopped_training)
+                self._stopped_training = []
             if skip:
                 self._end_overlap()
                 self._channel.telemetry.end_step(t, stage.name, skipped=True)
@@ -584,6 +588,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         and guards, scratch buffers."""
         if signature != self._trainable_signature:
             if self._trainable_signature is not None:
+                self._stopped_training = [
+                    p for group, old, new in zip(self.param_groups, self._trainable_signature,
+                                                 signature) if len(old) == len(new)
+                    for p, was, now in zip(group["params"], old, new)
+                    if was != FROZEN and now == FROZEN]
                 if self._overlap is not None and self._overlap.launched:
                     # Exchanges backward queued over the old buffers (a group
                     # added mid-run, its params planned in): undone first,
@@ -592,6 +601,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 self._forget_layouts()
             self._trainable_signature = signature
             self._trainable_digest = collectives.stable_digest(signature)
+
+    def _params_stopped_training(self, params: List[torch.Tensor]) -> None:
+        """`params` were trained in the last step and are frozen from this
+        one (requires_grad turned off), as every rank agreed: nothing to do
+        where the replicas are equal after every step (0/1 Adam's local
+        steps are not)."""
 
     def _local_state(self):
         """`self.state`, which a sharded param's local shard (what the maths

@@ -210,6 +210,22 @@ class ZeroOneAdam(OnebitOptimizer):
                                   bc1=bc1, lrs=c["lrs"][i])
                 c["lrs"][i] = 0.0
 
+    @torch.no_grad()
+    def _params_stopped_training(self, params) -> None:
+        """A param frozen after local steps holds this rank's own value, and
+        no later sync takes it: the replicas would stay apart for good. It
+        goes back to its last synced point, the same on every rank (the
+        local steps since then are dropped for it, as a frozen layer takes
+        no more steps)."""
+        in_interval = {id(p) for g, lrs in zip(self.param_groups, self.counters["lrs"])
+                       if lrs != 0.0 for p in g["params"]}
+        for p in self._shards.locals([p for p in params if id(p) in in_interval]):
+            st = self._state_of(p)
+            if "sync_point" in st:
+                p.copy_(st["sync_point"])
+                if "momentum_accumulator" in st:
+                    st["momentum_accumulator"].zero_()
+
     def _anchors(self, params, states, first: bool):
         """The last synced point of each param, kept exactly: recomputing it
         as p - u would round differently on each rank, and the replicas would
