@@ -95,6 +95,27 @@ def test_ranks_disagreeing_on_requires_grad_fail_at_construction(name):
         assert "ranks disagree on parameter shapes/order/requires_grad" in msg, msg
 
 
+def _built_apart(rank, world, name, option, values):
+    model = small_model(0)
+    try:
+        _make(name, model.parameters(), freeze=3, timeout_s=30, **{option: values[rank % 2]})
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("option, values, named", [
+    # each made a collective before the fingerprint, or one of its own after
+    ("overlap_backward", (False, True), "hyper-parameters"),  # hung in new_group
+    ("comm_backend_name", ("compressed", "hierarchical"), "compressed backend"),  # gloo aborted
+    ("check_replicas_every", (2, 0), "hyper-parameters"),  # paired with a step's gather
+])
+def test_ranks_built_with_options_apart_fail_at_construction(option, values, named):
+    for msg in run_workers(_built_apart, 2, "OnebitAdam", option, values, timeout=60):
+        assert f"ranks disagree on {named}" in msg, msg
+
+
 def _disagree_mid_run(rank, world, name, at):
     model = small_model(0)
     opt = _make(name, model.parameters(), freeze=3)

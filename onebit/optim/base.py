@@ -130,7 +130,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._settings.update(block_size=block_size,
                               scale_dtype=str(self.scale_dtype), overlap_backward=overlap_backward,
                               bucket_cap_mb=bucket_cap_mb,
-                              communication_data_type=str(self.averaging_dtype))
+                              communication_data_type=str(self.averaging_dtype),
+                              # its checks are collectives of their own
+                              check_replicas_every=options.check_replicas_every)
         self._constructed = False
         super().__init__(params, defaults)
         self.timeout_s = timeout_s
@@ -165,14 +167,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             # (a default: each rank read it from its own launcher's variables)
             self.comm_backend_name = agreed_backend_name(chosen, process_group, timeout_s,
                                                          self.comm_device)
+            # Before any group or backend is made: those are collectives that
+            # ranks built differently (another backend, the overlap on one
+            # rank only) would not all join, hanging or aborting instead.
+            self._agreement.check_construction(self._settings, self.param_groups,
+                                               self.comm_backend_name)
             group = process_group
             if overlap_backward and not self.comm_backend_name.startswith("mpi"):
                 group = exchange_group(process_group)  # the communication thread's own (overlap.py)
             self.backend = open_backend(self.comm_backend_name, group, timeout_s=timeout_s,
                                         cuda_aware=cuda_aware, block_size=block_size,
                                         scale_dtype=self.scale_dtype)
-            self._agreement.check_construction(self._settings, self.param_groups,
-                                               self.comm_backend_name)
             if self._shards.sharded:  # replicas of one shard, not of different ones
                 self._replicas.check_fields(self._shards.replica_fields())
             self._broadcast_parameters()
