@@ -116,6 +116,28 @@ def test_ranks_built_with_options_apart_fail_at_construction(option, values, nam
         assert f"ranks disagree on {named}" in msg, msg
 
 
+def _masks_apart(rank, world, name):
+    import onebit
+
+    p = torch.nn.Parameter(torch.ones(8))
+    mask = torch.ones(8)
+    if rank == 1:
+        mask[0] = 0.0  # the same shape, another entry kept at 0
+    try:
+        getattr(onebit, name)([{"params": [p], "exp_avg_mask": mask}], lr=1e-2, freeze_step=2)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
+def test_ranks_with_exp_avg_masks_of_other_values_fail_at_construction(name):
+    """Tensors in a group counted by shape only: the replicas drifted apart."""
+    for msg in run_workers(_masks_apart, 2, name, timeout=60):
+        assert "ranks disagree on hyper-parameters" in msg, msg
+
+
 def _disagree_mid_run(rank, world, name, at):
     model = small_model(0)
     opt = _make(name, model.parameters(), freeze=3)

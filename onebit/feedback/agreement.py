@@ -128,6 +128,15 @@ class StepVerdict(NamedTuple):
     gradless: tuple = ()  # per param of no_grad: no rank has a gradient for it (untouched.py)
 
 
+def tensor_fingerprint(t: torch.Tensor) -> tuple:
+    """A setting held as a tensor (exp_avg_mask, a tensor lr), by its shape,
+    dtype and a position-weighted sum of its bytes: masks of one shape that
+    zero different entries differ here (one host read, at construction)."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(raw.numel(), device=raw.device) % 65521 + 1
+    return tuple(t.shape), str(t.dtype), int((raw * weights).sum())
+
+
 def group_settings(param_groups, leave_out: Sequence[str] = ()) -> list:
     """Each group's settings but its params (and `leave_out`), as sorted
     (name, value) pairs that ranks can compare by digest. A 0-dim tensor
@@ -172,7 +181,7 @@ class RankAgreement:
         must build the same optimizer (the param groups' shapes and
         hyper-parameters, the `settings` declared by the optimizer, the
         backend, the wire format), or the collectives would mismatch."""
-        groups = [{k: (tuple(v.shape) if isinstance(v, torch.Tensor) else v)
+        groups = [{k: (tensor_fingerprint(v) if isinstance(v, torch.Tensor) else v)
                    for k, v in g.items() if k != "params"} for g in param_groups]
         fields = {
             "parameter shapes/order/requires_grad": [
