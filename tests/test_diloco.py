@@ -669,6 +669,43 @@ def test_a_layer_frozen_when_diloco_was_built_and_unfrozen_later_is_refused():
         assert unchanged
 
 
+def _diloco_apart(rank, world, case):
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    if case == "frozen layers":  # the same shapes, another layer on each rank
+        model[rank % 2].requires_grad_(False)
+    inner = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    outer_lr = (onebit.SteppedOuterLR(1.0, 2.0, from_step=1 if rank == 0 else 3)
+                if case == "outer lr" else 1.0)
+    try:
+        diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=2, outer_lr=outer_lr,
+                               timeout_s=30)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(1, 9):  # the peer's loop launches fragment 1 after step 4
+            inner.zero_grad()
+            model(torch.randn(2, 4, generator=g)).pow(2).mean().backward()
+            inner.step()
+            if case == "sync on one rank" and rank == 0 and step == 3:
+                diloco.sync()  # fragment 0 here, while the peer's loop launches fragment 1
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, says", [
+    ("sync on one rank", "ranks exchange different fragments [0, 1]"),
+    # differs at the landings of fragment 0 only (inner steps 2, 6, ...)
+    ("outer lr", "ranks disagree on outer optimizer"),
+    ("frozen layers", "ranks disagree on the synced parameters (which of the model's"),
+])
+def test_diloco_ranks_apart_raise_on_every_rank(case, says):
+    """Each of these let the replicas drift apart with no error."""
+    for message in run_workers(_diloco_apart, 2, case, timeout=60):
+        assert says in message, message
+
+
 def _warmup_with_a_skipped_step(rank, world):
     """Rank 1 skips its first inner step (as torch's GradScaler does on the
     rank that overflowed alone) and takes one more iteration to make up."""

@@ -232,12 +232,14 @@ class DiLoCo:
                 "fragments, overlap_steps, keep_local_progress and fragment_update_alpha": (
                     fragments, overlap_steps, self.keep_local_progress,
                     self.fragment_update_alpha),
-                "the synced parameters (shapes, dtypes)": [(tuple(p.shape), str(p.dtype))
-                                                           for p in self.params],
+                "the synced parameters (which of the model's, shapes, dtypes)": (
+                    len(params), [i for i, p in enumerate(params) if p.requires_grad],
+                    [(tuple(p.shape), str(p.dtype)) for p in self.params]),
                 "compression and wire format": (compression, block_size, str(self.scale_dtype),
                                                 WIRE_FORMAT_VERSION, comm_backend_name),
-                # a schedule by its values at the first rounds' landings
-                "outer optimizer": ([outer_lr(warmup_steps + k * sync_every) for k in range(65)]
+                # a schedule by its values at the first rounds' landings,
+                # the inner steps _land reads it at
+                "outer optimizer": ([outer_lr(step) for step in self._first_landings(65)]
                                     if callable(outer_lr) else outer_lr,
                                     outer_momentum, nesterov),
                 **(self._shards.replica_fields() if self._shards.sharded else {})})
@@ -295,6 +297,12 @@ class DiLoCo:
         if self._has_forward:
             self._hooks.append(model.register_forward_pre_hook(
                 lambda module, _: self._before_forward(module)))
+
+    def _first_landings(self, rounds: int) -> List[int]:
+        """The inner steps (as counted when a landing reads the outer lr)
+        of every fragment's landings in the first `rounds` rounds."""
+        return sorted(self.warmup_steps + self.plan.offset(f) + self.plan.delay
+                      + k * self.sync_every for f in range(self.plan.count) for k in range(rounds))
 
     # ---------------------------------------------------------------- loop --
     def _before_inner_step(self) -> None:
@@ -459,7 +467,8 @@ class DiLoCo:
         number = self.launches
 
         def exchange() -> None:
-            job.skipped, job.closed = self._agree_on_round(number, job.deltas, closing)
+            job.skipped, job.closed = self._agree_on_round(number, fragment, job.deltas,
+                                                           closing)
             if not job.skipped and not job.closed:
                 self._average_(fragment, job.deltas)
 
@@ -534,22 +543,27 @@ class DiLoCo:
         for d, avg in zip(deltas, averages):
             d.copy_(avg.view_as(d))
 
-    def _agree_on_round(self, number: int, deltas: List[torch.Tensor],
+    def _agree_on_round(self, number: int, fragment: int, deltas: List[torch.Tensor],
                         closing: bool = False) -> Tuple[bool, bool]:
         """Whether any rank's pseudo-gradient is not finite, and whether
         every rank only proposes this exchange from `close()` (then nobody
         makes it); the same all-gather checks that every rank is at exchange
-        `number`."""
+        `number`, of `fragment` (a sync() on one rank only pairs fragments)."""
         flag = nonfinite_flag([deltas], self.comm_device)
         if self.world_size == 1 and not self._shards.sharded:
             return bool(flag), closing
         table = collectives.gather_numbers("DiLoCo: agreeing on the outer round",
-                                           [flag, number, int(closing)], torch.int64,
+                                           [flag, number, int(closing), fragment], torch.int64,
                                            self._agree_group, self.timeout_s)
         numbers = [row[1] for row in table]
         if len(set(numbers)) > 1:
             raise ValueError(f"DiLoCo: ranks are at different outer exchanges {numbers}: they "
                              "must load the same checkpoint and take the same inner steps")
+        fragments = [row[3] for row in table]
+        if len(set(fragments)) > 1:
+            raise ValueError(f"DiLoCo: ranks exchange different fragments {fragments} at outer "
+                             f"exchange {number}: call sync() on every rank, after the same "
+                             "inner step")
         return any(row[0] for row in table), all(row[2] for row in table)
 
     def close(self) -> None:
