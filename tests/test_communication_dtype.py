@@ -17,9 +17,14 @@ SHAPES = [(7, 5), (13,), (301,)]  # 349 elements: not a multiple of 2 or 3
 NUMEL = 349
 
 
-def ring_bytes(world, itemsize):
-    """What a rank sends in a ring all-reduce of NUMEL elements: 2 (p-1)/p of them."""
-    return 2 * (world - 1) * itemsize * NUMEL // world
+# The optimizer averages its fused buffer, where each tensor but the last
+# starts on a 256-element block, pads and all: 256 + 256 + 301 elements.
+FUSED = sum(-(-int(np.prod(s)) // 256) * 256 for s in SHAPES[:-1]) + int(np.prod(SHAPES[-1]))
+
+
+def ring_bytes(world, itemsize, numel=NUMEL):
+    """What a rank sends in a ring all-reduce of `numel` elements: 2 (p-1)/p of them."""
+    return 2 * (world - 1) * itemsize * numel // world
 SCALES = [1e-3, 1.0, 40.0]  # orders of magnitude apart
 BETA1 = 0.9
 
@@ -92,7 +97,8 @@ def _warmup_mean(rank, world, name):
 def test_warmup_mean_is_the_half_precision_mean_of_numpy_and_half_the_bytes(name, world):
     results = run_workers(_warmup_mean, world, name, timeout=120)
     assert all(ok for ok, _ in results)
-    assert all(moved == (ring_bytes(world, 2), ring_bytes(world, 4)) for _, moved in results)
+    # sent: the fused buffer in half precision; the fp32 baseline: the params' elements
+    assert all(moved == (ring_bytes(world, 2, FUSED), ring_bytes(world, 4)) for _, moved in results)
 
 
 # --------------------------------------------------- the DDP hook's mean --
@@ -227,8 +233,8 @@ def test_replicas_stay_identical_through_both_stages_on_3_ranks(cls_name):
     # Each full-precision exchange sends half the bytes, and nothing else changed.
     calls = halves[0]["calls"]
     assert calls == fulls[0]["calls"] > 0
-    assert halves[0]["bytes_sent"] == calls * ring_bytes(3, 2)
-    assert fulls[0]["bytes_sent"] == calls * ring_bytes(3, 4)
+    assert halves[0]["bytes_sent"] == calls * ring_bytes(3, 2, FUSED)
+    assert fulls[0]["bytes_sent"] == calls * ring_bytes(3, 4, FUSED)
 
 
 # --------------------------------------------------------- bad settings --
