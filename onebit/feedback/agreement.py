@@ -6,7 +6,7 @@ ReplicaDivergenceError) on every rank, raised before anything changed."""
 from __future__ import annotations
 
 import operator
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -137,18 +137,21 @@ def tensor_fingerprint(t: torch.Tensor) -> tuple:
     return tuple(t.shape), str(t.dtype), int((raw * weights).sum())
 
 
-def group_settings(param_groups, leave_out: Sequence[str] = ()) -> list:
-    """Each group's settings but its params (and `leave_out`), as sorted
-    (name, value) pairs that ranks can compare by digest. A 0-dim tensor
-    counts by value (a step reads its lr as a float anyway), another tensor
-    by shape and dtype, as at construction: its repr would name the device,
-    which differs between ranks."""
-    def plain(v):
-        if isinstance(v, torch.Tensor):
-            return float(v) if v.dim() == 0 else (tuple(v.shape), str(v.dtype))
-        return v
+def _shape_or_value(t: torch.Tensor):
+    """A step's cheap view of a tensor setting: a 0-dim one by value (a step
+    reads its lr as a float anyway), another by shape and dtype."""
+    return float(t) if t.dim() == 0 else (tuple(t.shape), str(t.dtype))
 
-    return [sorted((k, plain(v)) for k, v in g.items() if k != "params" and k not in leave_out)
+
+def group_settings(param_groups, leave_out: Sequence[str] = (),
+                   tensor: Callable[[torch.Tensor], object] = _shape_or_value) -> list:
+    """Each group's settings but its params (and `leave_out`), as sorted
+    (name, value) pairs that ranks can compare by digest; a tensor setting
+    as `tensor` describes it (its repr would name the device, which differs
+    between ranks): cheaply at each step, by `tensor_fingerprint` at
+    construction."""
+    return [sorted((k, tensor(v) if isinstance(v, torch.Tensor) else v)
+                   for k, v in g.items() if k != "params" and k not in leave_out)
             for g in param_groups]
 
 
@@ -181,14 +184,12 @@ class RankAgreement:
         must build the same optimizer (the param groups' shapes and
         hyper-parameters, the `settings` declared by the optimizer, the
         backend, the wire format), or the collectives would mismatch."""
-        groups = [{k: (tensor_fingerprint(v) if isinstance(v, torch.Tensor) else v)
-                   for k, v in g.items() if k != "params"} for g in param_groups]
         fields = {
             "parameter shapes/order/requires_grad": [
                 [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in g["params"]]
                 for g in param_groups],
             "hyper-parameters": (self.name, sorted(settings.items()),
-                                 [sorted(g.items()) for g in groups]),
+                                 group_settings(param_groups, tensor=tensor_fingerprint)),
             "compressed backend": backend_name,
             "wire format version": WIRE_FORMAT_VERSION,
         }
