@@ -365,6 +365,32 @@ def test_a_param_no_rank_has_a_gradient_for_stays_untouched():
         assert same[3] and not same[0] and not same[4], same
 
 
+def _first_used_after_the_freeze(rank, world, nodes):
+    """Param 3 unused by every rank through the warmup (freeze 2) and used
+    from step 6: a late joiner from step 7 (late.py), on every shard alike
+    (whether its v is 0 is decided for the whole param)."""
+    model, mesh = sharded(world, nodes, unused=(3,))
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
+               freeze_step=2, lr=1e-2, weight_decay=0.1)
+    moved = []
+    for t in range(1, 11):
+        if t == 6:
+            model.unused = set()
+        before = local_flat(model)[3]
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+        moved.append(not torch.equal(before, local_flat(model)[3]))
+    assert_replicas_identical(model, mesh.get_group("replicate"), "after step 10")
+    return moved
+
+
+@pytest.mark.slow
+def test_a_param_first_used_after_the_freeze_trains_on_every_shard():
+    for moved in run_workers(_first_used_after_the_freeze, 4, 2, timeout=120):
+        assert moved == [False] * 6 + [True] * 4, moved
+
+
 # --------------------------------------------------------- checkpoints --
 def _dcp_save_or_resume(rank, world, nodes, path, resume):
     """Straight: 10 steps, saving at step 6 (1 bit since step 5). Resumed: a

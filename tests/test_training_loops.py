@@ -272,6 +272,62 @@ def test_a_late_joiner_warms_up_as_adam_on_the_mean_gradient_then_joins(name):
         assert r["params"] == out[0]["params"] and r["finite"] and r["synced"]
 
 
+def _used_first_after_the_freeze(rank, world, name):
+    """A head in the optimizer from the start but used by no rank until step
+    8 (an expert no token reached, a head switched on later): .grad None on
+    every rank through the warmup (freeze at 3). Its first gradient, at step
+    8, meets a v of 0 and is spent; from step 9 it is a late joiner, Adam on
+    the mean gradient (the reference: torch.optim.AdamW fed that mean), then
+    it joins the 1-bit exchange. An expert used in the warmup, then idle,
+    then used again at step 8 has a v: it moves at once, as before."""
+    model = small_model(0)
+    head, expert = torch.nn.Linear(2, 3), torch.nn.Linear(2, 2)
+    opt = _make(name, [*model.parameters(), *head.parameters(), *expert.parameters()], freeze=3)
+    start, ref, ref_opt, diffs, moved, expert_moved = flat(head), None, None, [], [], []
+    for t in range(1, 15):  # ends on a 0/1 Adam sync
+        if t == 9:
+            ref = copy.deepcopy(head)
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-3)
+        g = torch.Generator().manual_seed(1000 * t + rank)
+        out = model(torch.randn(5, 6, generator=g))
+        loss = out.pow(2).mean() + (head(out).pow(2).mean() if t >= 8 else 0)
+        loss = loss + (expert(out).pow(2).mean() if t <= 2 or t >= 8 else 0)
+        opt.zero_grad()
+        loss.backward()
+        if ref is not None and t <= 11:  # its own warmup: freeze_step = 3 steps
+            for q, mine in zip(ref.parameters(), head.parameters()):
+                q.grad = mine.grad.clone()
+                torch.distributed.all_reduce(q.grad)
+                q.grad /= world
+            ref_opt.step()
+        before, expert_before = flat(head), flat(expert)
+        opt.step()
+        moved.append(flat(head) != before)
+        expert_moved.append(flat(expert) != expert_before)
+        if ref is not None and t <= 11:
+            diffs.append(max(float((a - b).detach().abs().max())
+                             for a, b in zip(ref.parameters(), head.parameters())))
+    synced = name != "ZeroOneAdam" or opt.counters["last_sync"] == opt.counters["step"]
+    return {"diffs": diffs, "moved": moved, "head": flat(head), "model": flat(model),
+            "synced": synced, "expert_moved": expert_moved}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_a_param_first_used_after_the_freeze_becomes_a_late_joiner(name):
+    # It kept the zero state of its untouched warmup steps, so it never
+    # counted as a late joiner, and its v of 0 held it still for good.
+    out = run_workers(_used_first_after_the_freeze, 3, name, timeout=120)
+    for r in out:
+        assert r["moved"][:8] == [False] * 8, r["moved"]  # unused, then its first gradient spent
+        assert all(r["moved"][8:]), r["moved"]  # its own warmup, then 1 bit
+        assert r["expert_moved"][7], r["expert_moved"]  # seen in the warmup: no late start
+        if name != "OnebitLamb":  # (LAMB's own warmup is LAMB)
+            assert len(r["diffs"]) == 3 and max(r["diffs"]) < 1e-6, r["diffs"]
+        assert r["head"] == out[0]["head"] and r["model"] == out[0]["model"] and r["synced"]
+        assert all(abs(x) < 1e3 for x in r["head"] + r["model"])
+
+
 def _zero_one_adam_under(rank, world, schedule):
     """A teacher regression under an lr schedule that reaches 0 (or about)
     and rises again; the loss of every step, and this rank's params."""

@@ -186,7 +186,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             type(self).__name__, self.backend, self.world_size,
             dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
-        self._late = LateJoiners(schedule.warmup_length)
+        self._late = LateJoiners(schedule.warmup_length, schedule.warmup_option)
         self._static = StaticBuffers()
         self._warned_scales_drift = False
         self._momentum_restart = checkpoints.MomentumRestart()
@@ -327,7 +327,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         try:
             if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
                 self._overlap.launch_rest([ps for _, ps in groups], grads)
-            skip, gradless = self._agree_before_step(t, grads + late_grads)
+            skip, gradless_params = self._agree_before_step(t, grads + late_grads)
+            gradless = self._shards.locals(gradless_params)
             if self._stopped_training:  # (the ranks agree on them: the step goes on)
                 self._params_stopped_training(self._stopped_training)
                 self._stopped_training = []
@@ -335,6 +336,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 self._end_overlap()
                 self._channel.telemetry.end_step(t, stage.name, skipped=True)
                 return loss
+            used_again = self._late.used_again(self.state, gradless_params, stage.variance_frozen)
             if not self._leaves_gradless_params(stage):
                 # (0/1 Adam's syncs:) a late joiner is averaged in full
                 # precision every step, so its replicas need no common point.
@@ -380,6 +382,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 # zero-variance masks) is derived again from the v put back.
                 self._zero_variance.clear()
                 self._denoms.clear()
+        if used_again:
+            self._start_late_if_never_seen(used_again)
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
@@ -396,7 +400,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         gradients raise on every rank before anything changes. Before any
         collective that depends on them, the same all-gather checks that the
         ranks train the same params and finds the trained params no rank has
-        a gradient for (returned second): one host sync in all."""
+        a gradient for (returned second: the params, not their local
+        shards): one host sync in all."""
         found_inf = getattr(self, "found_inf", None)
         flag = nonfinite_flag(grads_by_group, self.comm_device, found_inf)
         every = [p for g in self.param_groups for p in g["params"]]
@@ -420,8 +425,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
                              "least one rank; nothing was updated (use torch.amp.GradScaler to "
                              f"skip such steps).{hint}")
-        return bad, self._shards.locals(
-            [p for p, none in zip(every, no_grad) if none and p.requires_grad])
+        return bad, [p for p, none in zip(every, no_grad) if none and p.requires_grad]
 
     def _in_order(self, collective):
         """A collective of step() on this optimizer's group: behind the
@@ -459,6 +463,18 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             for key, like, index in places:
                 keep.keep(self._channel.exchange.keep_tensor_errors(key, like, index))
         return keep
+
+    def _start_late_if_never_seen(self, params: List[torch.Tensor]) -> None:
+        """`params` trained in this step with a gradient on some rank, the
+        first since a step without (LateJoiners.used_again): those whose v
+        is still 0 everywhere never saw a gradient, and v froze. Their state
+        is dropped, so the next step starts their own warmup (late.py)."""
+        have_v = [st for st in (self.state[p] for p in params)
+                  if isinstance(st.get("exp_avg_sq"), torch.Tensor)]
+        unseen = self._zero_variance.unseen([st["exp_avg_sq"] for st in have_v])
+        for st, never_seen in zip(have_v, unseen):
+            if never_seen:
+                st.clear()
 
     def _warn_scales_drift(self, t: int) -> None:
         """Some ranks' GradScaler found an inf and others not: every rank
@@ -847,6 +863,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"],
                                       placeholders)
         self._forget_layouts()
+        self._late.forget_last_step()
         self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
 

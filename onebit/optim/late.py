@@ -9,6 +9,17 @@ OnebitLamb) with bias corrections counted from its first step. Then it joins
 the 1-bit exchange like the rest (the flat layouts are rebuilt then, and the
 error-feedback buffers restart from zero). Which params are late follows
 from the replicated state, so every rank agrees without a collective.
+
+A param that trained all along but that no rank had a gradient for through
+the whole warmup (an expert no token reached, a head switched on later) has
+state, the zeros of its untouched steps, and a v of 0 holds it still once v
+froze. It becomes a late joiner when it is first used: a step after the
+freeze in which some rank has its gradient, after one in which none had
+(the ranks agree on both in the step's all-gather, untouched.py), finds its
+v still 0 everywhere; that step's gradient is spent (v of 0 holds it
+still), and its state is dropped, so the next step starts its own warmup.
+A param whose gradient is there on every step, zeros or not, is never
+looked at: only the step after a gradless one is.
 """
 from __future__ import annotations
 
@@ -24,10 +35,31 @@ FROZEN, TRAINED, LATE = 0, 1, 2  # a param's code in a step (LateJoiners.codes)
 class LateJoiners:
     """Which params are in their own warmup, decided from the optimizer's
     `state` (passed to each call: torch's load_state_dict replaces the
-    dict). `warmup_length`: the optimizer's own warmup, in steps."""
+    dict). `warmup_length`: the optimizer's own warmup, in steps, set by
+    its option `warmup_option` (named in errors)."""
 
-    def __init__(self, warmup_length: int) -> None:
+    def __init__(self, warmup_length: int, warmup_option: str = "freeze_step") -> None:
         self.warmup_length = warmup_length
+        self.warmup_option = warmup_option
+        self._gradless_last_step: dict = {}  # id -> param: no rank had its gradient
+
+    def used_again(self, state, gradless: List[torch.Tensor], variance_frozen: bool
+                   ) -> List[torch.Tensor]:
+        """The params that no rank had a gradient for in the last step taken
+        and that train now, not late, with a gradient on some rank
+        (`gradless`: this step's gradless params, as the ranks agreed), once
+        v froze: the ones to look at for a v still 0 (see the module's
+        docs). Call once per step taken (not for a skipped one)."""
+        last, self._gradless_last_step = self._gradless_last_step, {id(p): p for p in gradless}
+        if not (variance_frozen and self.warmup_length > 0) or not last:
+            return []
+        now = self._gradless_last_step
+        return [p for i, p in last.items()
+                if i not in now and p.requires_grad and not self.is_late(state, p)]
+
+    def forget_last_step(self) -> None:
+        """After a load: the last step taken is not the checkpoint's."""
+        self._gradless_last_step = {}
 
     def is_late(self, state, p: torch.Tensor) -> bool:
         st = state.get(p)
@@ -47,12 +79,24 @@ class LateJoiners:
                     row.append(FROZEN)
                     continue
                 st = state.get(p)
-                if marking and (st is None or "exp_avg_sq" not in st):
+                if variance_frozen and (st is None or "exp_avg_sq" not in st):
+                    if not marking:
+                        self._refuse_no_warmup(p)
                     st = state[p]
                     st[LATE_KEY] = 0
                 row.append(LATE if st is not None and st.get(LATE_KEY, warm) < warm else TRAINED)
             out.append(row)
         return out
+
+    def _refuse_no_warmup(self, p: torch.Tensor) -> None:
+        # No warmup, no v: the 1-bit stage would hold it still for good
+        # (guards.py), silently. The state is the same on every rank, so
+        # every rank raises here, before anything changed.
+        raise ValueError(
+            f"{self.warmup_option}=0 leaves a param of shape {tuple(p.shape)} without a "
+            "variance estimate for good: the 1-bit stage would never move it. Use "
+            f"{self.warmup_option} >= 1, or load a checkpoint that holds exp_avg_sq for "
+            "every trained param before the first step.")
 
     def params(self, state, group) -> List[torch.Tensor]:
         """Group `group`'s late joiners."""

@@ -37,6 +37,8 @@ class FreezeStepSchedule:
         """Steps before v freezes (a late joiner's own warmup is as long)."""
         return self.freeze_step
 
+    warmup_option = "freeze_step"  # the option that sets warmup_length
+
     def initial_counters(self, optimizer: str, groups: int) -> dict:
         # The name tells a checkpoint's reader which optimizer's state it is.
         return {"optimizer": optimizer, "step": 0}
@@ -109,6 +111,8 @@ class ZeroOneSchedule:
     @property
     def warmup_length(self) -> int:
         return self.var_freeze_step
+
+    warmup_option = "var_freeze_step"
 
     def initial_counters(self, optimizer: str, groups: int) -> dict:
         return {"optimizer": optimizer, "step": 0, "var_interval": 1, "var_counter": 0,
