@@ -706,6 +706,52 @@ def test_diloco_ranks_apart_raise_on_every_rank(case, says):
         assert says in message, message
 
 
+def _backend_named_apart(rank, world, names):
+    """Each rank names the same backend its own way: None (the default),
+    DeepSpeed's "nccl", "compressed"; the 2-bit wire too."""
+    import onebit
+
+    name, compression = names[rank]
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(4, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = onebit.DiLoCo(model, inner, sync_every=2, compression=compression,
+                           comm_backend_name=name, timeout_s=30)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        inner.zero_grad()
+        model(torch.randn(2, 4, generator=g)).pow(2).mean().backward()
+        inner.step()
+    return diloco.rounds, [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("names", [[(None, "1bit"), ("nccl", "1bit")],
+                                   [("compressed", "1bit"), (None, "1bit")],
+                                   [(None, "2bit"), ("compressed", "2bit")],
+                                   [("hierarchical", "bf16"), (None, "bf16")]])
+def test_diloco_ranks_naming_one_backend_apart_agree(names):
+    """The fingerprint compared the names as given: None against
+    "compressed" (the same backend) raised that the ranks disagree. (A
+    bf16 or fp32 round uses no compressed backend: its name is moot.)"""
+    (rounds, params), (rounds1, params1) = run_workers(_backend_named_apart, 2, names,
+                                                       timeout=60)
+    assert rounds == rounds1 == 2
+    assert params == params1
+
+
+def _backends_apart(rank, world):
+    try:
+        _backend_named_apart(rank, world, [("compressed", "1bit"), ("hierarchical", "1bit")])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_diloco_ranks_naming_two_backends_raise_on_every_rank():
+    for message in run_workers(_backends_apart, 2, timeout=60):
+        assert "ranks disagree on compression and wire format" in message, message
+
+
 def _warmup_with_a_skipped_step(rank, world):
     """Rank 1 skips its first inner step (as torch's GradScaler does on the
     rank that overflowed alone) and takes one more iteration to make up."""

@@ -64,7 +64,7 @@ from ..backends.codecs import CODECS
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once, check_flag, check_number, check_positive_int
 from ..feedback.agreement import RankAgreement, nonfinite_flag
-from ..feedback.channel import ErrorFeedbackChannel, open_backend
+from ..feedback.channel import ErrorFeedbackChannel, open_backend, wire_backend_name
 from ..feedback.exchange import GroupKey
 from ..feedback.handoff import StreamHandoff, exchange_group
 from ..half_precision import share
@@ -227,6 +227,12 @@ class DiLoCo:
         if self.world_size > 1:
             self.comm_device = collectives.communication_device(process_group,
                                                                 self.params[0].device)
+            # The backend each rank will open, by its registered name: None,
+            # DeepSpeed's "nccl" and "compressed" are one backend. (Moot for
+            # rounds in bf16 or fp32, which use none.)
+            wire = (wire_backend_name(self._shards.comm_backend(comm_backend_name),
+                                      CODECS[compression], process_group, self.timeout_s,
+                                      self.comm_device) if compression in CODECS else None)
             RankAgreement("DiLoCo", process_group, self.timeout_s).check_fields({
                 "sync_every and warmup_steps": (sync_every, warmup_steps),
                 "fragments, overlap_steps, keep_local_progress and fragment_update_alpha": (
@@ -236,7 +242,7 @@ class DiLoCo:
                     len(params), [i for i, p in enumerate(params) if p.requires_grad],
                     [(tuple(p.shape), str(p.dtype)) for p in self.params]),
                 "compression and wire format": (compression, block_size, str(self.scale_dtype),
-                                                WIRE_FORMAT_VERSION, comm_backend_name),
+                                                WIRE_FORMAT_VERSION, wire),
                 # a schedule by its values at the first rounds' landings,
                 # the inner steps _land reads it at
                 "outer optimizer": ([outer_lr(step) for step in self._first_landings(65)]
@@ -255,8 +261,7 @@ class DiLoCo:
                 self._agree_group = (exchange_group(self._shards.mesh_group) if overlap_steps
                                      else self._shards.mesh_group)
             if compression in CODECS:
-                self.backend = open_backend(self._shards.comm_backend(comm_backend_name),
-                                            self._round_group, timeout_s=self.timeout_s,
+                self.backend = open_backend(wire, self._round_group, timeout_s=self.timeout_s,
                                             cuda_aware=False, block_size=block_size,
                                             scale_dtype=self.scale_dtype,
                                             codec=CODECS[compression])

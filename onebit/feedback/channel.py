@@ -34,13 +34,9 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
     (backends/codecs.py) is taken by the "compressed" backend only, which
     is then the default whatever the job's."""
     if codec is not SignCodec:
-        name = "compressed" if name is None else backend_name(name)
-        if name != "compressed":
-            raise ValueError(f"a {codec.name} wire runs over the 'compressed' backend only, "
-                             f"not {name!r}")
-        return get_backend(name, group=group, check_finite=False, block_size=block_size,
-                           scale_dtype=scale_dtype, timeout_s=timeout_s, codec=codec,
-                           agree_every_call=False)
+        return get_backend(_codec_backend_name(name, codec), group=group, check_finite=False,
+                           block_size=block_size, scale_dtype=scale_dtype, timeout_s=timeout_s,
+                           codec=codec, agree_every_call=False)
     name = backend_name(name) if name is not None else agreed_backend_name(None, group,
                                                                             timeout_s)
     # The owner agrees every step on what it exchanges: the built-in backends
@@ -55,6 +51,27 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
         return backend
     return get_backend(name, group=group, check_finite=False, block_size=block_size,
                        scale_dtype=scale_dtype, timeout_s=timeout_s, **once)
+
+
+def wire_backend_name(name: Optional[str], codec, group, timeout_s: Optional[float],
+                      device: Optional[torch.device] = None) -> str:
+    """The registered backend that `open_backend(name, codec=codec)` opens:
+    what an owner's construction check compares (None, "nccl" and
+    "compressed" name one backend). For the signs, the name is agreed
+    across `group` (agreed_backend_name: a collective every rank makes,
+    whatever it named); another codec takes 'compressed' only."""
+    if codec is not SignCodec:
+        return _codec_backend_name(name, codec)
+    return agreed_backend_name(name, group, timeout_s, device)
+
+
+def _codec_backend_name(name: Optional[str], codec) -> str:
+    """A codec other than the signs runs over 'compressed' only."""
+    name = "compressed" if name is None else backend_name(name)
+    if name != "compressed":
+        raise ValueError(f"a {codec.name} wire runs over the 'compressed' backend only, "
+                         f"not {name!r}")
+    return name
 
 
 def agreed_backend_name(chosen: Optional[str], group, timeout_s: Optional[float],
