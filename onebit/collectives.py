@@ -93,7 +93,7 @@ def _failed(phase: str, t: float, group, exc: Exception) -> CommunicationError:
         return CommunicationError(
             f"onebit: {phase} failed or did not finish within {t:g} s on {where}: {exc}. "
             "A peer rank probably died, hung, or stopped calling step() in step with the "
-            "others")
+            "others (or is at another step: resumed from another checkpoint)")
     return CommunicationError(f"onebit: {phase} failed on {where}: {exc}")
 
 
