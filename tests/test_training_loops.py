@@ -272,7 +272,7 @@ def test_a_late_joiner_warms_up_as_adam_on_the_mean_gradient_then_joins(name):
         assert r["params"] == out[0]["params"] and r["finite"] and r["synced"]
 
 
-def _used_first_after_the_freeze(rank, world, name):
+def _used_first_after_the_freeze(rank, world, name, overlap):
     """A head in the optimizer from the start but used by no rank until step
     8 (an expert no token reached, a head switched on later): .grad None on
     every rank through the warmup (freeze at 3). Its first gradient, at step
@@ -282,7 +282,8 @@ def _used_first_after_the_freeze(rank, world, name):
     then used again at step 8 has a v: it moves at once, as before."""
     model = small_model(0)
     head, expert = torch.nn.Linear(2, 3), torch.nn.Linear(2, 2)
-    opt = _make(name, [*model.parameters(), *head.parameters(), *expert.parameters()], freeze=3)
+    opt = _make(name, [*model.parameters(), *head.parameters(), *expert.parameters()], freeze=3,
+                overlap_backward=overlap)
     start, ref, ref_opt, diffs, moved, expert_moved = flat(head), None, None, [], [], []
     for t in range(1, 15):  # ends on a 0/1 Adam sync
         if t == 9:
@@ -313,11 +314,12 @@ def _used_first_after_the_freeze(rank, world, name):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_a_param_first_used_after_the_freeze_becomes_a_late_joiner(name):
+def test_a_param_first_used_after_the_freeze_becomes_a_late_joiner(name, overlap):
     # It kept the zero state of its untouched warmup steps, so it never
     # counted as a late joiner, and its v of 0 held it still for good.
-    out = run_workers(_used_first_after_the_freeze, 3, name, timeout=120)
+    out = run_workers(_used_first_after_the_freeze, 3, name, overlap, timeout=120)
     for r in out:
         assert r["moved"][:8] == [False] * 8, r["moved"]  # unused, then its first gradient spent
         assert all(r["moved"][8:]), r["moved"]  # its own warmup, then 1 bit
