@@ -689,6 +689,8 @@ def _diloco_apart(rank, world, case):
             inner.step()
             if case == "sync on one rank" and rank == 0 and step == 3:
                 diloco.sync()  # fragment 0 here, while the peer's loop launches fragment 1
+            if case == "frozen mid-run on one rank" and rank == 0 and step == 1:
+                model[0].requires_grad_(False)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -699,6 +701,7 @@ def _diloco_apart(rank, world, case):
     # differs at the landings of fragment 0 only (inner steps 2, 6, ...)
     ("outer lr", "ranks disagree on outer optimizer"),
     ("frozen layers", "ranks disagree on the synced parameters (which of the model's"),
+    ("frozen mid-run on one rank", "ranks freeze different synced params at outer exchange 1"),
 ])
 def test_diloco_ranks_apart_raise_on_every_rank(case, says):
     """Each of these let the replicas drift apart with no error."""
@@ -750,6 +753,58 @@ def _backends_apart(rank, world):
 def test_diloco_ranks_naming_two_backends_raise_on_every_rank():
     for message in run_workers(_backends_apart, 2, timeout=60):
         assert "ranks disagree on compression and wire format" in message, message
+
+
+def _freezes_a_layer_mid_run(rank, world, compression, overlap, freeze_at):
+    """The bottom layer frozen before inner step `freeze_at` (a round every
+    2 inner steps; with overlap, each lands 1 step after its launch): the
+    bottom and top layers after every inner step."""
+    import onebit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    diloco = onebit.DiLoCo(model, inner, sync_every=2, compression=compression,
+                           outer_lr=0.7, outer_momentum=0.9, nesterov=True,
+                           overlap_steps=overlap, timeout_s=30)
+    g = torch.Generator().manual_seed(rank)
+    bottom, top = [], []
+    for step in range(1, 13):
+        if step == freeze_at:
+            model[0].requires_grad_(False)
+        inner.zero_grad()
+        model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+        inner.step()
+        bottom.append(model[0].weight.detach().reshape(-1).tolist())
+        top.append(model[1].weight.detach().reshape(-1).tolist())
+    diloco.drain()  # (with overlap, the round launched at step 12 lands here)
+    bottom.append(model[0].weight.detach().reshape(-1).tolist())
+    top.append(model[1].weight.detach().reshape(-1).tolist())
+    return bottom, top
+
+
+@pytest.mark.parametrize("compression", ["1bit", "bf16", "none"])
+@pytest.mark.parametrize("overlap, freeze_at, still_from, synced_at", [
+    (0, 5, 4, 4),  # frozen at a landing (after step 4): stays where it was
+    (0, 4, 4, 2),  # trained at step 3 after the landing at 2: back to that point at 4
+    (1, 6, 5, 5),  # streaming: launched at 6 frozen, landed at 7
+    (1, 5, 5, 5),  # launched at 4 trainable: its outer step lands at 5, then it stays
+])
+def test_a_layer_frozen_mid_run_stays_at_its_last_synced_point(compression, overlap, freeze_at,
+                                                                still_from, synced_at):
+    """The outer step moved a layer frozen mid-run: its anchor kept the
+    outer momentum (0.7 apart in 4 rounds, and growing), and 1-bit rounds
+    sent the error feedback's residual. A round launched with the layer
+    frozen now leaves its anchor as it is, and sets the layer to it: bitwise
+    still when it was frozen at a landing, back to the last synced point
+    when it had trained since (each rank's own steps), as 0/1 Adam does
+    between syncs. The other layer trains; every rank holds the same
+    params after each landing."""
+    out = run_workers(_freezes_a_layer_mid_run, 2, compression, overlap, freeze_at, timeout=60)
+    (bottom, top), (bottom1, top1) = out
+    assert bottom[still_from - 1:] == [bottom[synced_at - 1]] * (14 - still_from)
+    assert bottom[-1] == bottom1[-1] and top[-1] == top1[-1]
+    assert top[-1] != top[still_from - 1]  # the top layer still trains
 
 
 def _warmup_with_a_skipped_step(rank, world):

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,9 @@ class _FragmentRound:
     deltas: List[torch.Tensor]
     # This rank's params at the launch (fp32), for keep_local_progress.
     launch_points: Optional[List[torch.Tensor]] = None
+    # The fragment's params frozen at the launch (positions in it; None: a
+    # round restored from a checkpoint, decided at its landing instead).
+    frozen: Optional[List[int]] = None
     skipped: Optional[bool] = None
     closed: bool = False  # a proposal from close() that no rank launched (_catch_up)
     future: Optional[Future] = None  # returns the event after the exchange's device work
@@ -465,7 +468,7 @@ class DiLoCo:
                 torch.sub(a, p, out=d)
         else:
             deltas = [a - p.float() for a, p in zip(anchors, params)]
-        job = self._in_flight[fragment] = _FragmentRound(deltas)
+        job = self._in_flight[fragment] = _FragmentRound(deltas, frozen=self._frozen_in(fragment))
         if self._keeps_progress():
             job.launch_points = [p.detach().float().clone() for p in params]
         self.launches += 1
@@ -473,9 +476,15 @@ class DiLoCo:
 
         def exchange() -> None:
             job.skipped, job.closed = self._agree_on_round(number, fragment, job.deltas,
-                                                           closing)
+                                                           closing, job.frozen)
             if not job.skipped and not job.closed:
+                # A frozen param's slices of the errors stay as they were:
+                # what they hold is sent when it trains again.
+                keep = [self._channel.exchange.keep_tensor_errors(GroupKey(fragment), anchors, j)
+                        for j in job.frozen] if self.backend is not None else []
                 self._average_(fragment, job.deltas)
+                for put_back in keep:
+                    put_back()
 
         if self._thread is None:
             exchange()
@@ -512,8 +521,9 @@ class DiLoCo:
             self._writes.mark()  # DiLoCo's own write (sync() may land before any inner step)
             self._channel.telemetry.end_step(round_no, self.compression, skipped=True)
             return False
-        for a, d in zip(anchors, job.deltas):
-            a.grad = d
+        frozen = set(self._frozen_in(fragment) if job.frozen is None else job.frozen)
+        for j, (a, d) in enumerate(zip(anchors, job.deltas)):
+            a.grad = None if j in frozen else d
         self.outer_optimizer.step()  # SGD steps only the anchors that have a .grad
         for a in anchors:
             a.grad = None
@@ -526,10 +536,21 @@ class DiLoCo:
         else:  # anchor + keep * (p - p at the launch), in fp32, rounded once
             for p, a, start in zip(params, anchors, job.launch_points):
                 p.copy_(torch.add(a, p.float() - start, alpha=self.keep_local_progress))
+        for j in frozen:  # at its anchor, which the outer step left as it was
+            params[j].copy_(anchors[j])
         self._writes.mark()
         self.rounds = round_no
         self._channel.telemetry.end_step(round_no, self.compression, skipped=False)
         return True
+
+    def _frozen_in(self, fragment: int) -> List[int]:
+        """The positions in `fragment` of the synced params frozen now
+        (requires_grad off): a round leaves their anchors as they are (no
+        outer lr, no momentum) and sets them to their anchors, the last
+        synced point, which every rank holds (their own steps since, if
+        they trained after it, differ by rank)."""
+        return [j for j, i in enumerate(self.plan.members[fragment])
+                if not self.params[i].requires_grad]
 
     def _keeps_progress(self) -> bool:
         """Whether a landing adds local progress back: only an exchange that
@@ -549,16 +570,18 @@ class DiLoCo:
             d.copy_(avg.view_as(d))
 
     def _agree_on_round(self, number: int, fragment: int, deltas: List[torch.Tensor],
-                        closing: bool = False) -> Tuple[bool, bool]:
+                        closing: bool = False, frozen: Sequence[int] = ()) -> Tuple[bool, bool]:
         """Whether any rank's pseudo-gradient is not finite, and whether
         every rank only proposes this exchange from `close()` (then nobody
         makes it); the same all-gather checks that every rank is at exchange
-        `number`, of `fragment` (a sync() on one rank only pairs fragments)."""
+        `number`, of `fragment` (a sync() on one rank only pairs fragments),
+        with the same params `frozen` (positions in the fragment)."""
         flag = nonfinite_flag([deltas], self.comm_device)
         if self.world_size == 1 and not self._shards.sharded:
             return bool(flag), closing
         table = collectives.gather_numbers("DiLoCo: agreeing on the outer round",
-                                           [flag, number, int(closing), fragment], torch.int64,
+                                           [flag, number, int(closing), fragment,
+                                            collectives.stable_digest(list(frozen))], torch.int64,
                                            self._agree_group, self.timeout_s)
         numbers = [row[1] for row in table]
         if len(set(numbers)) > 1:
@@ -569,6 +592,11 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: ranks exchange different fragments {fragments} at outer "
                              f"exchange {number}: call sync() on every rank, after the same "
                              "inner step")
+        if len({row[4] for row in table}) > 1:
+            raise ValueError(f"DiLoCo: ranks freeze different synced params at outer exchange "
+                             f"{number} (this rank: positions {list(frozen)} of fragment "
+                             f"{fragment}): freeze and unfreeze layers on every rank, at the "
+                             "same inner step")
         return any(row[0] for row in table), all(row[2] for row in table)
 
     def close(self) -> None:
