@@ -691,6 +691,8 @@ def _diloco_apart(rank, world, case):
                 diloco.sync()  # fragment 0 here, while the peer's loop launches fragment 1
             if case == "frozen mid-run on one rank" and rank == 0 and step == 1:
                 model[0].requires_grad_(False)
+            if case == "outer lr set on one rank" and rank == 0 and step == 1:
+                diloco.outer_optimizer.param_groups[0]["lr"] = 0.5
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -702,6 +704,8 @@ def _diloco_apart(rank, world, case):
     ("outer lr", "ranks disagree on outer optimizer"),
     ("frozen layers", "ranks disagree on the synced parameters (which of the model's"),
     ("frozen mid-run on one rank", "ranks freeze different synced params at outer exchange 1"),
+    ("outer lr set on one rank", "ranks disagree on the outer optimizer's settings at outer "
+                                 "exchange 1"),
 ])
 def test_diloco_ranks_apart_raise_on_every_rank(case, says):
     """Each of these let the replicas drift apart with no error."""

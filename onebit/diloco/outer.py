@@ -469,6 +469,7 @@ class DiLoCo:
         else:
             deltas = [a - p.float() for a, p in zip(anchors, params)]
         job = self._in_flight[fragment] = _FragmentRound(deltas, frozen=self._frozen_in(fragment))
+        outer = self._outer_digest()  # here, on the training thread, which sets the lr
         if self._keeps_progress():
             job.launch_points = [p.detach().float().clone() for p in params]
         self.launches += 1
@@ -476,7 +477,7 @@ class DiLoCo:
 
         def exchange() -> None:
             job.skipped, job.closed = self._agree_on_round(number, fragment, job.deltas,
-                                                           closing, job.frozen)
+                                                           closing, job.frozen, outer)
             if not job.skipped and not job.closed:
                 # A frozen param's slices of the errors stay as they were:
                 # what they hold is sent when it trains again.
@@ -552,6 +553,16 @@ class DiLoCo:
         return [j for j, i in enumerate(self.plan.members[fragment])
                 if not self.params[i].requires_grad]
 
+    def _outer_digest(self) -> int:
+        """A digest of the outer SGD's settings now: a value set on one rank
+        only (its lr, say) would let the anchors drift apart. Not the lr
+        where a schedule sets it at every landing: a rank a step behind
+        (_catch_up) lands at another inner step, and the schedule may
+        differ there; the construction compares the schedules."""
+        skip = ("params", "lr") if self._outer_lr_at is not None else ("params",)
+        return collectives.stable_digest([{k: v for k, v in g.items() if k not in skip}
+                                          for g in self.outer_optimizer.param_groups])
+
     def _keeps_progress(self) -> bool:
         """Whether a landing adds local progress back: only an exchange that
         runs behind inner steps has any."""
@@ -570,18 +581,21 @@ class DiLoCo:
             d.copy_(avg.view_as(d))
 
     def _agree_on_round(self, number: int, fragment: int, deltas: List[torch.Tensor],
-                        closing: bool = False, frozen: Sequence[int] = ()) -> Tuple[bool, bool]:
+                        closing: bool = False, frozen: Sequence[int] = (),
+                        outer: int = 0) -> Tuple[bool, bool]:
         """Whether any rank's pseudo-gradient is not finite, and whether
         every rank only proposes this exchange from `close()` (then nobody
         makes it); the same all-gather checks that every rank is at exchange
         `number`, of `fragment` (a sync() on one rank only pairs fragments),
-        with the same params `frozen` (positions in the fragment)."""
+        with the same params `frozen` (positions in the fragment) and the
+        same `outer` settings (_outer_digest)."""
         flag = nonfinite_flag([deltas], self.comm_device)
         if self.world_size == 1 and not self._shards.sharded:
             return bool(flag), closing
         table = collectives.gather_numbers("DiLoCo: agreeing on the outer round",
                                            [flag, number, int(closing), fragment,
-                                            collectives.stable_digest(list(frozen))], torch.int64,
+                                            collectives.stable_digest(list(frozen)), outer],
+                                           torch.int64,
                                            self._agree_group, self.timeout_s)
         numbers = [row[1] for row in table]
         if len(set(numbers)) > 1:
@@ -597,6 +611,10 @@ class DiLoCo:
                              f"{number} (this rank: positions {list(frozen)} of fragment "
                              f"{fragment}): freeze and unfreeze layers on every rank, at the "
                              "same inner step")
+        if len({row[5] for row in table}) > 1:
+            raise ValueError(f"DiLoCo: ranks disagree on the outer optimizer's settings at outer "
+                             f"exchange {number} (its param groups' lr, momentum...): set "
+                             "them on every rank alike")
         return any(row[0] for row in table), all(row[2] for row in table)
 
     def close(self) -> None:
