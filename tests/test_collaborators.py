@@ -125,26 +125,6 @@ def test_without_a_warmup_a_param_without_v_is_refused():
     assert not late.is_late(state, p) and LATE_KEY not in state[p]
 
 
-def test_used_again_names_params_gradless_in_the_last_step_only():
-    late = LateJoiners(warmup_length=2)
-    a, b, c, d = (torch.nn.Parameter(torch.zeros(1)) for _ in range(4))
-    state = _defaultdict({})
-    assert late.used_again(state, [a, b, c, d], variance_frozen=False) == []
-    assert late.used_again(state, [b], variance_frozen=True) == [a, c, d]
-    d.requires_grad_(False)  # (frozen: not trained now)
-    assert late.used_again(state, [], variance_frozen=True) == [b]
-    assert late.used_again(state, [], variance_frozen=True) == []  # had a gradient last step
-    late.used_again(state, [a, c], variance_frozen=True)
-    state[c][LATE_KEY] = 0  # in its own warmup already
-    assert late.used_again(state, [], variance_frozen=True) == [a]
-    late.used_again(state, [a], variance_frozen=True)
-    late.forget_last_step()  # after a load
-    assert late.used_again(state, [], variance_frozen=True) == []
-    no_warmup = LateJoiners(warmup_length=0)
-    no_warmup.used_again(state, [a], variance_frozen=True)
-    assert no_warmup.used_again(state, [], variance_frozen=True) == []
-
-
 def _defaultdict(d):
     from collections import defaultdict
 

@@ -200,10 +200,10 @@ def test_ranks_whose_settings_drift_apart_mid_run_raise_on_every_rank_and_change
             assert r["unchanged"] and r["state"], r
 
 
-def _freeze_then_unfreeze(rank, world, name):
+def _freeze_then_unfreeze(rank, world, name, overlap=False):
     model = small_model(0)
     model[0].requires_grad_(False)  # the bottom layer starts frozen
-    opt = _make(name, model.parameters(), freeze=3)
+    opt = _make(name, model.parameters(), freeze=3, overlap_backward=overlap)
     moved = []
     for t in range(1, 13):  # ends on a 0/1 Adam sync
         if t == 6:  # after the freeze: progressive unfreezing
@@ -220,9 +220,13 @@ def _freeze_then_unfreeze(rank, world, name):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_unfreezing_and_freezing_layers_after_the_freeze_step(name):
-    out = run_workers(_freeze_then_unfreeze, 3, name, timeout=120)
+def test_unfreezing_and_freezing_layers_after_the_freeze_step(name, overlap):
+    # With overlap_backward, 0/1 Adam's syncs exchanged during backward
+    # read the denominators and zero-variance masks cached for the params
+    # trained before the layer joined (an IndexError, or a shape mismatch).
+    out = run_workers(_freeze_then_unfreeze, 3, name, overlap, timeout=120)
     assert all(r["step"] == 12 for r in out)
     assert out[0]["synced"]
     assert all(r["moved"] == [True, True] for r in out)
@@ -272,14 +276,15 @@ def test_a_late_joiner_warms_up_as_adam_on_the_mean_gradient_then_joins(name):
         assert r["params"] == out[0]["params"] and r["finite"] and r["synced"]
 
 
-def _used_first_after_the_freeze(rank, world, name, overlap):
+def _used_first_after_the_freeze(rank, world, name, overlap, zeroed):
     """A head in the optimizer from the start but used by no rank until step
     8 (an expert no token reached, a head switched on later): .grad None on
-    every rank through the warmup (freeze at 3). Its first gradient, at step
-    8, meets a v of 0 and is spent; from step 9 it is a late joiner, Adam on
-    the mean gradient (the reference: torch.optim.AdamW fed that mean), then
-    it joins the 1-bit exchange. An expert used in the warmup, then idle,
-    then used again at step 8 has a v: it moves at once, as before."""
+    every rank through the warmup (freeze at 3), or zeros (`zeroed`: an
+    expert whose empty batch gives zero gradients). Its first gradient, at
+    step 8, meets a v of 0 and is spent; from step 9 it is a late joiner,
+    Adam on the mean gradient (the reference: torch.optim.AdamW fed that
+    mean), then it joins the 1-bit exchange. An expert used in the warmup,
+    then idle, then used again at step 8 has a v: it moves at once."""
     model = small_model(0)
     head, expert = torch.nn.Linear(2, 3), torch.nn.Linear(2, 2)
     opt = _make(name, [*model.parameters(), *head.parameters(), *expert.parameters()], freeze=3,
@@ -291,7 +296,8 @@ def _used_first_after_the_freeze(rank, world, name, overlap):
             ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-3)
         g = torch.Generator().manual_seed(1000 * t + rank)
         out = model(torch.randn(5, 6, generator=g))
-        loss = out.pow(2).mean() + (head(out).pow(2).mean() if t >= 8 else 0)
+        loss = out.pow(2).mean() + (head(out).pow(2).mean() if t >= 8
+                                    else head(out).sum() * 0 if zeroed else 0)
         loss = loss + (expert(out).pow(2).mean() if t <= 2 or t >= 8 else 0)
         opt.zero_grad()
         loss.backward()
@@ -314,12 +320,12 @@ def _used_first_after_the_freeze(rank, world, name, overlap):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap, zeroed", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("name", NAMES)
-def test_a_param_first_used_after_the_freeze_becomes_a_late_joiner(name, overlap):
+def test_a_param_first_used_after_the_freeze_becomes_a_late_joiner(name, overlap, zeroed):
     # It kept the zero state of its untouched warmup steps, so it never
     # counted as a late joiner, and its v of 0 held it still for good.
-    out = run_workers(_used_first_after_the_freeze, 3, name, overlap, timeout=120)
+    out = run_workers(_used_first_after_the_freeze, 3, name, overlap, zeroed, timeout=120)
     for r in out:
         assert r["moved"][:8] == [False] * 8, r["moved"]  # unused, then its first gradient spent
         assert all(r["moved"][8:]), r["moved"]  # its own warmup, then 1 bit
@@ -328,6 +334,116 @@ def test_a_param_first_used_after_the_freeze_becomes_a_late_joiner(name, overlap
             assert len(r["diffs"]) == 3 and max(r["diffs"]) < 1e-6, r["diffs"]
         assert r["head"] == out[0]["head"] and r["model"] == out[0]["model"] and r["synced"]
         assert all(abs(x) < 1e3 for x in r["head"] + r["model"])
+
+
+def _zero_one_adam_syncs_in_backward_as_a_param_joins(rank, world):
+    """0/1 Adam with overlap_backward and syncs at every step (the default
+    local_step_scaler): a head first used at step 8 (freeze at 3) leaves
+    the trained params after step 8, its own warmup over, joins at 12."""
+    import onebit
+
+    model = small_model(0)
+    head = torch.nn.Linear(2, 3)
+    opt = onebit.ZeroOneAdam([*model.parameters(), *head.parameters()], lr=1e-2,
+                             weight_decay=1e-3, var_freeze_step=3, overlap_backward=True)
+    for t in range(1, 16):
+        g = torch.Generator().manual_seed(1000 * t + rank)
+        out = model(torch.randn(5, 6, generator=g))
+        opt.zero_grad()
+        (out.pow(2).mean() + (head(out).pow(2).mean() if t >= 8 else 0)).backward()
+        opt.step()
+    return flat(model) + flat(head)
+
+
+@pytest.mark.timeout(300)
+def test_zero_one_adam_syncs_during_backward_as_the_trained_params_change():
+    # Backward's sync inputs read the denominators cached for the params
+    # trained before the change: an IndexError inside loss.backward().
+    out = run_workers(_zero_one_adam_syncs_in_backward_as_a_param_joins, 2, timeout=120)
+    assert out[0] == out[1] and all(abs(x) < 1e3 for x in out[0])
+
+
+def _resumed_in_a_late_joiners_warmup(rank, world, name, save_at):
+    """A head first used at step 8 (freeze at 3): a late joiner from step 9,
+    its own warmup through step 11. Uninterrupted, then saved after step
+    `save_at` and resumed in a new optimizer (its errors too)."""
+    import onebit
+
+    def build():
+        torch.manual_seed(0)
+        model, head = small_model(0), torch.nn.Linear(2, 3)
+        local = dict(local_step_scaler=1, local_step_clipper=4) if name == "ZeroOneAdam" else {}
+        return model, head, _make(name, [*model.parameters(), *head.parameters()], freeze=3,
+                                  **local)
+
+    def train(model, head, opt, steps):
+        for t in steps:
+            g = torch.Generator().manual_seed(1000 * t + rank)
+            out = model(torch.randn(5, 6, generator=g))
+            opt.zero_grad()
+            (out.pow(2).mean() + (head(out).pow(2).mean() if t >= 8 else 0)).backward()
+            opt.step()
+
+    model, head, opt = build()
+    train(model, head, opt, range(1, 21))
+    straight = flat(model) + flat(head)
+    model, head, opt = build()
+    train(model, head, opt, range(1, save_at + 1))
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(head.state_dict()),
+             copy.deepcopy(opt.state_dict()), copy.deepcopy(opt.error_feedback_state_dict()))
+    model, head, opt = build()
+    model.load_state_dict(saved[0])
+    head.load_state_dict(saved[1])
+    opt.load_state_dict(saved[2])
+    opt.load_error_feedback_state_dict(saved[3])
+    train(model, head, opt, range(save_at + 1, 21))
+    return straight, flat(model) + flat(head)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("save_at", [8, 10])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_resume_in_a_late_joiners_warmup_is_bitwise_identical(name, save_at):
+    # 0/1 Adam's checkpoint gave the late joiner a placeholder synced point
+    # of zeros, which passed for real: it landed near 0 after its warmup.
+    for straight, resumed in run_workers(_resumed_in_a_late_joiners_warmup, 2, name, save_at,
+                                         timeout=120):
+        assert resumed == straight
+
+
+def _first_used_between_variance_updates(rank, world):
+    """0/1 Adam updates v at steps 1, 2, 4, 8, 16, 32 before its freeze at
+    40: a head first used at step 33 still has v = 0 when v freezes, and
+    a gradient at every step after (never a step without one)."""
+    import onebit
+
+    model = small_model(0)
+    head = torch.nn.Linear(2, 3)
+    opt = onebit.ZeroOneAdam([*model.parameters(), *head.parameters()], lr=1e-2,
+                             var_freeze_step=40, var_update_scaler=2, local_step_scaler=4,
+                             local_step_clipper=2)
+    moved = []
+    for t in range(1, 61):
+        g = torch.Generator().manual_seed(1000 * t + rank)
+        out = model(torch.randn(5, 6, generator=g))
+        opt.zero_grad()
+        (out.pow(2).mean() + (head(out).pow(2).mean() if t >= 33 else 0)).backward()
+        before = flat(head)
+        opt.step()
+        moved.append(flat(head) != before)
+    return {"moved": moved, "head": flat(head),
+            "synced": opt.counters["last_sync"] == opt.counters["step"]}
+
+
+@pytest.mark.timeout(300)
+def test_zero_one_adam_trains_a_param_first_used_between_variance_updates():
+    # It was never gradless after the freeze, so a rule that looked only at
+    # params coming back from a step without a gradient never found it.
+    out = run_workers(_first_used_between_variance_updates, 2, timeout=120)
+    for r in out:
+        assert not any(r["moved"][:32]) and all(r["moved"][41:]), r["moved"]
+        assert all(abs(x) < 1e3 for x in r["head"])
+    assert out[0]["synced"] and out[1]["head"] == out[0]["head"]
 
 
 def _zero_one_adam_under(rank, world, schedule):

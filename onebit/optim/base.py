@@ -327,8 +327,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         try:
             if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
                 self._overlap.launch_rest([ps for _, ps in groups], grads)
-            skip, gradless_params = self._agree_before_step(t, grads + late_grads)
-            gradless = self._shards.locals(gradless_params)
+            skip, gradless = self._agree_before_step(t, grads + late_grads)
             if self._stopped_training:  # (the ranks agree on them: the step goes on)
                 self._params_stopped_training(self._stopped_training)
                 self._stopped_training = []
@@ -336,7 +335,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 self._end_overlap()
                 self._channel.telemetry.end_step(t, stage.name, skipped=True)
                 return loss
-            used_again = self._late.used_again(self.state, gradless_params, stage.variance_frozen)
+            first_used = (self._unseen_with_gradients(stage, groups, grads, gradless)
+                          if stage.variance_frozen and self._late.warmup_length else [])
             if not self._leaves_gradless_params(stage):
                 # (0/1 Adam's syncs:) a late joiner is averaged in full
                 # precision every step, so its replicas need no common point.
@@ -382,8 +382,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 # zero-variance masks) is derived again from the v put back.
                 self._zero_variance.clear()
                 self._denoms.clear()
-        if used_again:
-            self._start_late_if_never_seen(used_again)
+        if first_used:
+            self._start_late_if_used(first_used)
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
@@ -400,8 +400,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         gradients raise on every rank before anything changes. Before any
         collective that depends on them, the same all-gather checks that the
         ranks train the same params and finds the trained params no rank has
-        a gradient for (returned second: the params, not their local
-        shards): one host sync in all."""
+        a gradient for (returned second): one host sync in all."""
         found_inf = getattr(self, "found_inf", None)
         flag = nonfinite_flag(grads_by_group, self.comm_device, found_inf)
         every = [p for g in self.param_groups for p in g["params"]]
@@ -425,7 +424,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
                              "least one rank; nothing was updated (use torch.amp.GradScaler to "
                              f"skip such steps).{hint}")
-        return bad, [p for p, none in zip(every, no_grad) if none and p.requires_grad]
+        return bad, self._shards.locals(
+            [p for p, none in zip(every, no_grad) if none and p.requires_grad])
 
     def _in_order(self, collective):
         """A collective of step() on this optimizer's group: behind the
@@ -464,17 +464,43 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 keep.keep(self._channel.exchange.keep_tensor_errors(key, like, index))
         return keep
 
-    def _start_late_if_never_seen(self, params: List[torch.Tensor]) -> None:
-        """`params` trained in this step with a gradient on some rank, the
-        first since a step without (LateJoiners.used_again): those whose v
-        is still 0 everywhere never saw a gradient, and v froze. Their state
-        is dropped, so the next step starts their own warmup (late.py)."""
-        have_v = [st for st in (self.state[p] for p in params)
-                  if isinstance(st.get("exp_avg_sq"), torch.Tensor)]
-        unseen = self._zero_variance.unseen([st["exp_avg_sq"] for st in have_v])
-        for st, never_seen in zip(have_v, unseen):
-            if never_seen:
-                st.clear()
+    def _unseen_with_gradients(self, stage: Stage, groups, grads,
+                               gradless: List[torch.Tensor]) -> list:
+        """The trained params whose v is 0 everywhere (the zero-variance
+        guard's, cached while v is frozen) and that some rank has a
+        gradient for in this step, each with a 0-dim device count of this
+        rank's nonzero gradient elements (no host sync here): the params
+        that may be used for the first time since before v froze (late.py).
+        Nothing per param where every trained tensor has seen a gradient."""
+        out, skip = [], None
+        for i, ((group, ps), gs) in enumerate(zip(groups, grads)):
+            if not ps:
+                continue
+            seen, _ = self._seen(i, group, lambda ps=ps: self._state_tensors(ps, "exp_avg_sq"),
+                                 stage.variance_version)
+            if all(seen):
+                continue
+            skip = {id(p) for p in gradless} if skip is None else skip
+            out += [(p, torch.count_nonzero(g)) for p, g, ok in zip(ps, gs, seen)
+                    if not ok and id(p) not in skip]
+        return out
+
+    def _start_late_if_used(self, candidates: list) -> None:
+        """Of `candidates` (_unseen_with_gradients), the params some rank had
+        a nonzero gradient for in this step, as the ranks agree (one small
+        all-gather): their state is dropped, so the next step starts their
+        own warmup (late.py). That step's gradient is spent: v of 0 held
+        them still. A gradient of zeros on every rank (an expert no token
+        reached, its .grad zeroed, not None) is not a first use."""
+        mine = [int(n) for n in torch.stack([n for _, n in candidates]).tolist()]
+        used = [n > 0 for n in mine]
+        if self._agreeing:
+            table = self._in_order(lambda: self._agreement.gather(
+                "agreeing on params used for the first time since v froze", used))
+            used = [any(row[j] for row in table) for j in range(len(candidates))]
+        for (p, _), first in zip(candidates, used):
+            if first:
+                self._state_of(p).clear()
 
     def _warn_scales_drift(self, t: int) -> None:
         """Some ranks' GradScaler found an inf and others not: every rank
@@ -594,9 +620,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         marked a late joiner first, as step() marks it. Else backward's
         exchange inputs made its state, v = 0 included, and step() then took
         it for a trained param that never saw a gradient: it never moved.
-        One pass over the params, as step()'s (the codes say who trains)."""
+        One pass over the params, as step()'s (the codes say who trains).
+        A change is noticed here, as step() would: backward's exchange
+        inputs must not read what was cached for the old params (0/1
+        Adam's denominators and masks, by group)."""
         stage = self.stage_at(self.counters["step"] + 1)
         codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
+        self._notice_trainable_changes(codes)
         return [self._shards.locals([p for p, c in zip(g["params"], code) if c == TRAINED])
                 for g, code in zip(self.param_groups, codes)]
 
@@ -862,8 +892,15 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._share_counters(counters)
         checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"],
                                       placeholders)
+        # A late joiner (or a param about to be one: no v) never held what the
+        # run's local steps keep (0/1 Adam's synced point): the checkpoint's
+        # entry is a placeholder, which would pass for real after its warmup.
+        warm = self._late.warmup_length
+        for st in self.state.values():
+            if "exp_avg_sq" not in st or st.get(LATE_KEY, warm) < warm:
+                for name in self.STATE_OF_THE_RUN:
+                    st.pop(name, None)
         self._forget_layouts()
-        self._late.forget_last_step()
         self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
 

@@ -58,7 +58,10 @@ class ZeroVarianceGuard:
         if version is not None and cached is not None and cached[0] == version:
             return cached[1], cached[2]
         exp_avg_sqs = resolved(exp_avg_sqs)
-        counts, whole = self._nonzero_counts(exp_avg_sqs)
+        local = torch.stack([torch.count_nonzero(v) for v in exp_avg_sqs]) if exp_avg_sqs else None
+        counts = local.tolist() if local is not None else []
+        whole = (self.whole_counts(local).tolist() if self.whole_counts is not None
+                 and local is not None else counts)
         seen = [w > 0 for w in whole]
         masks = [_mask(v, c, cached=version is not None) if 0 < w and c < v.numel() else None
                  for c, w, v in zip(counts, whole, exp_avg_sqs)]
@@ -67,22 +70,6 @@ class ZeroVarianceGuard:
         else:
             self._cache.pop(index, None)
         return seen, masks
-
-
-    def unseen(self, exp_avg_sqs: Tensors) -> List[bool]:
-        """Whether each of `exp_avg_sqs` (of whole params, on shards too) is
-        0 everywhere: one host sync, nothing cached."""
-        return [w == 0 for w in self._nonzero_counts(exp_avg_sqs)[1]]
-
-    def _nonzero_counts(self, exp_avg_sqs: Tensors) -> Tuple[List[int], List[int]]:
-        """Each v's count of nonzero elements: on this rank's shard, and in
-        the whole param (one collective on sharded params)."""
-        if not exp_avg_sqs:
-            return [], []
-        local = torch.stack([torch.count_nonzero(v) for v in exp_avg_sqs])
-        counts = local.tolist()
-        whole = self.whole_counts(local).tolist() if self.whole_counts is not None else counts
-        return counts, whole
 
 
 # A tensor with at most 1/SPARSE of its elements unseen keeps their indices

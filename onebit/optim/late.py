@@ -10,16 +10,15 @@ the 1-bit exchange like the rest (the flat layouts are rebuilt then, and the
 error-feedback buffers restart from zero). Which params are late follows
 from the replicated state, so every rank agrees without a collective.
 
-A param that trained all along but that no rank had a gradient for through
-the whole warmup (an expert no token reached, a head switched on later) has
-state, the zeros of its untouched steps, and a v of 0 holds it still once v
-froze. It becomes a late joiner when it is first used: a step after the
-freeze in which some rank has its gradient, after one in which none had
-(the ranks agree on both in the step's all-gather, untouched.py), finds its
-v still 0 everywhere; that step's gradient is spent (v of 0 holds it
-still), and its state is dropped, so the next step starts its own warmup.
-A param whose gradient is there on every step, zeros or not, is never
-looked at: only the step after a gradless one is.
+A param that trained all along but never had a nonzero gradient before v
+froze (an expert no token reached, a head switched on later; .grad None,
+or zeros) has state, and a v of 0 that holds it still once v froze (the
+zero-variance guard, guards.py). It becomes a late joiner when it is first
+used: a step after the freeze in which some rank has a nonzero gradient
+for it finds its v still 0 everywhere; that step's gradient is spent (v of
+0 holds it still), and its state is dropped, so the next step starts its
+own warmup (base.py decides; every rank agrees, in one small all-gather
+made only in steps that have such params).
 """
 from __future__ import annotations
 
@@ -41,25 +40,6 @@ class LateJoiners:
     def __init__(self, warmup_length: int, warmup_option: str = "freeze_step") -> None:
         self.warmup_length = warmup_length
         self.warmup_option = warmup_option
-        self._gradless_last_step: dict = {}  # id -> param: no rank had its gradient
-
-    def used_again(self, state, gradless: List[torch.Tensor], variance_frozen: bool
-                   ) -> List[torch.Tensor]:
-        """The params that no rank had a gradient for in the last step taken
-        and that train now, not late, with a gradient on some rank
-        (`gradless`: this step's gradless params, as the ranks agreed), once
-        v froze: the ones to look at for a v still 0 (see the module's
-        docs). Call once per step taken (not for a skipped one)."""
-        last, self._gradless_last_step = self._gradless_last_step, {id(p): p for p in gradless}
-        if not (variance_frozen and self.warmup_length > 0) or not last:
-            return []
-        now = self._gradless_last_step
-        return [p for i, p in last.items()
-                if i not in now and p.requires_grad and not self.is_late(state, p)]
-
-    def forget_last_step(self) -> None:
-        """After a load: the last step taken is not the checkpoint's."""
-        self._gradless_last_step = {}
 
     def is_late(self, state, p: torch.Tensor) -> bool:
         st = state.get(p)
