@@ -732,6 +732,7 @@ def _backend_named_apart(rank, world, names):
     return diloco.rounds, [p.detach().reshape(-1).tolist() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("names", [[(None, "1bit"), ("nccl", "1bit")],
                                    [("compressed", "1bit"), (None, "1bit")],
                                    [(None, "2bit"), ("compressed", "2bit")],
@@ -754,6 +755,7 @@ def _backends_apart(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_diloco_ranks_naming_two_backends_raise_on_every_rank():
     for message in run_workers(_backends_apart, 2, timeout=60):
         assert "ranks disagree on compression and wire format" in message, message
@@ -787,6 +789,7 @@ def _freezes_a_layer_mid_run(rank, world, compression, overlap, freeze_at):
     return bottom, top
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", ["1bit", "bf16", "none"])
 @pytest.mark.parametrize("overlap, freeze_at, still_from, synced_at", [
     (0, 5, 4, 4),  # frozen at a landing (after step 4): stays where it was
