@@ -464,6 +464,45 @@ def test_torch_distributed_checkpoint_resumes_at_other_world_sizes(tmp_path):
         assert all(r[3] == out[0][3] for r in out)
 
 
+def _dcp_into_freeze_step_0(rank, world, path):
+    """Saved with DCP after 5 steps of freeze_step=3, loaded into a fresh
+    OnebitAdam(freeze_step=0), which get_optimizer_state_dict steps once at
+    lr 0 (torch's _init_optim_state) to make the state it loads into."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    params = make_params(seed=0)
+    model = torch.nn.ParameterList(params)
+    opt = make("OnebitAdam", params, freeze_step=3)
+    for _ in range(5):
+        loss_and_grads(params, rank, world)
+        opt.step()
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    params = make_params(seed=99)
+    model = torch.nn.ParameterList(params)
+    opt = make("OnebitAdam", params, freeze_step=0)
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    before = [p.detach().clone() for p in params]
+    for _ in range(3):
+        loss_and_grads(params, rank, world)
+        opt.step()
+    return [bool((p != b).any()) for p, b in zip(params, before) if p.numel()], \
+        [p.detach().reshape(-1).tolist() for p in params]
+
+
+def test_freeze_step_0_resumes_through_dcp(tmp_path):
+    # freeze_step=0 refuses a fresh run's first step (v would stay 0), but
+    # the lr-0 step DCP takes to make a fresh optimizer's state moves
+    # nothing: refusing it left no way to load the checkpoint with v.
+    out = run_workers(_dcp_into_freeze_step_0, 2, str(tmp_path / "dcp"), timeout=120)
+    assert all(all(moved) for moved, _ in out) and out[0][1] == out[1][1]
+
+
 # ------------------------------------------------ from other optimizers --
 def _adam_then_onebit(rank, world, name):
     """torch.optim.Adam (gradients averaged by hand) for 4 steps, its

@@ -115,13 +115,15 @@ def test_without_a_warmup_a_param_without_v_is_refused():
     # on a fresh run moved nothing, silently.
     late, p = LateJoiners(warmup_length=0, warmup_option="var_freeze_step"), \
         torch.nn.Parameter(torch.zeros(1))
-    state = _defaultdict({})
-    assert late.codes(state, [{"params": [p]}], variance_frozen=False) == [[TRAINED]]
+    state, groups = _defaultdict({}), [{"params": [p], "lr": 1e-3}]
+    assert late.codes(state, groups, variance_frozen=False) == [[TRAINED]]
     with pytest.raises(ValueError, match=r"var_freeze_step=0 leaves a param of shape \(1,\)"):
-        late.codes(state, [{"params": [p]}], variance_frozen=True)
+        late.codes(state, groups, variance_frozen=True)
     assert LATE_KEY not in state[p]
+    # A step at lr 0 moves nothing: DCP takes one to make a fresh optimizer's state
+    assert late.codes(state, [{"params": [p], "lr": 0.0}], variance_frozen=True) == [[TRAINED]]
     state[p]["exp_avg_sq"] = torch.ones(1)  # a loaded checkpoint's v: trains in 1 bit
-    assert late.codes(state, [{"params": [p]}], variance_frozen=True) == [[TRAINED]]
+    assert late.codes(state, groups, variance_frozen=True) == [[TRAINED]]
     assert not late.is_late(state, p) and LATE_KEY not in state[p]
 
 
@@ -166,6 +168,10 @@ def _agreement(rank, world):
     no_grad = [True, rank == 0, True] + [False] * 66 + [True]
     out["verdict"] = tuple(agree.before_step(7, flag, 42, redo_buckets=rank == 0,
                                              param_groups=groups, no_grad=no_grad))
+    # 70 flags set by some rank (flag k on rank k % 4: none for k % 4 == 3)
+    used = torch.tensor([k % 4 == rank for k in range(70)])
+    out["used"] = agree.before_step(7, torch.tensor(0), 42, False, groups, no_grad=no_grad,
+                                    used=used).used
     try:
         agree.before_step(7, torch.tensor(0), 42 + rank, False, groups)
     except ValueError as exc:
@@ -186,7 +192,9 @@ def test_rank_agreement_on_real_ranks():
         assert "Tested: ranks disagree on hyper-parameters" in out["settings"]
         # rank 2's non-finite flag, rank 0's redo; not every rank is non-finite;
         # the params no rank has a gradient for
-        assert out["verdict"] == (True, True, False, (True, False, True) + (False,) * 66 + (True,))
+        assert out["verdict"] == (True, True, False, (True, False, True) + (False,) * 66 + (True,),
+                                  ())
+        assert out["used"] == tuple(k % 4 != 3 for k in range(70))
         assert "disagree on which parameters require grad at step 7" in out["trainable"]
         assert "group 0: 1 of 1 params" in out["trainable"]
         assert "diverged by step 8" in out["replicas"] and "rank(s) [1]" in out["replicas"]

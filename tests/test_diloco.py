@@ -2,6 +2,7 @@
 simulation of the outer loop: inner SGD steps, the pseudo-gradients'
 compressed average with errors carried across rounds (tests/reference.py,
 which imports nothing from onebit), and Nesterov outer SGD."""
+import copy
 import io
 import os
 import signal
@@ -680,8 +681,9 @@ def _diloco_apart(rank, world, case):
     outer_lr = (onebit.SteppedOuterLR(1.0, 2.0, from_step=1 if rank == 0 else 3)
                 if case == "outer lr" else 1.0)
     try:
+        compression = "bf16" if case == "compression" and rank == 1 else "1bit"
         diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=2, outer_lr=outer_lr,
-                               timeout_s=30)
+                               compression=compression, timeout_s=30)
         g = torch.Generator().manual_seed(rank)
         for step in range(1, 9):  # the peer's loop launches fragment 1 after step 4
             inner.zero_grad()
@@ -706,6 +708,8 @@ def _diloco_apart(rank, world, case):
     ("frozen mid-run on one rank", "ranks freeze different synced params at outer exchange 1"),
     ("outer lr set on one rank", "ranks disagree on the outer optimizer's settings at outer "
                                  "exchange 1"),
+    # the backend's name is agreed first, in a collective every rank makes
+    ("compression", "ranks disagree on compression and wire format"),
 ])
 def test_diloco_ranks_apart_raise_on_every_rank(case, says):
     """Each of these let the replicas drift apart with no error."""
@@ -812,6 +816,55 @@ def test_a_layer_frozen_mid_run_stays_at_its_last_synced_point(compression, over
     assert bottom[still_from - 1:] == [bottom[synced_at - 1]] * (14 - still_from)
     assert bottom[-1] == bottom1[-1] and top[-1] == top1[-1]
     assert top[-1] != top[still_from - 1]  # the top layer still trains
+
+
+def _frozen_while_in_flight(rank, world, resume):
+    """Streaming DiLoCo (a round every 2 inner steps, landing 1 step after
+    its launch): the bottom layer is frozen before inner step 5, after the
+    launch at 4 and before its landing. Straight, or saved after step 4
+    (that round in flight) and resumed in fresh objects."""
+    import onebit
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+        return model, inner, onebit.DiLoCo(model, inner, sync_every=2, overlap_steps=1,
+                                           outer_lr=0.7, outer_momentum=0.9, timeout_s=30)
+
+    def train(model, inner, steps):
+        for step in steps:
+            if step == 5:
+                model[0].requires_grad_(False)
+            inner.zero_grad()
+            g = torch.Generator().manual_seed(100 * step + rank)
+            model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+            inner.step()
+
+    model, inner, diloco = build()
+    train(model, inner, range(1, 5 if resume else 11))
+    if resume:
+        saved = copy.deepcopy((model.state_dict(), inner.state_dict(), diloco.state_dict(),
+                               diloco.error_feedback_state_dict()))
+        diloco.close()
+        model, inner, diloco = build()
+        model.load_state_dict(saved[0])
+        inner.load_state_dict(saved[1])
+        diloco.load_state_dict(saved[2])
+        assert diloco.load_error_feedback_state_dict(saved[3])
+        train(model, inner, range(5, 11))
+    diloco.drain()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_round_launched_before_a_freeze_is_bitwise_identical():
+    """The round in flight was launched with the layer trainable: its
+    landing gives it the outer step. Restored from a checkpoint, it decided
+    at the landing, where the layer was frozen, and skipped it."""
+    straight = run_workers(_frozen_while_in_flight, 2, False, timeout=60)
+    resumed = run_workers(_frozen_while_in_flight, 2, True, timeout=60)
+    assert resumed == straight
 
 
 def _warmup_with_a_skipped_step(rank, world):

@@ -91,7 +91,8 @@ class _FragmentRound:
     # This rank's params at the launch (fp32), for keep_local_progress.
     launch_points: Optional[List[torch.Tensor]] = None
     # The fragment's params frozen at the launch (positions in it; None: a
-    # round restored from a checkpoint, decided at its landing instead).
+    # round restored from a checkpoint written before they were saved,
+    # decided at its landing instead).
     frozen: Optional[List[int]] = None
     skipped: Optional[bool] = None
     closed: bool = False  # a proposal from close() that no rank launched (_catch_up)
@@ -233,9 +234,9 @@ class DiLoCo:
             # The backend each rank will open, by its registered name: None,
             # DeepSpeed's "nccl" and "compressed" are one backend. (Moot for
             # rounds in bf16 or fp32, which use none.)
-            wire = (wire_backend_name(self._shards.comm_backend(comm_backend_name),
-                                      CODECS[compression], process_group, self.timeout_s,
-                                      self.comm_device) if compression in CODECS else None)
+            wire = wire_backend_name(self._shards.comm_backend(comm_backend_name),
+                                     CODECS.get(compression), process_group, self.timeout_s,
+                                     self.comm_device)
             RankAgreement("DiLoCo", process_group, self.timeout_s).check_fields({
                 "sync_every and warmup_steps": (sync_every, warmup_steps),
                 "fragments, overlap_steps, keep_local_progress and fragment_update_alpha": (
@@ -743,7 +744,11 @@ class DiLoCo:
                       else [torch.zeros_like(a) for a in anchors])
             deltas = [placed_like(d, self.params[i])
                       for d, i in zip(deltas, self.plan.members[f])]
-            out[str(f)] = {"status": torch.tensor(status), "deltas": deltas}  # str keys for DCP
+            frozen = set(job.frozen or ()) if job is not None else set()
+            out[str(f)] = {"status": torch.tensor(status), "deltas": deltas,  # str keys for DCP
+                           # launched with these frozen (_frozen_in): the landing keeps them
+                           "frozen": torch.tensor([j in frozen for j in range(len(anchors))],
+                                                  dtype=torch.bool)}
         return out
 
     def _settle(self) -> None:
@@ -777,9 +782,12 @@ class DiLoCo:
             status = int(entry["status"])
             if status != self._IDLE:
                 anchors = self._members(int(f))[1]
+                frozen = entry.get("frozen")  # (absent from checkpoints written before it)
                 self._in_flight[int(f)] = _FragmentRound(
                     [local(d).to(a.device) for d, a in zip(entry["deltas"], anchors)],
-                    skipped=status == self._SKIPPED)
+                    skipped=status == self._SKIPPED,
+                    frozen=None if frozen is None else [j for j, on in enumerate(frozen.tolist())
+                                                        if on])
         # An exchange launched and not landed yet (streaming) has moved the
         # errors too: the launches count, not the landed rounds.
         self._channel.owner_loaded(self.backend is not None and self.launches > 0)

@@ -28,6 +28,24 @@ def pack_flags(flags: Sequence[bool]) -> List[int]:
     return words
 
 
+def pack_device_flags(flags: torch.Tensor) -> List[torch.Tensor]:
+    """A 1-D bool tensor as 0-dim int64 words of BITS_PER_WORD bits each, on
+    its device (as pack_flags, with no host read: they join a gather)."""
+    out = []
+    for start in range(0, flags.numel(), BITS_PER_WORD):
+        part = flags[start:start + BITS_PER_WORD].to(torch.int64)
+        out.append((part << torch.arange(part.numel(), device=part.device)).sum())
+    return out
+
+
+def flags_on_any_rank(rows: Sequence[Sequence[int]], count: int) -> List[bool]:
+    """The first `count` flags that some rank's packed words (`rows`) set."""
+    words = [0] * len(rows[0])
+    for row in rows:
+        words = [a | b for a, b in zip(words, row)]
+    return [bool(words[k // BITS_PER_WORD] >> (k % BITS_PER_WORD) & 1) for k in range(count)]
+
+
 def flags_on_every_rank(rows: Sequence[Sequence[int]], count: int) -> List[bool]:
     """The first `count` flags that every rank's packed words (`rows`) set."""
     words = list(rows[0])
@@ -126,6 +144,7 @@ class StepVerdict(NamedTuple):
     redo_buckets: bool  # some rank must exchange its backward buckets again (overlap.py)
     nonfinite_everywhere: bool = False  # ... and every rank does
     gradless: tuple = ()  # per param of no_grad: no rank has a gradient for it (untouched.py)
+    used: tuple = ()  # per flag of `used`: some rank set it (late.py: a first use)
 
 
 def tensor_fingerprint(t: torch.Tensor) -> tuple:
@@ -209,7 +228,8 @@ class RankAgreement:
 
     def before_step(self, step: int, nonfinite: torch.Tensor, trainable_digest: int,
                     redo_buckets: bool, param_groups,
-                    no_grad: Sequence[bool] = (), settings: Optional[dict] = None) -> StepVerdict:
+                    no_grad: Sequence[bool] = (), settings: Optional[dict] = None,
+                    used: Optional[torch.Tensor] = None) -> StepVerdict:
         """One all-gather before step `step` changes anything: the ranks must
         train the same params (else the exchanges would not match: gloo
         aborts the process; a ValueError here instead) and hold the same
@@ -220,13 +240,18 @@ class RankAgreement:
         device flag: it stays on the device until the table comes back),
         must redo its backward buckets, and which params (`no_grad`: this
         rank's flag for every param of every group, so the message has the
-        same length on every rank) no rank has a gradient for."""
+        same length on every rank) no rank has a gradient for, and which of
+        `used` (a 1-D bool device tensor, as long on every rank) some rank
+        set."""
         settings = settings or {}
         digests = [collectives.stable_digest(v) for v in settings.values()]
         head = 3 + len(digests)
+        packed = pack_flags(no_grad)
+        used_words = pack_device_flags(used) if used is not None else []
         table = self.gather("agreeing on the trainable params and on skipping a non-finite step",
                             [nonfinite, trainable_digest, int(redo_buckets)] + digests
-                            + pack_flags(no_grad))
+                            + packed + used_words)
+        tail = head + len(packed)
         if len({row[1] for row in table}) > 1:
             raise ValueError(
                 f"{self.name}: ranks disagree on which parameters require grad at step {step}; "
@@ -243,7 +268,10 @@ class RankAgreement:
                 "checkpoint loaded everywhere)")
         return StepVerdict(any(row[0] for row in table), any(row[2] for row in table),
                            all(row[0] for row in table),
-                           tuple(flags_on_every_rank([row[head:] for row in table], len(no_grad))))
+                           tuple(flags_on_every_rank([row[head:tail] for row in table],
+                                                     len(no_grad))),
+                           tuple(flags_on_any_rank([row[tail:] for row in table], used.numel()))
+                           if used_words else ())
 
     def check_replicas(self, step: int, param_groups, state) -> None:
         """Divergence guard: compare a checksum of every parameter and state

@@ -54,15 +54,17 @@ def open_backend(name: Optional[str], group, *, timeout_s: Optional[float], cuda
 
 
 def wire_backend_name(name: Optional[str], codec, group, timeout_s: Optional[float],
-                      device: Optional[torch.device] = None) -> str:
-    """The registered backend that `open_backend(name, codec=codec)` opens:
-    what an owner's construction check compares (None, "nccl" and
-    "compressed" name one backend). For the signs, the name is agreed
-    across `group` (agreed_backend_name: a collective every rank makes,
-    whatever it named); another codec takes 'compressed' only."""
-    if codec is not SignCodec:
-        return _codec_backend_name(name, codec)
-    return agreed_backend_name(name, group, timeout_s, device)
+                      device: Optional[torch.device] = None) -> Optional[str]:
+    """The registered backend that `open_backend(name, codec=codec)` opens
+    (None for `codec` None: no compressed exchange): what an owner's
+    construction check compares (None, "nccl" and "compressed" name one
+    backend). The name is agreed across `group` first (agreed_backend_name:
+    one all-gather that every rank makes, whatever it named and whatever its
+    codec, so that ranks built apart still meet in the check after it)."""
+    agreed = agreed_backend_name(name, group, timeout_s, device)
+    if codec is None:
+        return None
+    return agreed if codec is SignCodec else _codec_backend_name(name, codec)
 
 
 def _codec_backend_name(name: Optional[str], codec) -> str:

@@ -327,7 +327,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         try:
             if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
                 self._overlap.launch_rest([ps for _, ps in groups], grads)
-            skip, gradless = self._agree_before_step(t, grads + late_grads)
+            unseen = (self._unseen_trained(stage, groups, grads)
+                      if stage.variance_frozen and self._late.warmup_length else [])
+            skip, gradless, first_used = self._agree_before_step(t, grads + late_grads, unseen)
             if self._stopped_training:  # (the ranks agree on them: the step goes on)
                 self._params_stopped_training(self._stopped_training)
                 self._stopped_training = []
@@ -335,8 +337,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 self._end_overlap()
                 self._channel.telemetry.end_step(t, stage.name, skipped=True)
                 return loss
-            first_used = (self._unseen_with_gradients(stage, groups, grads, gradless)
-                          if stage.variance_frozen and self._late.warmup_length else [])
             if not self._leaves_gradless_params(stage):
                 # (0/1 Adam's syncs:) a late joiner is averaged in full
                 # precision every step, so its replicas need no common point.
@@ -383,7 +383,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 self._zero_variance.clear()
                 self._denoms.clear()
         if first_used:
-            self._start_late_if_used(first_used)
+            self._start_late(first_used)
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
@@ -393,30 +393,35 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._channel.telemetry.end_step(t, stage.name, skipped=False)
         return loss
 
-    def _agree_before_step(self, t: int, grads_by_group: List[List[torch.Tensor]]
-                           ) -> Tuple[bool, List[torch.Tensor]]:
+    def _agree_before_step(self, t: int, grads_by_group: List[List[torch.Tensor]],
+                           unseen: list = ()) -> Tuple[bool, List[torch.Tensor], list]:
         """Whether step t must be skipped: a GradScaler saw inf/NaN, or a
         gradient is not finite, on any rank. Without a GradScaler, non-finite
         gradients raise on every rank before anything changes. Before any
         collective that depends on them, the same all-gather checks that the
-        ranks train the same params and finds the trained params no rank has
-        a gradient for (returned second): one host sync in all."""
+        ranks train the same params, finds the trained params no rank has
+        a gradient for (returned second), and which of `unseen`
+        (_unseen_trained) some rank has a nonzero gradient for (returned
+        third: first used since v froze): one host sync in all."""
         found_inf = getattr(self, "found_inf", None)
         flag = nonfinite_flag(grads_by_group, self.comm_device, found_inf)
         every = [p for g in self.param_groups for p in g["params"]]
         no_grad = [p.grad is None for p in every]
+        # (on the device: the flags join the gather, no host read of their own)
+        used = torch.stack([g.ne(0).any() for _, g in unseen]) if unseen else None
         if self._agreeing:
             stale = self._overlap is not None and self._overlap.stale
             settings = step_settings(self.counters, self.param_groups)
             verdict = self._in_order(lambda: self._agreement.before_step(
-                t, flag, self._trainable_digest, stale, self.param_groups, no_grad, settings))
+                t, flag, self._trainable_digest, stale, self.param_groups, no_grad, settings,
+                used))
             if self._overlap is not None:  # every rank redoes its buckets, or none
                 self._overlap.stale = verdict.redo_buckets
-            bad, no_grad = verdict.nonfinite, verdict.gradless
+            bad, no_grad, used = verdict.nonfinite, verdict.gradless, verdict.used
             if bad and found_inf is not None and not verdict.nonfinite_everywhere:
                 self._warn_scales_drift(t)
         else:
-            bad = bool(flag)
+            bad, used = bool(flag), used.tolist() if used is not None else ()
         if bad and found_inf is None:
             hint = (" With communication_data_type='fp16' the DDP hook's mean arrives as inf "
                     "when a rank's share or the sum is beyond 65504: use 'bf16'."
@@ -425,7 +430,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              "least one rank; nothing was updated (use torch.amp.GradScaler to "
                              f"skip such steps).{hint}")
         return bad, self._shards.locals(
-            [p for p, none in zip(every, no_grad) if none and p.requires_grad])
+            [p for p, none in zip(every, no_grad) if none and p.requires_grad]), \
+            [p for (p, _), first in zip(unseen, used) if first]
 
     def _in_order(self, collective):
         """A collective of step() on this optimizer's group: behind the
@@ -464,43 +470,38 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 keep.keep(self._channel.exchange.keep_tensor_errors(key, like, index))
         return keep
 
-    def _unseen_with_gradients(self, stage: Stage, groups, grads,
-                               gradless: List[torch.Tensor]) -> list:
-        """The trained params whose v is 0 everywhere (the zero-variance
-        guard's, cached while v is frozen) and that some rank has a
-        gradient for in this step, each with a 0-dim device count of this
-        rank's nonzero gradient elements (no host sync here): the params
-        that may be used for the first time since before v froze (late.py).
-        Nothing per param where every trained tensor has seen a gradient."""
-        out, skip = [], None
+    def _unseen_trained(self, stage: Stage, groups, grads) -> list:
+        """(param, its fp32 gradient) for each trained param whose v is 0
+        everywhere, the zero-variance guard's answer (cached while v is
+        frozen): once v froze, the params a nonzero gradient on some rank
+        uses for the first time (late.py). Nothing per param where every
+        trained tensor has seen a gradient."""
+        out = []
         for i, ((group, ps), gs) in enumerate(zip(groups, grads)):
             if not ps:
                 continue
             seen, _ = self._seen(i, group, lambda ps=ps: self._state_tensors(ps, "exp_avg_sq"),
                                  stage.variance_version)
-            if all(seen):
-                continue
-            skip = {id(p) for p in gradless} if skip is None else skip
-            out += [(p, torch.count_nonzero(g)) for p, g, ok in zip(ps, gs, seen)
-                    if not ok and id(p) not in skip]
+            if not all(seen):
+                out += [(p, g) for p, g, ok in zip(ps, gs, seen) if not ok]
         return out
 
-    def _start_late_if_used(self, candidates: list) -> None:
-        """Of `candidates` (_unseen_with_gradients), the params some rank had
-        a nonzero gradient for in this step, as the ranks agree (one small
-        all-gather): their state is dropped, so the next step starts their
-        own warmup (late.py). That step's gradient is spent: v of 0 held
-        them still. A gradient of zeros on every rank (an expert no token
-        reached, its .grad zeroed, not None) is not a first use."""
-        mine = [int(n) for n in torch.stack([n for _, n in candidates]).tolist()]
-        used = [n > 0 for n in mine]
-        if self._agreeing:
-            table = self._in_order(lambda: self._agreement.gather(
-                "agreeing on params used for the first time since v froze", used))
-            used = [any(row[j] for row in table) for j in range(len(candidates))]
-        for (p, _), first in zip(candidates, used):
-            if first:
-                self._state_of(p).clear()
+    def _start_late(self, params: List[torch.Tensor]) -> None:
+        """`params` (local shards) were used for the first time since v froze,
+        in the step just taken: v of 0 held them still, so that gradient is
+        spent. From the next step they are late joiners (late.py): their
+        state is that of a late joiner's first step (zeros), kept whole so
+        that a checkpoint taken now has every key (DCP loads only into
+        those); and what was laid out for the old trained set goes now, as
+        the next step would forget it, so that such a checkpoint's error
+        buffers are those the run goes on with."""
+        for p in params:
+            st = self._state_of(p)
+            st.clear()
+            st[LATE_KEY] = 0
+            self._state_tensor(p, "exp_avg")
+            self._state_tensor(p, "exp_avg_sq")
+        self._forget_layouts()
 
     def _warn_scales_drift(self, t: int) -> None:
         """Some ranks' GradScaler found an inf and others not: every rank

@@ -126,9 +126,11 @@ class OnebitLamb(FreezeStepOptimizer):
     def _staged_state(self):
         def zeros(p):
             return torch.zeros_like(p, dtype=torch.float32)
-        staged = {"lamb_coeff_freeze": (lambda p: 0.0, lambda step: True)}  # 0.0: the default
+        # 0.0 and 1.0: the defaults. The warmup sets both for every param it
+        # steps: a late joiner saved before its own steps lacked them.
+        staged = {"lamb_coeff_freeze": (lambda p: 0.0, lambda step: True),
+                  "last_factor": (lambda p: 1.0, lambda step: True)}
         if self.trust_ratio == "frozen":  # its factor's state
-            staged["last_factor"] = (lambda p: 1.0, lambda step: True)
             staged["exp_avg_sq_fresh"] = (zeros, lambda step: step >= max(self.freeze_step, 1))
         else:
             staged["exp_avg_smoothed"] = (zeros, lambda step: step >= max(self.freeze_step, 1))

@@ -17,8 +17,8 @@ zero-variance guard, guards.py). It becomes a late joiner when it is first
 used: a step after the freeze in which some rank has a nonzero gradient
 for it finds its v still 0 everywhere; that step's gradient is spent (v of
 0 holds it still), and its state is dropped, so the next step starts its
-own warmup (base.py decides; every rank agrees, in one small all-gather
-made only in steps that have such params).
+own warmup (base.py decides; the ranks agree on who had a nonzero gradient
+in the all-gather every step makes already, untouched.py).
 """
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ class LateJoiners:
         is marked late (its own warmup starts). One pass, one state lookup
         per param: a step over thousands of small tensors pays per tensor."""
         marking, warm = variance_frozen and self.warmup_length > 0, self.warmup_length
+        # A step at lr 0 moves nothing: DCP takes one on a fresh optimizer to
+        # make the state it loads into (a checkpoint with v, say).
+        refusing = variance_frozen and not marking and any(
+            float(g["lr"]) != 0 for g in param_groups)
         out = []
         for group in param_groups:
             row = []
@@ -60,10 +64,11 @@ class LateJoiners:
                     continue
                 st = state.get(p)
                 if variance_frozen and (st is None or "exp_avg_sq" not in st):
-                    if not marking:
+                    if refusing:
                         self._refuse_no_warmup(p)
-                    st = state[p]
-                    st[LATE_KEY] = 0
+                    if marking:
+                        st = state[p]
+                        st[LATE_KEY] = 0
                 row.append(LATE if st is not None and st.get(LATE_KEY, warm) < warm else TRAINED)
             out.append(row)
         return out
