@@ -63,7 +63,7 @@ from .. import collectives
 from ..backends.codecs import CODECS
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once, check_flag, check_number, check_positive_int
-from ..feedback.agreement import RankAgreement, nonfinite_flag
+from ..feedback.agreement import RankAgreement, group_settings, nonfinite_flag
 from ..feedback.channel import ErrorFeedbackChannel, open_backend, wire_backend_name
 from ..feedback.exchange import GroupKey
 from ..feedback.handoff import StreamHandoff, exchange_group
@@ -560,9 +560,9 @@ class DiLoCo:
         where a schedule sets it at every landing: a rank a step behind
         (_catch_up) lands at another inner step, and the schedule may
         differ there; the construction compares the schedules."""
-        skip = ("params", "lr") if self._outer_lr_at is not None else ("params",)
-        return collectives.stable_digest([{k: v for k, v in g.items() if k not in skip}
-                                          for g in self.outer_optimizer.param_groups])
+        return collectives.stable_digest(group_settings(
+            self.outer_optimizer.param_groups,
+            leave_out=("lr",) if self._outer_lr_at is not None else ()))
 
     def _keeps_progress(self) -> bool:
         """Whether a landing adds local progress back: only an exchange that

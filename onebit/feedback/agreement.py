@@ -40,17 +40,18 @@ def pack_device_flags(flags: torch.Tensor) -> List[torch.Tensor]:
 
 def flags_on_any_rank(rows: Sequence[Sequence[int]], count: int) -> List[bool]:
     """The first `count` flags that some rank's packed words (`rows`) set."""
-    words = [0] * len(rows[0])
-    for row in rows:
-        words = [a | b for a, b in zip(words, row)]
-    return [bool(words[k // BITS_PER_WORD] >> (k % BITS_PER_WORD) & 1) for k in range(count)]
+    return _combined_flags(rows, count, operator.or_)
 
 
 def flags_on_every_rank(rows: Sequence[Sequence[int]], count: int) -> List[bool]:
     """The first `count` flags that every rank's packed words (`rows`) set."""
+    return _combined_flags(rows, count, operator.and_)
+
+
+def _combined_flags(rows: Sequence[Sequence[int]], count: int, combine) -> List[bool]:
     words = list(rows[0])
     for row in rows[1:]:
-        words = [a & b for a, b in zip(words, row)]
+        words = [combine(a, b) for a, b in zip(words, row)]
     return [bool(words[k // BITS_PER_WORD] >> (k % BITS_PER_WORD) & 1) for k in range(count)]
 
 

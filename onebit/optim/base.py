@@ -896,9 +896,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # A late joiner (or a param about to be one: no v) never held what the
         # run's local steps keep (0/1 Adam's synced point): the checkpoint's
         # entry is a placeholder, which would pass for real after its warmup.
-        warm = self._late.warmup_length
-        for st in self.state.values():
-            if "exp_avg_sq" not in st or st.get(LATE_KEY, warm) < warm:
+        for p, st in self.state.items():
+            if "exp_avg_sq" not in st or self._late.is_late(self.state, p):
                 for name in self.STATE_OF_THE_RUN:
                     st.pop(name, None)
         self._forget_layouts()

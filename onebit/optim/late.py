@@ -16,8 +16,8 @@ or zeros) has state, and a v of 0 that holds it still once v froze (the
 zero-variance guard, guards.py). It becomes a late joiner when it is first
 used: a step after the freeze in which some rank has a nonzero gradient
 for it finds its v still 0 everywhere; that step's gradient is spent (v of
-0 holds it still), and its state is dropped, so the next step starts its
-own warmup (base.py decides; the ranks agree on who had a nonzero gradient
+0 holds it still), and its state becomes a late joiner's first (zeros), so
+the next step starts its own warmup (base.py decides; the ranks agree on who had a nonzero gradient
 in the all-gather every step makes already, untouched.py).
 """
 from __future__ import annotations
