@@ -715,3 +715,123 @@ def test_a_checkpoint_of_exact_momentum_keeps_it(tmp_path):
         for s, p in zip(saved, fresh):
             torch.testing.assert_close(again.state[p]["exp_avg"], 0.9 * s + 0.05, rtol=1e-6,
                                        atol=1e-7)
+
+
+# ------------------------------------------ the trained set at a save --
+CHANGES = ["a layer frozen after the load", "a layer frozen before the load",
+           "a late joiner's warmup ends at the save"]
+
+
+def _around_a_change(rank, world, cls_name, change, prefix, resume, dcp=False):
+    """Train to a save, change which params train, go on; or (`resume`)
+    start from that save in fresh objects, make the same change, go on.
+    A late joiner: params[1] frozen until step 35, after the variance
+    froze (30), so its own 30-step warmup ends with step 64, the save.
+    `dcp`: saved and loaded with torch.distributed.checkpoint, as
+    docs/checkpoints.md does it."""
+    save_at, late_from = (64, 35) if change == CHANGES[2] else (40, None)
+    params = make_params(seed=99 if resume else 0)
+    if late_from is not None and not resume:
+        params[1].requires_grad_(False)
+    # Two groups: the change is in the first; the second's error buffer is
+    # laid out as before it.
+    opt = make(cls_name, [{"params": params[:2]}, {"params": params[2:]}], **CONFIGS[cls_name])
+
+    def freeze():
+        if change != CHANGES[2]:
+            params[0].requires_grad_(False)
+
+    restored = None
+    if not resume:
+        for t in range(1, save_at + 1):
+            if t == late_from:
+                params[1].requires_grad_(True)
+            loss_and_grads(params, rank, world)
+            opt.step()
+        if dcp:
+            _dcp_save(params, opt, prefix)
+        else:
+            torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict(),
+                        "errors": opt.error_feedback_state_dict()}, f"{prefix}.{rank}")
+        freeze()
+    elif dcp:
+        if change == CHANGES[1]:
+            freeze()
+        restored = _dcp_load(params, opt, prefix)
+        if change == CHANGES[0]:
+            freeze()
+    else:
+        ckpt = torch.load(f"{prefix}.{rank}", weights_only=False)
+        with torch.no_grad():
+            for p, saved in zip(params, ckpt["params"]):
+                p.copy_(saved)
+        if change == CHANGES[1]:
+            freeze()
+        opt.load_state_dict(ckpt["opt"])
+        restored = opt.load_error_feedback_state_dict(ckpt["errors"])
+        if change == CHANGES[0]:
+            freeze()
+    losses = [(loss_and_grads(params, rank, world), opt.step())[0] for _ in range(8)]
+    return restored, losses, [p.detach().reshape(-1).tolist() for p in params]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("cls_name", sorted(CONFIGS))
+def test_a_resume_that_changes_the_trained_set_equals_the_run_that_did_not_stop(cls_name, change,
+                                                                              tmp_path):
+    """The trained set changes right at a save (a layer frozen as the next
+    phase starts; a late joiner that ends its warmup with the saved step).
+    The run that did not stop notices at its next step and restarts every
+    error buffer from zero; 0/1 Adam also puts a newly frozen param back to
+    its synced point. A resume on 3 ranks must do the same, bit for bit,
+    whether the script freezes before or after loading: the checkpoint says
+    which params the saved step trained, and the error buffers are the ones
+    laid out for them."""
+    prefix = str(tmp_path / "ckpt")
+    straight = run_workers(_around_a_change, 3, cls_name, change, prefix, False, timeout=120)
+    resumed = run_workers(_around_a_change, 3, cls_name, change, prefix, True, timeout=120)
+    for (_, losses, params), (restored, after, params_after) in zip(straight, resumed):
+        assert restored
+        assert after == losses and params_after == params
+
+
+def _dcp_save(params, opt, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = torch.nn.ParameterList(params)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
+              opt.error_feedback_key(): opt.error_feedback_state_dict()}, checkpoint_id=path)
+
+
+def _dcp_load(params, opt, path) -> bool:
+    """docs/checkpoints.md's resume: the model and optimizer, then this
+    rank's error buffers into a dict built on the loaded optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    model = torch.nn.ParameterList(params)
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    mine = {opt.error_feedback_key(): opt.error_feedback_state_dict()}
+    dcp.load(mine, checkpoint_id=path)
+    return opt.load_error_feedback_state_dict(mine[opt.error_feedback_key()])
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_dcp_resume_that_changes_the_trained_set_equals_the_run_that_did_not_stop(change,
+                                                                                  tmp_path):
+    """As above, through torch.distributed.checkpoint (0/1 Adam, whose
+    newly frozen params also go back to their synced point): the saved set
+    travels with the counters, and the second load's target is laid out
+    for it."""
+    path = str(tmp_path / "dcp")
+    straight = run_workers(_around_a_change, 3, "ZeroOneAdam", change, path, False, True,
+                           timeout=120)
+    resumed = run_workers(_around_a_change, 3, "ZeroOneAdam", change, path, True, True,
+                          timeout=120)
+    for (_, losses, params), (restored, after, params_after) in zip(straight, resumed):
+        assert restored
+        assert after == losses and params_after == params

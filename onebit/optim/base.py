@@ -614,6 +614,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _trained_lists(self) -> List[List[torch.Tensor]]:
         return [self._trainable(g) for g in self.param_groups]
 
+    def _last_trained_lists(self) -> List[List[torch.Tensor]]:
+        """The params the last step trained with its stages (loaded: the
+        saved step), which the error buffers are laid out for; before any
+        step, or where groups were added since, those that train now."""
+        signature = self._trainable_signature
+        if signature is None or len(signature) != len(self.param_groups) or any(
+                len(code) != len(g["params"]) for code, g in zip(signature, self.param_groups)):
+            return self._trained_lists()
+        return [self._shards.locals([p for p, c in zip(g["params"], code) if c == TRAINED])
+                for g, code in zip(self.param_groups, signature)]
+
     def _coming_trained_lists(self) -> List[List[torch.Tensor]]:
         """The params the coming step trains with its stages, as step() will
         find them (the overlap plans its buckets by them during backward):
@@ -857,7 +868,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         for g in sd["param_groups"]:
             g[COUNTERS_KEY] = {**copy.deepcopy(g[COUNTERS_KEY]),
                                checkpoints.MOMENTUM_KEY: compressed,
-                               checkpoints.PLACEHOLDERS_KEY: placeholders}
+                               checkpoints.PLACEHOLDERS_KEY: placeholders,
+                               checkpoints.TRAINED_KEY:
+                                   checkpoints.trained_codes(self._trainable_signature)}
         params = [p for g in self.param_groups for p in g["params"]]
         checkpoints.add_placeholders(sd, params, self._all_staged_state())
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
@@ -890,6 +903,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # Absent from checkpoints written before it: the stage decides.
         compressed = counters.pop(checkpoints.MOMENTUM_KEY, had_error_feedback)
         placeholders = counters.pop(checkpoints.PLACEHOLDERS_KEY, None)
+        trained = checkpoints.signature_from_codes(counters.pop(checkpoints.TRAINED_KEY, None),
+                                                   self.param_groups)
         self._share_counters(counters)
         checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"],
                                       placeholders)
@@ -901,6 +916,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 for name in self.STATE_OF_THE_RUN:
                     st.pop(name, None)
         self._forget_layouts()
+        # The saved step's set, as the run that did not stop holds it: a
+        # change is noticed at the next step, and the error buffers load
+        # as laid out for it (_error_layouts).
+        self._trainable_signature, self._stopped_training = trained, []
+        self._trainable_digest = collectives.stable_digest(trained) if trained else 0
         self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
 
@@ -957,7 +977,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         (where every compressed exchange then goes)."""
         if self.world_size == 1:
             return {}
-        trained = self._trained_lists()
+        trained = self._last_trained_lists()
         buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
         return self._channel.exchange.layouts(trained, buckets)
 

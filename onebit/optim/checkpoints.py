@@ -20,7 +20,7 @@ refused checkpoint changes nothing):
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ import torch
 COUNTERS_KEY = "onebit"  # param_group[COUNTERS_KEY]: the counters that decide the stage
 MOMENTUM_KEY = "momentum_compressed"  # saved with them: see MomentumRestart
 PLACEHOLDERS_KEY = "placeholders"  # saved with them: the staged state saved as placeholders
+TRAINED_KEY = "trained"  # saved with them: who the saved step trained (trained_codes)
 STATE_KEY = "onebit"  # where checkpoints before DCP support kept them: state["onebit"]
 
 # Keys torch.optim.Adam/AdamW keep in a param group that onebit has no use for.
@@ -174,6 +175,33 @@ def keep_masks(state_dict: dict, param_groups) -> dict:
         if "exp_avg_mask" in mine:
             theirs["exp_avg_mask"] = mine["exp_avg_mask"]
     return {**state_dict, "param_groups": groups}
+
+
+def trained_codes(signature: Optional[List[List[int]]]) -> str:
+    """Which params the last step trained (each group's codes from
+    late.LateJoiners.codes: frozen, trained, late), as one string: a
+    resumed run must notice a change of that set at its next step as the
+    run that did not stop does (its error buffers restart from zero), and
+    load the error buffers laid out for the saved set. A string, so DCP
+    carries it as it carries the other counters. "" before any step."""
+    if signature is None:
+        return ""
+    return "|".join("".join(str(code) for code in row) for row in signature)
+
+
+def signature_from_codes(saved, param_groups) -> Optional[List[List[int]]]:
+    """What `trained_codes` saved, where it fits `param_groups` (as many
+    groups, as many params in each); None where it does not or is absent
+    (a checkpoint written before it, or by torch's Adam): the next step
+    then takes the set it finds, as before."""
+    if not isinstance(saved, str) or not saved:
+        return None
+    rows = saved.split("|")
+    if len(rows) != len(param_groups) or any(
+            len(row) != len(g["params"]) or not set(row) <= set("012")
+            for row, g in zip(rows, param_groups)):
+        return None
+    return [[int(code) for code in row] for row in rows]
 
 
 class MomentumRestart:
