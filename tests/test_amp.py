@@ -120,16 +120,18 @@ def test_ddp_hook_zero_one_adam_replicas_stay_identical_with_one_rank_infs():
 DILOCO_INFS = {2: [1], 6: [2], 7: [0], 11: [1, 2], 13: [2]}  # iteration -> ranks with an inf
 
 
-def _diloco_scaled_loop(rank, fragments, kind):
+def _diloco_scaled_loop(rank, fragments, kind, scheduled=False):
     """A fixed-length loop of 16 iterations of DiLoCo over inner AdamW, the
     loss scaled by a `kind` GradScaler, infs on the ranks DILOCO_INFS says;
-    yields (diloco, scaler) after each iteration."""
+    yields (diloco, scaler) after each iteration. `scheduled`: an outer lr
+    that changes at every inner step."""
     import onebit
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=fragments,
+    outer_lr = (lambda inner_steps: 1.0 + 0.05 * inner_steps) if scheduled else 1.3
+    diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=fragments, outer_lr=outer_lr,
                            overlap_steps=1 if fragments > 1 else 0, timeout_s=30)
     scaler = _scaler(kind)
     for t in range(1, 17):  # a loop of fixed length, as scripts are written
@@ -169,9 +171,9 @@ def test_diloco_with_the_scaler_and_one_rank_infs_runs_a_fixed_loop_to_the_end(f
     assert scales[-1] == INIT_SCALE * 0.5 ** len(DILOCO_INFS)
 
 
-def _diloco_with_torchs_scaler(rank, world, fragments):
+def _diloco_with_torchs_scaler(rank, world, fragments, scheduled=False):
     landed = {}  # rounds -> the anchors once that many outer steps had landed
-    for diloco, _ in _diloco_scaled_loop(rank, fragments, "torch"):  # a rank that skipped
+    for diloco, _ in _diloco_scaled_loop(rank, fragments, "torch", scheduled):  # a rank that skipped
         landed[diloco.rounds] = [a.tolist() for a in diloco.anchors]  # ends behind
     diloco.close()  # joins the rounds the others launched and this rank did not reach
     landed[diloco.rounds] = [a.tolist() for a in diloco.anchors]
@@ -179,14 +181,19 @@ def _diloco_with_torchs_scaler(rank, world, fragments):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheduled", [False, True], ids=["constant outer lr", "scheduled"])
 @pytest.mark.parametrize("fragments", [1, 2])
-def test_diloco_with_torchs_scaler_ends_a_fixed_loop_on_one_point(fragments):
+def test_diloco_with_torchs_scaler_ends_a_fixed_loop_on_one_point(fragments, scheduled):
     """torch's GradScaler skips an inner step on the rank that overflowed
     alone, so that rank makes each later round a step after the others and
     ends the loop a round behind; close() makes it join the rounds the
     others launched. Before, the others waited in that round's agreement
-    until the deadline (a CommunicationError), or the job aborted."""
-    out = run_workers(_diloco_with_torchs_scaler, 3, fragments, timeout=150)
+    until the deadline (a CommunicationError), or the job aborted. Under an
+    outer lr scheduled by the inner step, each round reads it at its place
+    in the schedule on every rank: the rank behind lands its last rounds at
+    another inner step than its peers (in close()), and it read the lr
+    there, so its final point differed."""
+    out = run_workers(_diloco_with_torchs_scaler, 3, fragments, scheduled, timeout=150)
     skipped = [sum(rank in ranks for ranks in DILOCO_INFS.values()) for rank in range(3)]
     assert [steps for _, steps, _ in out] == [16 - k for k in skipped]  # they did lag
     rounds = out[0][2]

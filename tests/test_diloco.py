@@ -53,10 +53,12 @@ def _grad(rank, step, i):
 
 def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
            outer="nesterov", warmup=0, fragments=1, overlap=0, dcp_dir=None, keep=0.0,
-           alpha=0.0):
+           alpha=0.0, drain_at=None):
     """This rank's params after every inner step (inner step -> arrays), its
     checkpoint after inner step `save_at`, and comm_stats(). With `dcp_dir`,
-    DiLoCo's shared state goes through torch.distributed.checkpoint there."""
+    DiLoCo's shared state goes through torch.distributed.checkpoint there.
+    `drain_at`: drain() after that inner step (after the save; a resume
+    from there drains first)."""
     import onebit
 
     torch.manual_seed(rank)  # rank 0's init must win: the others start elsewhere
@@ -80,6 +82,8 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
             start["diloco"] = template["diloco"]
         diloco.load_state_dict(start["diloco"])
         assert diloco.load_error_feedback_state_dict(start["errors"])
+        if drain_at == diloco.inner_steps:
+            diloco.drain()
     after, saved = {}, None
     for step in range(diloco.inner_steps, warmup + rounds * H):
         for i, p in enumerate(params):
@@ -98,6 +102,8 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
                         "inner": inner.state_dict(), "diloco": shared,
                         "errors": diloco.error_feedback_state_dict()}, saved)
             saved = saved.getvalue()
+        if step + 1 == drain_at:
+            diloco.drain()
     stats = diloco.comm_stats()
     diloco.close()
     return after, saved, stats
@@ -229,9 +235,10 @@ def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression
         assert stats["worker_error_norm"] > 0 and stats["server_error_norm"] > 0
 
 
-def _resume(rank, world, saved, fragments=1, overlap=0, dcp_dir=None, keep=0.0):
-    return _train(rank, world, "1bit", ROUNDS, saved[rank], None, "nesterov", 0, fragments,
-                  overlap, dcp_dir, keep)
+def _resume(rank, world, saved, fragments=1, overlap=0, dcp_dir=None, keep=0.0,
+            outer="nesterov", drain_at=None):
+    return _train(rank, world, "1bit", ROUNDS, saved[rank], None, outer, 0, fragments,
+                  overlap, dcp_dir, keep, drain_at=drain_at)
 
 
 def _resume_without_errors(rank, world, saved, fragments=1, overlap=0):
@@ -257,21 +264,27 @@ def _resume_without_errors(rank, world, saved, fragments=1, overlap=0):
     return sum("restarted from zero" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("fragments, overlap, save_at, dcp, keep", [
-    (1, 0, 2 * H, False, 0.0), (3, 2, 7, False, 0.0), (3, 2, 7, True, 0.0),
-    (3, 2, 7, False, 1.0), (3, 2, 7, True, 1.0)])
+@pytest.mark.parametrize("fragments, overlap, save_at, dcp, keep, outer", [
+    (1, 0, 2 * H, False, 0.0, "nesterov"), (3, 2, 7, False, 0.0, "nesterov"),
+    (3, 2, 7, True, 0.0, "nesterov"), (3, 2, 7, False, 1.0, "nesterov"),
+    (3, 2, 7, True, 1.0, "nesterov"), (3, 2, 5, False, 0.0, "later")])
 def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_at, dcp, keep,
-                                                       tmp_path):
+                                                       outer, tmp_path):
     """Plain DiLoCo saved after round 2; streaming (3 fragments, 2 steps of
     overlap) saved after inner step 7, with two exchanges in flight, by
     torch.save and by torch.distributed.checkpoint; with keep_local_progress,
-    their launch points go with each rank's error state."""
+    their launch points go with each rank's error state. "later": saved
+    after step 5 with a round in flight that lands at step 6, where the
+    outer lr schedule steps up, and drained there: the restored round
+    reads the lr at step 6 as the run that did not stop does."""
     world = 3
     dcp_dir = str(tmp_path / "dcp") if dcp else None
-    straight = run_workers(_train, world, "1bit", ROUNDS, None, save_at, "nesterov", 0,
-                           fragments, overlap, dcp_dir, keep, timeout=120)
+    drain_at = save_at if outer == "later" else None
+    straight = run_workers(_train, world, "1bit", ROUNDS, None, save_at, outer, 0,
+                           fragments, overlap, dcp_dir, keep, 0.0, drain_at, timeout=120)
     saved = [r[1] for r in straight]
-    resumed = run_workers(_resume, world, saved, fragments, overlap, dcp_dir, keep, timeout=120)
+    resumed = run_workers(_resume, world, saved, fragments, overlap, dcp_dir, keep, outer,
+                          drain_at, timeout=120)
     for rank in range(world):
         assert sorted(resumed[rank][0]) == list(range(save_at + 1, ROUNDS * H + 1))
         for step, params in resumed[rank][0].items():
@@ -455,6 +468,41 @@ def _disagree(rank, world, what):
 def test_ranks_that_disagree_get_a_clear_error_on_every_rank(what, named):
     for message in run_workers(_disagree, 3, what, timeout=60):
         assert f"DiLoCo: ranks disagree on {named}" in message
+
+
+def _schedule_apart_after_the_checked_landings(rank, world, overlap):
+    """A schedule that differs on rank 1 only from inner step 141, after the
+    construction compared the first 65 landings' values (to step 130)."""
+    import onebit
+
+    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+    inner = torch.optim.SGD(params, lr=0.1)
+    later = onebit.SteppedOuterLR(1.0, 1.5, 140 + (rank == 1))
+    diloco = onebit.DiLoCo(params, inner, sync_every=2, overlap_steps=overlap,
+                           fragments=2 if overlap else 1, outer_lr=later, timeout_s=30)
+    for step in range(1, 160):
+        for p in params:
+            p.grad = torch.full(p.shape, rank + 1.0)
+        try:
+            inner.step()
+        except ValueError as err:
+            return step, str(err), diloco.rounds, [a.tolist() for a in diloco.anchors]
+    return None
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_schedule_that_differs_after_the_checked_landings_is_refused_at_that_round(overlap):
+    """The round whose landing reads the schedule where the ranks differ
+    raises on every rank, before its outer step: its lr is in the round's
+    agreement (before, only the construction's 65 landings were compared,
+    and the anchors drifted apart after them)."""
+    out = run_workers(_schedule_apart_after_the_checked_landings, 3, overlap, timeout=120)
+    assert all(r is not None for r in out), out
+    # the round that lands at inner step 140 (streaming: its agreement runs
+    # on the communication thread, and its error comes out at the landing)
+    assert [r[0] for r in out] == [140] * 3
+    assert all("ranks disagree on the outer optimizer's settings" in r[1] for r in out)
+    assert len({r[2] for r in out}) == 1 and all(r[3] == out[0][3] for r in out)
 
 
 def _dies_at_round_two(rank, world, overlap=0):

@@ -96,6 +96,9 @@ class _FragmentRound:
     frozen: Optional[List[int]] = None
     skipped: Optional[bool] = None
     closed: bool = False  # a proposal from close() that no rank launched (_catch_up)
+    # The outer lr its landing takes, where a schedule sets it (_round_lr);
+    # None: the constant lr, or a round restored from a checkpoint.
+    lr: Optional[float] = None
     future: Optional[Future] = None  # returns the event after the exchange's device work
 
 
@@ -111,8 +114,11 @@ class DiLoCo:
       DiLoCo's published Nesterov (0.7, 0.9) was far worse at a few dozen
       rounds (docs/benchmarks.md). The error feedback already carries what
       a round could not send into the next one. outer_lr may also be a
-      function of the inner steps taken (warmup included) when a round's
-      outer step lands, returning its lr: `onebit.SteppedOuterLR`
+      function of the inner steps taken (warmup included) at a round's
+      place in the schedule, where its outer step lands (its launch plus
+      overlap_steps; sync() lands at once), returning its lr; every rank
+      reads it there, a rank that lags behind its peers (a skipped inner
+      step) and lands in close() included: `onebit.SteppedOuterLR`
       makes the step larger once the first fast-changing rounds are past,
       which 1-bit pseudo-gradients (block-scaled signs, a normalised step)
       measured better with than fp32 ones.
@@ -369,7 +375,7 @@ class DiLoCo:
             self._anchor_at_the_params()
         elif past > 0:
             for f in self.plan.launching(past):
-                self._launch(f)
+                self._launch(f, lands_at=self.inner_steps + self.plan.delay)
             for f in self.plan.landing(past):
                 if f in self._in_flight:  # not landed early by drain() or sync()
                     self._land(f)
@@ -421,7 +427,7 @@ class DiLoCo:
         self._check_writes("sync")
         synced = self.drain()
         for f in range(self.plan.count):
-            self._launch(f)
+            self._launch(f, lands_at=self.inner_steps)
             synced = self._land(f) and synced
         return synced
 
@@ -457,11 +463,14 @@ class DiLoCo:
         return [local(self.params[i]) for i in ids], [self.anchors[i] for i in ids]
 
     @torch.no_grad()
-    def _launch(self, fragment: int, closing: bool = False) -> None:
+    def _launch(self, fragment: int, lands_at: int, closing: bool = False) -> None:
         """Measure the fragment's pseudo-gradients and start their exchange
         (on the communication thread when it overlaps inner steps).
-        closing: a proposal from `close()`, exchanged only if some rank
-        launches this exchange from its loop (`_catch_up`)."""
+        lands_at: the inner step of its landing in the schedule, where it
+        reads a scheduled outer lr. closing: a proposal from `close()`,
+        exchanged only if some rank launches this exchange from its loop
+        (`_catch_up`)."""
+        lr = self._round_lr(lands_at)  # a bad value raises before anything changes
         params, anchors = self._members(fragment)
         if self.backend is not None:  # straight into the compressed exchange's buffer: no copies
             deltas = self._channel.exchange.prepare(GroupKey(fragment), anchors)
@@ -469,8 +478,9 @@ class DiLoCo:
                 torch.sub(a, p, out=d)
         else:
             deltas = [a - p.float() for a, p in zip(anchors, params)]
-        job = self._in_flight[fragment] = _FragmentRound(deltas, frozen=self._frozen_in(fragment))
-        outer = self._outer_digest()  # here, on the training thread, which sets the lr
+        job = self._in_flight[fragment] = _FragmentRound(deltas, frozen=self._frozen_in(fragment),
+                                                         lr=lr)
+        outer = self._outer_digest(lr)  # here, on the training thread, which sets the lr
         if self._keeps_progress():
             job.launch_points = [p.detach().float().clone() for p in params]
         self.launches += 1
@@ -508,9 +518,10 @@ class DiLoCo:
         """The fragment's outer step from its averaged pseudo-gradients, and
         its params set to the new anchors (back to the old ones when the
         round was skipped)."""
-        if self._outer_lr_at is not None:  # a bad value raises before anything changes
-            lr = self._outer_lr_at(self.inner_steps)
-            check_number("outer_lr", lr, low=0.0)
+        lr = self._in_flight[fragment].lr
+        if lr is None and self._outer_lr_at is not None:  # restored (a bad value raises first)
+            lr = self._round_lr(self._planned_landing(fragment))
+        if lr is not None:
             for group in self.outer_optimizer.param_groups:
                 group["lr"] = lr
         job = self._in_flight.pop(fragment)
@@ -554,15 +565,35 @@ class DiLoCo:
         return [j for j, i in enumerate(self.plan.members[fragment])
                 if not self.params[i].requires_grad]
 
-    def _outer_digest(self) -> int:
-        """A digest of the outer SGD's settings now: a value set on one rank
-        only (its lr, say) would let the anchors drift apart. Not the lr
-        where a schedule sets it at every landing: a rank a step behind
-        (_catch_up) lands at another inner step, and the schedule may
-        differ there; the construction compares the schedules."""
-        return collectives.stable_digest(group_settings(
-            self.outer_optimizer.param_groups,
-            leave_out=("lr",) if self._outer_lr_at is not None else ()))
+    def _round_lr(self, lands_at: int) -> Optional[float]:
+        """The scheduled outer lr of a round that lands at inner step
+        `lands_at` in the schedule (None without a schedule). Read there,
+        not at the step where this rank lands it: a rank a step behind its
+        peers lands its last rounds in close() (_catch_up), and drain()
+        lands early; the lr must be the same on every rank."""
+        if self._outer_lr_at is None:
+            return None
+        lr = self._outer_lr_at(lands_at)
+        check_number("outer_lr", lr, low=0.0)
+        return float(lr)
+
+    def _planned_landing(self, fragment: int) -> int:
+        """The inner step where `fragment`'s round in flight lands in the
+        schedule (a round restored from a checkpoint: it was launched before
+        the saved step, and lands within a round after it)."""
+        for step in range(self.inner_steps + 1, self.inner_steps + self.sync_every + 1):
+            if fragment in self.plan.landing(step - self.warmup_steps):
+                return step
+        return self.inner_steps
+
+    def _outer_digest(self, lr: Optional[float]) -> int:
+        """A digest of the outer SGD's settings for a round: a value set on
+        one rank only (its lr, say) would let the anchors drift apart.
+        Under a schedule, the lr the round will land with (`lr`), which
+        every rank reads at the same step (_round_lr)."""
+        settings = group_settings(self.outer_optimizer.param_groups,
+                                  leave_out=("lr",) if lr is not None else ())
+        return collectives.stable_digest((settings, lr))
 
     def _keeps_progress(self) -> bool:
         """Whether a landing adds local progress back: only an exchange that
@@ -670,7 +701,8 @@ class DiLoCo:
             if not launching:
                 continue
             fragment = launching[0]
-            self._launch(fragment, closing=True)
+            self._launch(fragment, lands_at=self.warmup_steps + position + self.plan.delay,
+                         closing=True)
             job = self._in_flight[fragment]
             self._finished(job)
             if job.closed:
