@@ -490,6 +490,7 @@ def _schedule_apart_after_the_checked_landings(rank, world, overlap):
     return None
 
 
+@pytest.mark.slow  # 140 rounds on 3 ranks
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_a_schedule_that_differs_after_the_checked_landings_is_refused_at_that_round(overlap):
     """The round whose landing reads the schedule where the ranks differ
