@@ -264,22 +264,25 @@ def _resume_without_errors(rank, world, saved, fragments=1, overlap=0):
     return sum("restarted from zero" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("fragments, overlap, save_at, dcp, keep, outer", [
-    (1, 0, 2 * H, False, 0.0, "nesterov"), (3, 2, 7, False, 0.0, "nesterov"),
-    (3, 2, 7, True, 0.0, "nesterov"), (3, 2, 7, False, 1.0, "nesterov"),
-    (3, 2, 7, True, 1.0, "nesterov"), (3, 2, 5, False, 0.0, "later")])
+@pytest.mark.parametrize("fragments, overlap, save_at, dcp, keep, outer, drain", [
+    (1, 0, 2 * H, False, 0.0, "nesterov", False), (3, 2, 7, False, 0.0, "nesterov", False),
+    (3, 2, 7, True, 0.0, "nesterov", False), (3, 2, 7, False, 1.0, "nesterov", False),
+    (3, 2, 7, True, 1.0, "nesterov", False), (3, 2, 4, False, 0.0, "later", False),
+    (3, 2, 5, False, 0.0, "later", True)])
 def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_at, dcp, keep,
-                                                       outer, tmp_path):
+                                                       outer, drain, tmp_path):
     """Plain DiLoCo saved after round 2; streaming (3 fragments, 2 steps of
     overlap) saved after inner step 7, with two exchanges in flight, by
     torch.save and by torch.distributed.checkpoint; with keep_local_progress,
-    their launch points go with each rank's error state. "later": saved
-    after step 5 with a round in flight that lands at step 6, where the
-    outer lr schedule steps up, and drained there: the restored round
-    reads the lr at step 6 as the run that did not stop does."""
+    their launch points go with each rank's error state. "later", an
+    outer lr that steps up at step 6: saved after step 4, with a round in
+    flight that lands at step 5 (its next landing is past the step-up);
+    saved after step 5 with a round in flight that lands at step 6, and
+    drained there. Each restored round reads the lr at its landing step
+    in the schedule, as the run that did not stop does."""
     world = 3
     dcp_dir = str(tmp_path / "dcp") if dcp else None
-    drain_at = save_at if outer == "later" else None
+    drain_at = save_at if drain else None
     straight = run_workers(_train, world, "1bit", ROUNDS, None, save_at, outer, 0,
                            fragments, overlap, dcp_dir, keep, 0.0, drain_at, timeout=120)
     saved = [r[1] for r in straight]
@@ -504,6 +507,36 @@ def test_a_schedule_that_differs_after_the_checked_landings_is_refused_at_that_r
     assert [r[0] for r in out] == [140] * 3
     assert all("ranks disagree on the outer optimizer's settings" in r[1] for r in out)
     assert len({r[2] for r in out}) == 1 and all(r[3] == out[0][3] for r in out)
+
+
+def _schedule_that_ends_with_the_run(rank, world, overlap):
+    """An outer lr that decays linearly to 0 at the run's last inner step
+    (12), and goes negative after it."""
+    import onebit
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40))]
+    inner = torch.optim.SGD(params, lr=0.1)
+    diloco = onebit.DiLoCo(params, inner, sync_every=3, overlap_steps=overlap,
+                           outer_lr=lambda steps: 1.3 * (1 - steps / 12), timeout_s=30)
+    for step in range(12):
+        params[0].grad = torch.randn(40, generator=torch.Generator().manual_seed(100 * rank + step))
+        inner.step()
+    diloco.close()
+    return diloco.rounds, params[0].tolist(), diloco.anchors[0].tolist()
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_schedule_that_ends_with_the_run_lands_every_round(overlap):
+    """The last launch of a streaming run lands past the schedule's end in
+    the schedule (its launch plus overlap_steps), and close() proposes one
+    more round that no rank makes: neither may read the schedule there and
+    fail. The last round lands in close() at the last step's lr, 0 (the
+    params go back to the last anchors), on every rank alike."""
+    out = run_workers(_schedule_that_ends_with_the_run, 3, overlap, timeout=120)
+    assert [r[0] for r in out] == [4] * 3
+    assert all(r[1] == out[0][1] and r[2] == out[0][2] for r in out)
+    assert out[0][1] == out[0][2]  # on the anchors
 
 
 def _dies_at_round_two(rank, world, overlap=0):

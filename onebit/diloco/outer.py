@@ -96,8 +96,10 @@ class _FragmentRound:
     frozen: Optional[List[int]] = None
     skipped: Optional[bool] = None
     closed: bool = False  # a proposal from close() that no rank launched (_catch_up)
-    # The outer lr its landing takes, where a schedule sets it (_round_lr);
-    # None: the constant lr, or a round restored from a checkpoint.
+    # Where a schedule sets the outer lr: the inner step of its landing in
+    # the schedule, and the lr read there at the launch (None: the
+    # schedule gave none there, or the round was restored; _landing_lr).
+    lands_at: Optional[int] = None
     lr: Optional[float] = None
     future: Optional[Future] = None  # returns the event after the exchange's device work
 
@@ -470,7 +472,7 @@ class DiLoCo:
         reads a scheduled outer lr. closing: a proposal from `close()`,
         exchanged only if some rank launches this exchange from its loop
         (`_catch_up`)."""
-        lr = self._round_lr(lands_at)  # a bad value raises before anything changes
+        lr = self._lr_if_defined(lands_at)
         params, anchors = self._members(fragment)
         if self.backend is not None:  # straight into the compressed exchange's buffer: no copies
             deltas = self._channel.exchange.prepare(GroupKey(fragment), anchors)
@@ -479,7 +481,7 @@ class DiLoCo:
         else:
             deltas = [a - p.float() for a, p in zip(anchors, params)]
         job = self._in_flight[fragment] = _FragmentRound(deltas, frozen=self._frozen_in(fragment),
-                                                         lr=lr)
+                                                         lands_at=lands_at, lr=lr)
         outer = self._outer_digest(lr)  # here, on the training thread, which sets the lr
         if self._keeps_progress():
             job.launch_points = [p.detach().float().clone() for p in params]
@@ -518,9 +520,7 @@ class DiLoCo:
         """The fragment's outer step from its averaged pseudo-gradients, and
         its params set to the new anchors (back to the old ones when the
         round was skipped)."""
-        lr = self._in_flight[fragment].lr
-        if lr is None and self._outer_lr_at is not None:  # restored (a bad value raises first)
-            lr = self._round_lr(self._planned_landing(fragment))
+        lr = self._landing_lr(self._in_flight[fragment])  # a bad value raises first
         if lr is not None:
             for group in self.outer_optimizer.param_groups:
                 group["lr"] = lr
@@ -565,22 +565,48 @@ class DiLoCo:
         return [j for j, i in enumerate(self.plan.members[fragment])
                 if not self.params[i].requires_grad]
 
-    def _round_lr(self, lands_at: int) -> Optional[float]:
-        """The scheduled outer lr of a round that lands at inner step
-        `lands_at` in the schedule (None without a schedule). Read there,
-        not at the step where this rank lands it: a rank a step behind its
-        peers lands its last rounds in close() (_catch_up), and drain()
-        lands early; the lr must be the same on every rank."""
-        if self._outer_lr_at is None:
-            return None
-        lr = self._outer_lr_at(lands_at)
+    def _scheduled_lr(self, step: int) -> float:
+        """The schedule's outer lr at inner step `step`; ValueError if it is
+        no finite number >= 0."""
+        lr = self._outer_lr_at(step)
         check_number("outer_lr", lr, low=0.0)
         return float(lr)
 
+    def _lr_if_defined(self, lands_at: int) -> Optional[float]:
+        """A launching round's scheduled lr, read at its landing step in the
+        schedule; None without a schedule, or where the schedule gives none
+        there (it may end with the run: the last launches land past it, and
+        a proposal at close() may never be made): _landing_lr decides."""
+        if self._outer_lr_at is None:
+            return None
+        try:
+            return self._scheduled_lr(lands_at)
+        except Exception:  # (any error of the user's schedule; raised at the landing)
+            return None
+
+    def _landing_lr(self, job: _FragmentRound) -> Optional[float]:
+        """The outer lr a round lands with under a schedule (None without
+        one): read at its landing step in the schedule, not where this rank
+        lands it: a rank a step behind its peers lands its last rounds in
+        close() (_catch_up), and drain() lands early; every rank must take
+        the same lr. A round landed early whose landing step the schedule
+        does not cover (a schedule that ends with the run) reads it where it
+        lands, as a round always did before."""
+        if self._outer_lr_at is None:
+            return None
+        if job.lr is not None:
+            return job.lr
+        if job.lands_at is not None and job.lands_at > self.inner_steps:
+            try:
+                return self._scheduled_lr(job.lands_at)
+            except Exception:
+                return self._scheduled_lr(self.inner_steps)
+        return self._scheduled_lr(self.inner_steps if job.lands_at is None else job.lands_at)
+
     def _planned_landing(self, fragment: int) -> int:
-        """The inner step where `fragment`'s round in flight lands in the
-        schedule (a round restored from a checkpoint: it was launched before
-        the saved step, and lands within a round after it)."""
+        """The inner step where `fragment`'s round in flight at a saved step
+        lands in the schedule: launched at or before it, it lands within a
+        round after it."""
         for step in range(self.inner_steps + 1, self.inner_steps + self.sync_every + 1):
             if fragment in self.plan.landing(step - self.warmup_steps):
                 return step
@@ -589,10 +615,10 @@ class DiLoCo:
     def _outer_digest(self, lr: Optional[float]) -> int:
         """A digest of the outer SGD's settings for a round: a value set on
         one rank only (its lr, say) would let the anchors drift apart.
-        Under a schedule, the lr the round will land with (`lr`), which
-        every rank reads at the same step (_round_lr)."""
+        Under a schedule, the lr the round will land with (`lr`, read at
+        the same step on every rank; None where the schedule gives none)."""
         settings = group_settings(self.outer_optimizer.param_groups,
-                                  leave_out=("lr",) if lr is not None else ())
+                                  leave_out=("lr",) if self._outer_lr_at is not None else ())
         return collectives.stable_digest((settings, lr))
 
     def _keeps_progress(self) -> bool:
@@ -644,9 +670,13 @@ class DiLoCo:
                              f"{fragment}): freeze and unfreeze layers on every rank, at the "
                              "same inner step")
         if len({row[5] for row in table}) > 1:
+            scheduled = ("; under an outer_lr schedule, the lr this round lands with, read at "
+                         "its landing step: the same schedule on every rank, and sync() after "
+                         "the same inner step (a rank whose GradScaler skipped one is a step "
+                         "behind: end with close())" if self._outer_lr_at is not None else "")
             raise ValueError(f"DiLoCo: ranks disagree on the outer optimizer's settings at outer "
                              f"exchange {number} (its param groups' lr, momentum...): set "
-                             "them on every rank alike")
+                             f"them on every rank alike{scheduled}")
         return any(row[0] for row in table), all(row[2] for row in table)
 
     def close(self) -> None:
@@ -817,7 +847,7 @@ class DiLoCo:
                 frozen = entry.get("frozen")  # (absent from checkpoints written before it)
                 self._in_flight[int(f)] = _FragmentRound(
                     [local(d).to(a.device) for d, a in zip(entry["deltas"], anchors)],
-                    skipped=status == self._SKIPPED,
+                    skipped=status == self._SKIPPED, lands_at=self._planned_landing(int(f)),
                     frozen=None if frozen is None else [j for j, on in enumerate(frozen.tolist())
                                                         if on])
         # An exchange launched and not landed yet (streaming) has moved the
