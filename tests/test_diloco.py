@@ -539,6 +539,39 @@ def test_a_schedule_that_ends_with_the_run_lands_every_round(overlap):
     assert out[0][1] == out[0][2]  # on the anchors
 
 
+def _resumed_apart_in_the_warmup(rank, world):
+    """Each rank loads another checkpoint inside a 6-step warmup: inner
+    step 2 on rank 0, 3 on rank 1."""
+    import onebit
+
+    params = [torch.nn.Parameter(torch.ones(5))]
+    inner = torch.optim.SGD(params, lr=0.1)
+    diloco = onebit.DiLoCo(params, inner, sync_every=2, warmup_steps=6, timeout_s=30)
+    state = diloco.state_dict()
+    state["inner_steps"] = 2 + rank
+    diloco.load_state_dict(state)
+    params[0].grad = torch.full((5,), rank + 1.0)
+    try:
+        inner.step()
+    except ValueError as err:
+        return str(err), params[0].tolist(), diloco.inner_steps
+    return None
+
+
+def test_ranks_resumed_apart_inside_the_warmup_raise_at_its_first_average():
+    """The warmup's average paired their gradients of different steps with
+    no error, until a rank that reached the rounds made another collective
+    than its peer (a timeout, or gloo's abort). The average now carries
+    each rank's inner step (as one-hot rows of it modulo 61 and 64, in the
+    same all-reduce): every rank raises at the first one, nothing stepped."""
+    out = run_workers(_resumed_apart_in_the_warmup, 2, timeout=60)
+    for rank, result in enumerate(out):
+        assert result is not None
+        message, param, steps = result
+        assert "ranks are at different inner steps of the warmup" in message, message
+        assert param == [1.0] * 5 and steps == 2 + rank
+
+
 def _dies_at_round_two(rank, world, overlap=0):
     """Rank 1 dies before the inner step that launches round 2; with
     `overlap` the others meet the failure when its outer step lands."""

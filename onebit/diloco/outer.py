@@ -104,6 +104,12 @@ class _FragmentRound:
     future: Optional[Future] = None  # returns the event after the exchange's device work
 
 
+# The warmup's average carries each rank's inner step as one-hot rows of
+# it modulo these (coprime: ranks apart by a multiple of 3904 steps
+# alone pass), 125 floats beside the gradients (_check_same_step).
+_STEP_MODULI = (61, 64)
+
+
 class DiLoCo:
     """Outer steps every `sync_every` inner steps of `inner_optimizer`.
 
@@ -389,20 +395,42 @@ class DiLoCo:
         missing on some ranks counts as zero there, and a param that has no
         .grad on any rank keeps none (so the inner optimizer skips it: no
         state, no weight decay). One value per param in the same all-reduce
-        says whether this rank has its .grad."""
+        says whether this rank has its .grad, and the rank's inner step goes
+        with them (_check_same_step)."""
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
                  for p in self.params]
-        has_grad = torch.tensor([float(p.grad is not None) for p in self.params],
-                                device=self.params[0].device)
-        *averages, anywhere = self._mean("DiLoCo: averaging the warmup's gradients",
-                                         grads + [has_grad], torch.float32,
-                                         self.process_group, self.warmup_traffic)
-        for p, avg, used in zip(self.params, averages, anywhere.tolist()):
+        steps = [0.0] * sum(_STEP_MODULI)
+        for offset, modulus in zip((0, _STEP_MODULI[0]), _STEP_MODULI):
+            steps[offset + self.inner_steps % modulus] = 1.0
+        tail = torch.tensor([float(p.grad is not None) for p in self.params] + steps,
+                            device=self.params[0].device)
+        *averages, tail = self._mean("DiLoCo: averaging the warmup's gradients",
+                                     grads + [tail], torch.float32,
+                                     self.process_group, self.warmup_traffic)
+        tail = tail.tolist()
+        anywhere = tail[:len(self.params)]
+        self._check_same_step(tail[len(self.params):])
+        for p, avg, used in zip(self.params, averages, anywhere):
             if not used:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a DTensor for a sharded param
             local(p.grad).copy_(avg.view_as(local(p)))
+
+    def _check_same_step(self, steps: List[float]) -> None:
+        """A ValueError on every rank, before the warmup's inner step, where
+        the ranks averaged at different inner steps (each loaded another
+        checkpoint): their one-hot rows of the step modulo _STEP_MODULI,
+        averaged, then hold more than one nonzero entry (zeros stay exact,
+        so rounding cannot hide one). Else the average paired gradients of
+        different steps with no error, until the first round made the ranks'
+        collectives differ (a timeout, or gloo's abort)."""
+        first = _STEP_MODULI[0]
+        if sum(v != 0 for v in steps[:first]) > 1 or sum(v != 0 for v in steps[first:]) > 1:
+            raise ValueError(
+                f"DiLoCo: ranks are at different inner steps of the warmup (this rank: "
+                f"{self.inner_steps}); nothing was stepped. Load the same checkpoint on every "
+                "rank, and step the inner optimizer on every rank alike")
 
     def _mean(self, phase: str, tensors: List[torch.Tensor], dtype: torch.dtype, group,
               traffic: TrafficStats) -> List[torch.Tensor]:
