@@ -97,17 +97,13 @@ class _FragmentRound:
     skipped: Optional[bool] = None
     closed: bool = False  # a proposal from close() that no rank launched (_catch_up)
     # Where a schedule sets the outer lr: the inner step of its landing in
-    # the schedule, and the lr read there at the launch (None: the
-    # schedule gave none there, or the round was restored; _landing_lr).
+    # the schedule, and the lr read at the launch (_round_lr): there, or
+    # (`planned` False) at the launch step, where the schedule gives none
+    # there. None: it gave none at either, or the round was restored.
     lands_at: Optional[int] = None
     lr: Optional[float] = None
+    planned: bool = True
     future: Optional[Future] = None  # returns the event after the exchange's device work
-
-
-# The warmup's average carries each rank's inner step as one-hot rows of
-# it modulo these (coprime: ranks apart by a multiple of 3904 steps
-# alone pass), 125 floats beside the gradients (_check_same_step).
-_STEP_MODULI = (61, 64)
 
 
 class DiLoCo:
@@ -316,6 +312,7 @@ class DiLoCo:
         # Built, not loaded: weights written before the first forward (a
         # pretrained model loaded now, say) are where the first round starts.
         self._fresh, self._closed = True, False
+        self._resumed_unchecked = False  # (_check_same_step)
         self._has_forward = isinstance(model, torch.nn.Module)
         if self._has_forward:
             self._hooks.append(model.register_forward_pre_hook(
@@ -395,42 +392,47 @@ class DiLoCo:
         missing on some ranks counts as zero there, and a param that has no
         .grad on any rank keeps none (so the inner optimizer skips it: no
         state, no weight decay). One value per param in the same all-reduce
-        says whether this rank has its .grad, and the rank's inner step goes
-        with them (_check_same_step)."""
+        says whether this rank has its .grad. The first average after a load
+        checks first that the ranks resumed at one inner step
+        (_check_same_step)."""
+        if self._resumed_unchecked:
+            self._check_same_step()
+            self._resumed_unchecked = False
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
                  for p in self.params]
-        steps = [0.0] * sum(_STEP_MODULI)
-        for offset, modulus in zip((0, _STEP_MODULI[0]), _STEP_MODULI):
-            steps[offset + self.inner_steps % modulus] = 1.0
-        tail = torch.tensor([float(p.grad is not None) for p in self.params] + steps,
-                            device=self.params[0].device)
-        *averages, tail = self._mean("DiLoCo: averaging the warmup's gradients",
-                                     grads + [tail], torch.float32,
-                                     self.process_group, self.warmup_traffic)
-        tail = tail.tolist()
-        anywhere = tail[:len(self.params)]
-        self._check_same_step(tail[len(self.params):])
-        for p, avg, used in zip(self.params, averages, anywhere):
+        has_grad = torch.tensor([float(p.grad is not None) for p in self.params],
+                                device=self.params[0].device)
+        *averages, anywhere = self._mean("DiLoCo: averaging the warmup's gradients",
+                                         grads + [has_grad], torch.float32,
+                                         self.process_group, self.warmup_traffic)
+        for p, avg, used in zip(self.params, averages, anywhere.tolist()):
             if not used:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a DTensor for a sharded param
             local(p.grad).copy_(avg.view_as(local(p)))
 
-    def _check_same_step(self, steps: List[float]) -> None:
+    def _check_same_step(self) -> None:
         """A ValueError on every rank, before the warmup's inner step, where
-        the ranks averaged at different inner steps (each loaded another
-        checkpoint): their one-hot rows of the step modulo _STEP_MODULI,
-        averaged, then hold more than one nonzero entry (zeros stay exact,
-        so rounding cannot hide one). Else the average paired gradients of
-        different steps with no error, until the first round made the ranks'
-        collectives differ (a timeout, or gloo's abort)."""
-        first = _STEP_MODULI[0]
-        if sum(v != 0 for v in steps[:first]) > 1 or sum(v != 0 for v in steps[first:]) > 1:
+        the ranks resumed at different inner steps (each loaded another
+        checkpoint): one all-reduce of (step, -step) for the largest and the
+        smallest, once after a load. Else the average paired gradients of
+        different steps with no error, until the first round made the
+        ranks' collectives differ (a timeout). A collective of its own: in
+        the average's buffer it would move gloo's chunks, and the average's
+        bits with them."""
+        extremes = torch.tensor([self.inner_steps, -self.inner_steps], dtype=torch.int64,
+                                device=self.comm_device)
+        collectives.run("DiLoCo: agreeing on the inner step after a load",
+                        lambda: dist.all_reduce(extremes, op=dist.ReduceOp.MAX,
+                                                group=self.process_group, async_op=True),
+                        self.timeout_s, self.process_group)
+        largest, smallest = extremes[0].item(), -extremes[1].item()
+        if largest != smallest:
             raise ValueError(
-                f"DiLoCo: ranks are at different inner steps of the warmup (this rank: "
-                f"{self.inner_steps}); nothing was stepped. Load the same checkpoint on every "
-                "rank, and step the inner optimizer on every rank alike")
+                f"DiLoCo: ranks resumed at different inner steps of the warmup ({smallest} to "
+                f"{largest}; this rank: {self.inner_steps}); nothing was stepped. Load the same "
+                "checkpoint on every rank")
 
     def _mean(self, phase: str, tensors: List[torch.Tensor], dtype: torch.dtype, group,
               traffic: TrafficStats) -> List[torch.Tensor]:
@@ -500,7 +502,7 @@ class DiLoCo:
         reads a scheduled outer lr. closing: a proposal from `close()`,
         exchanged only if some rank launches this exchange from its loop
         (`_catch_up`)."""
-        lr = self._lr_if_defined(lands_at)
+        lr, planned = self._round_lr(lands_at)
         params, anchors = self._members(fragment)
         if self.backend is not None:  # straight into the compressed exchange's buffer: no copies
             deltas = self._channel.exchange.prepare(GroupKey(fragment), anchors)
@@ -509,8 +511,9 @@ class DiLoCo:
         else:
             deltas = [a - p.float() for a, p in zip(anchors, params)]
         job = self._in_flight[fragment] = _FragmentRound(deltas, frozen=self._frozen_in(fragment),
-                                                         lands_at=lands_at, lr=lr)
-        outer = self._outer_digest(lr)  # here, on the training thread, which sets the lr
+                                                         lands_at=lands_at, lr=lr,
+                                                         planned=planned)
+        outer = self._outer_digest((lr, planned))  # on the training thread, which sets the lr
         if self._keeps_progress():
             job.launch_points = [p.detach().float().clone() for p in params]
         self.launches += 1
@@ -600,36 +603,39 @@ class DiLoCo:
         check_number("outer_lr", lr, low=0.0)
         return float(lr)
 
-    def _lr_if_defined(self, lands_at: int) -> Optional[float]:
-        """A launching round's scheduled lr, read at its landing step in the
-        schedule; None without a schedule, or where the schedule gives none
-        there (it may end with the run: the last launches land past it, and
-        a proposal at close() may never be made): _landing_lr decides."""
+    def _round_lr(self, lands_at: int) -> Tuple[Optional[float], bool]:
+        """A launching round's scheduled lr and whether it was read at its
+        landing step in the schedule (`lands_at`), the same on every rank
+        (None without a schedule). A schedule may end with the run: the
+        last launches land past it, and a proposal at close() may never be
+        made. Where it gives no lr at `lands_at`, the round takes the one
+        at its launch step, which every rank that makes the round reached,
+        for a landing before `lands_at` (drain(), close()); a landing at
+        `lands_at` reads it there again, and raises (_landing_lr). None
+        where it gives none at either."""
         if self._outer_lr_at is None:
-            return None
-        try:
-            return self._scheduled_lr(lands_at)
-        except Exception:  # (any error of the user's schedule; raised at the landing)
-            return None
+            return None, True
+        for step, planned in ((lands_at, True), (lands_at - self.plan.delay, False)):
+            try:
+                return self._scheduled_lr(step), planned
+            except Exception:  # (any error of the user's schedule: raised at a landing)
+                pass
+        return None, False
 
     def _landing_lr(self, job: _FragmentRound) -> Optional[float]:
         """The outer lr a round lands with under a schedule (None without
         one): read at its landing step in the schedule, not where this rank
         lands it: a rank a step behind its peers lands its last rounds in
         close() (_catch_up), and drain() lands early; every rank must take
-        the same lr. A round landed early whose landing step the schedule
-        does not cover (a schedule that ends with the run) reads it where it
-        lands, as a round always did before."""
+        the same lr (_round_lr)."""
         if self._outer_lr_at is None:
             return None
-        if job.lr is not None:
+        early = job.lands_at > self.inner_steps
+        if job.lr is None and early:  # restored, or undefined at both steps
+            job.lr, job.planned = self._round_lr(job.lands_at)
+        if job.lr is not None and (job.planned or early):
             return job.lr
-        if job.lands_at is not None and job.lands_at > self.inner_steps:
-            try:
-                return self._scheduled_lr(job.lands_at)
-            except Exception:
-                return self._scheduled_lr(self.inner_steps)
-        return self._scheduled_lr(self.inner_steps if job.lands_at is None else job.lands_at)
+        return self._scheduled_lr(job.lands_at)  # raises: the run reached it, undefined
 
     def _planned_landing(self, fragment: int) -> int:
         """The inner step where `fragment`'s round in flight at a saved step
@@ -640,11 +646,11 @@ class DiLoCo:
                 return step
         return self.inner_steps
 
-    def _outer_digest(self, lr: Optional[float]) -> int:
+    def _outer_digest(self, lr: Tuple[Optional[float], bool]) -> int:
         """A digest of the outer SGD's settings for a round: a value set on
         one rank only (its lr, say) would let the anchors drift apart.
-        Under a schedule, the lr the round will land with (`lr`, read at
-        the same step on every rank; None where the schedule gives none)."""
+        Under a schedule, the lr the round will land with and where it was
+        read (`lr`: _round_lr's, the same steps on every rank)."""
         settings = group_settings(self.outer_optimizer.param_groups,
                                   leave_out=("lr",) if self._outer_lr_at is not None else ())
         return collectives.stable_digest((settings, lr))
@@ -883,6 +889,7 @@ class DiLoCo:
         self._channel.owner_loaded(self.backend is not None and self.launches > 0)
         self._steps_at_start, self._armed = self.inner_steps, False
         self._fresh = False  # the anchors are the checkpoint's: loaded params must not move them
+        self._resumed_unchecked = True
         self._writes.mark()
 
     def _error_layouts(self) -> dict:
