@@ -15,7 +15,7 @@ from tests.distributed import run_workers
 from tests.test_optim_dist import CONFIGS, loss_and_grads, make, make_params
 from tests.test_overlap import STEPS, batch, build, flat_params
 from tests.test_optim_local import OPTIMIZERS, model_and_data, train
-from tests.test_training_loops import flat, small_model
+from tests.test_training_loops import dcp_resume, dcp_save, flat, small_model
 
 pytestmark = pytest.mark.slow  # multi-process resumes at several world sizes; the fast tier (-m "not slow") leaves these out
 
@@ -749,7 +749,7 @@ def _around_a_change(rank, world, cls_name, change, prefix, resume, dcp=False):
             loss_and_grads(params, rank, world)
             opt.step()
         if dcp:
-            _dcp_save(params, opt, prefix)
+            dcp_save(torch.nn.ParameterList(params), opt, prefix)
         else:
             torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict(),
                         "errors": opt.error_feedback_state_dict()}, f"{prefix}.{rank}")
@@ -757,7 +757,7 @@ def _around_a_change(rank, world, cls_name, change, prefix, resume, dcp=False):
     elif dcp:
         if change == CHANGES[1]:
             freeze()
-        restored = _dcp_load(params, opt, prefix)
+        restored = dcp_resume(torch.nn.ParameterList(params), opt, prefix)
         if change == CHANGES[0]:
             freeze()
     else:
@@ -793,31 +793,6 @@ def test_a_resume_that_changes_the_trained_set_equals_the_run_that_did_not_stop(
     for (_, losses, params), (restored, after, params_after) in zip(straight, resumed):
         assert restored
         assert after == losses and params_after == params
-
-
-def _dcp_save(params, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    model = torch.nn.ParameterList(params)
-    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt),
-              opt.error_feedback_key(): opt.error_feedback_state_dict()}, checkpoint_id=path)
-
-
-def _dcp_load(params, opt, path) -> bool:
-    """docs/checkpoints.md's resume: the model and optimizer, then this
-    rank's error buffers into a dict built on the loaded optimizer."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    model = torch.nn.ParameterList(params)
-    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
-    mine = {opt.error_feedback_key(): opt.error_feedback_state_dict()}
-    dcp.load(mine, checkpoint_id=path)
-    return opt.load_error_feedback_state_dict(mine[opt.error_feedback_key()])
 
 
 @pytest.mark.parametrize("change", CHANGES)

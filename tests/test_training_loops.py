@@ -363,6 +363,33 @@ def test_zero_one_adam_syncs_during_backward_as_the_trained_params_change():
     assert out[0] == out[1] and all(abs(x) < 1e3 for x in out[0])
 
 
+def dcp_save(module, opt, path) -> None:
+    """torch.distributed.checkpoint, as docs/checkpoints.md saves: the
+    model, the optimizer, and this rank's error buffers under their key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt),
+              opt.error_feedback_key(): opt.error_feedback_state_dict()}, checkpoint_id=path)
+
+
+def dcp_resume(module, opt, path) -> bool:
+    """docs/checkpoints.md's resume: the model and optimizer, then this
+    rank's error buffers into a dict built on the *loaded* optimizer (a late
+    joiner's, and a changed trained set's, are laid out as it says).
+    Returns whether the buffers came back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    state = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)}
+    dcp.load(state, checkpoint_id=path)
+    module.load_state_dict(state["model"])
+    set_optimizer_state_dict(module, opt, state["optim"])
+    errors = {opt.error_feedback_key(): opt.error_feedback_state_dict()}
+    dcp.load(errors, checkpoint_id=path)
+    return opt.load_error_feedback_state_dict(errors[opt.error_feedback_key()])
+
+
 def _resumed_in_a_late_joiners_warmup(rank, world, name, save_at, dcp_dir=None):
     """A head first used at step 8 (freeze at 3): a late joiner from step 9,
     its own warmup through step 11. Uninterrupted, then saved after step
@@ -401,25 +428,9 @@ def _resumed_in_a_late_joiners_warmup(rank, world, name, save_at, dcp_dir=None):
         opt.load_state_dict(saved[2])
         opt.load_error_feedback_state_dict(saved[3])
     else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                             set_optimizer_state_dict)
-
-        both = torch.nn.ModuleList([model, head])
-        dcp.save({"model": both.state_dict(), "optim": get_optimizer_state_dict(both, opt),
-                  opt.error_feedback_key(): opt.error_feedback_state_dict()},
-                 checkpoint_id=dcp_dir)
+        dcp_save(torch.nn.ModuleList([model, head]), opt, dcp_dir)
         model, head, opt = build()
-        both = torch.nn.ModuleList([model, head])
-        # as docs/checkpoints.md: the error entry's target is built from the
-        # loaded optimizer (a late joiner's buffers are laid out without it)
-        loaded = {"model": both.state_dict(), "optim": get_optimizer_state_dict(both, opt)}
-        dcp.load(loaded, checkpoint_id=dcp_dir)
-        both.load_state_dict(loaded["model"])
-        set_optimizer_state_dict(both, opt, loaded["optim"])
-        errors = {opt.error_feedback_key(): opt.error_feedback_state_dict()}
-        dcp.load(errors, checkpoint_id=dcp_dir)
-        assert opt.load_error_feedback_state_dict(errors[opt.error_feedback_key()])
+        assert dcp_resume(torch.nn.ModuleList([model, head]), opt, dcp_dir)
     train(model, head, opt, range(save_at + 1, 21))
     return straight, flat(model) + flat(head)
 

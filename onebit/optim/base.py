@@ -64,7 +64,7 @@ from . import functional as F
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
 from .guards import Variances, ZeroVarianceGuard, resolved
-from .late import FROZEN, LATE, LATE_KEY, TRAINED, LateJoiners
+from .late import FROZEN, LATE, LATE_KEY, TRAINED, LateJoiners, codes_fit
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
 from .step_exchange import StepExchange
@@ -315,11 +315,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # step pays it per tensor.
         codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
         self._notice_trainable_changes(codes)
-        groups = [(self._with_float_lr(g), self._shards.locals(
-            [p for p, c in zip(g["params"], code) if c == TRAINED]))
-            for g, code in zip(self.param_groups, codes)]
-        late = [(g, self._shards.locals([p for p, c in zip(raw["params"], code) if c == LATE]))
-                for (g, _), raw, code in zip(groups, self.param_groups, codes)]
+        groups = [(self._with_float_lr(g), ps)
+                  for g, ps in zip(self.param_groups, self._coded(codes, TRAINED))]
+        late = [(g, ps) for (g, _), ps in zip(groups, self._coded(codes, LATE))]
         if self._overlap is not None:  # before _gradients, which unscales in place
             self._overlap.notice_changed_gradients()
         grads = [self._gradients(ps) for _, ps in groups]
@@ -619,11 +617,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         saved step), which the error buffers are laid out for; before any
         step, or where groups were added since, those that train now."""
         signature = self._trainable_signature
-        if signature is None or len(signature) != len(self.param_groups) or any(
-                len(code) != len(g["params"]) for code, g in zip(signature, self.param_groups)):
+        if signature is None or not codes_fit(signature, self.param_groups):
             return self._trained_lists()
-        return [self._shards.locals([p for p, c in zip(g["params"], code) if c == TRAINED])
-                for g, code in zip(self.param_groups, signature)]
+        return self._coded(signature, TRAINED)
 
     def _coming_trained_lists(self) -> List[List[torch.Tensor]]:
         """The params the coming step trains with its stages, as step() will
@@ -639,8 +635,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         stage = self.stage_at(self.counters["step"] + 1)
         codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
         self._notice_trainable_changes(codes)
-        return [self._shards.locals([p for p, c in zip(g["params"], code) if c == TRAINED])
-                for g, code in zip(self.param_groups, codes)]
+        return self._coded(codes, TRAINED)
+
+    def _coded(self, codes: List[List[int]], code: int) -> List[List[torch.Tensor]]:
+        """Each group's params whose code (`codes`: LateJoiners.codes's, one
+        row per group) is `code`, as local shards."""
+        return [self._shards.locals([p for p, c in zip(g["params"], row) if c == code])
+                for g, row in zip(self.param_groups, codes)]
 
     def _notice_trainable_changes(self, signature: List[List[int]]) -> None:
         """Keep the digest of which params train current (`signature`: each
@@ -662,8 +663,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                     # while their buffers exist; step() exchanges again.
                     self._overlap.abandon()
                 self._forget_layouts()
-            self._trainable_signature = signature
-            self._trainable_digest = collectives.stable_digest(signature)
+            self._hold_signature(signature)
+
+    def _hold_signature(self, signature: Optional[List[List[int]]]) -> None:
+        """Who trains, as the agreement compares it (by digest; 0: none yet)."""
+        self._trainable_signature = signature
+        self._trainable_digest = collectives.stable_digest(signature) if signature else 0
 
     def _params_stopped_training(self, params: List[torch.Tensor]) -> None:
         """`params` were trained in the last step and are frozen from this
@@ -919,8 +924,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load
         # as laid out for it (_error_layouts).
-        self._trainable_signature, self._stopped_training = trained, []
-        self._trainable_digest = collectives.stable_digest(trained) if trained else 0
+        self._hold_signature(trained)
+        self._stopped_training = []
         self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
 

@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .late import codes_fit
+
 
 COUNTERS_KEY = "onebit"  # param_group[COUNTERS_KEY]: the counters that decide the stage
 MOMENTUM_KEY = "momentum_compressed"  # saved with them: see MomentumRestart
@@ -194,14 +196,10 @@ def signature_from_codes(saved, param_groups) -> Optional[List[List[int]]]:
     groups, as many params in each); None where it does not or is absent
     (a checkpoint written before it, or by torch's Adam): the next step
     then takes the set it finds, as before."""
-    if not isinstance(saved, str) or not saved:
+    if not isinstance(saved, str) or not saved or not set(saved) <= set("012|"):
         return None
-    rows = saved.split("|")
-    if len(rows) != len(param_groups) or any(
-            len(row) != len(g["params"]) or not set(row) <= set("012")
-            for row, g in zip(rows, param_groups)):
-        return None
-    return [[int(code) for code in row] for row in rows]
+    signature = [[int(code) for code in row] for row in saved.split("|")]
+    return signature if codes_fit(signature, param_groups) else None
 
 
 class MomentumRestart:

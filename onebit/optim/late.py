@@ -31,6 +31,14 @@ LATE_KEY = "late_steps"  # state[p][LATE_KEY]: its own warmup steps so far
 FROZEN, TRAINED, LATE = 0, 1, 2  # a param's code in a step (LateJoiners.codes)
 
 
+def codes_fit(codes: List[List[int]], param_groups) -> bool:
+    """Whether `codes` (LateJoiners.codes's) has a row per group and a code
+    per param: a checkpoint's, or the last step's after groups were added,
+    may not."""
+    return len(codes) == len(param_groups) and all(
+        len(row) == len(g["params"]) for row, g in zip(codes, param_groups))
+
+
 class LateJoiners:
     """Which params are in their own warmup, decided from the optimizer's
     `state` (passed to each call: torch's load_state_dict replaces the
