@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=6.0)
     ap.add_argument("--fault", default="none")
     ap.add_argument("--fault-step", type=int, default=-1)
+    ap.add_argument("--until-replicas", type=int, default=0,
+                    help="past --steps, go on until a step commits with this many replicas")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -126,7 +129,11 @@ def main() -> None:
     injector = Injector(args.fault, args.fault_step, manager)
     params = list(model.parameters())
     with open(args.out, "a") as out:
-        while manager.current_step() < args.steps:
+        replicas = 0
+        while manager.current_step() < args.steps or (
+                replicas < args.until_replicas and manager.current_step() < args.steps + 1000):
+            if manager.current_step() >= args.steps:
+                time.sleep(0.05)  # waiting for a replica to come back: no need to race
             opt.zero_grad()
             step = manager.current_step()
             x, y = batch(args.replica, step)
@@ -139,6 +146,7 @@ def main() -> None:
                           replicas=manager.num_participants(),
                           params=digest(params), stage=opt.optimizer.stage(),
                           counters=opt.optimizer.counters["step"])
+            replicas = record["replicas"] if committed else 0
             out.write(json.dumps(record) + "\n")
             out.flush()
     manager.shutdown(wait=False)
