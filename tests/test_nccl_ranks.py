@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.nccl_ranks import (GpuBackend, choose_gpu_backend, rank_command, rank_env,
-                              run_shared_gpu_ranks)
+                              run_command_ranks, run_shared_gpu_ranks)
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT")
@@ -126,3 +126,17 @@ def test_the_launcher_reports_a_failure_a_dead_rank_and_a_deadline(tmp_path):
 def test_the_launcher_refuses_a_body_a_rank_cannot_import():
     with pytest.raises(ValueError, match="module-level function"):
         run_shared_gpu_ranks(lambda rank, world: rank, 2, timeout=10, backend="gloo")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_command_on_the_launchers_ranks_joins_their_group_as_under_torchrun():
+    """The bench, as the GPU tier runs it over NCCL, here over gloo: each
+    rank joins through onebit.launch.init_distributed, and rank 0 prints."""
+    argv = [sys.executable, "-m", "onebit.bench", "--minbytes", "4K", "--maxbytes", "16K",
+            "--warmup", "1", "--iters", "1"]
+    ranks = run_command_ranks(argv, 2, timeout=120)
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert "ranks=2 device=cpu dist=gloo" in ranks[0].output, ranks[0].output
+    assert "# Out of bounds values : 0 OK" in ranks[0].output, ranks[0].output
+    assert "Out of bounds" not in ranks[1].output, "only rank 0 prints"
