@@ -148,10 +148,14 @@ def run_gpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
 
     choice = choose_gpu_backend(world_size, torch.cuda.device_count(), gloo_only=gloo_only)
     if not choice.shared_gpu or choice.backend != "nccl":
-        from tests.distributed import run_workers
+        from onebit.launch import spawn_local
 
-        return run_workers(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout,
-                           may_die=may_die, env=dict(env or {}), backend=choice.backend)
+        try:  # "spawn": a rank that initialises CUDA is better not forked
+            return spawn_local(fn, world_size, *args, timeout=timeout, env=dict(env or {}),
+                               pg_timeout_s=pg_timeout, may_die=may_die, backend=choice.backend,
+                               start_method="spawn")
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
     return run_shared_gpu_ranks(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout,
                                 may_die=may_die, env=env, backend="nccl", workdir=workdir)
 
