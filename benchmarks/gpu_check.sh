@@ -36,6 +36,7 @@ RANKS="tests/test_gpu_ranks.py tests/test_sharded.py"  # the multi-rank GPU test
 step 90 "pytest -m gpu, one process" python -m pytest -q -rs -m gpu tests -p no:cacheprovider \
   --tb=short --durations=8 $(for f in $RANKS; do echo "--ignore=$f"; done)
 # NCCL_DEBUG=WARN: a failing rank's output (which the test prints) carries NCCL's reason.
+# -v: each test's verdict as it ends, kept if the deadline cuts the step short.
 step 300 "pytest -m gpu, several ranks over NCCL (2, 3 and 4 ranks)" env NCCL_DEBUG=WARN \
-  python -m pytest -q -rs -m gpu $RANKS -p no:cacheprovider --tb=short --durations=20
+  python -m pytest -v -rs -m gpu $RANKS -p no:cacheprovider --tb=short --durations=20
 git log -1 --format='=== at commit %h (%s) ===' 2>/dev/null

@@ -186,7 +186,7 @@ def run_shared_gpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, ti
                     if r not in results and path.exists():
                         status, value = pickle.loads(path.read_bytes())
                         if status == "error":
-                            raise AssertionError(f"rank {r} failed:\n{value}")
+                            raise AssertionError(f"rank {r} failed:\n{value}\n{_logs(job, [r])}")
                         results[r] = value
                 dead = [r for r, p in enumerate(procs)
                         if r not in results and p.poll() is not None

@@ -91,7 +91,7 @@ def _backend_on_both(rank, world, sizes, piece_sizes):
 def test_compressed_allreduce_on_the_gpu_is_bitwise_the_host_run(world):
     sizes = [5, 1000, 64 * world * 8 + 3, 2 ** 20 + 7, 2 ** 24]
     # 2^16 elements a piece: 2^24 elements go as 256 pieces, several in flight
-    assert all(run_gpu_ranks(_backend_on_both, world, sizes, [0, 2 ** 16], timeout=300))
+    assert all(run_gpu_ranks(_backend_on_both, world, sizes, [0, 2 ** 16], timeout=240))
 
 
 def _hierarchical_on_both(rank, world):
@@ -200,7 +200,7 @@ STRAY = {"OnebitAdam": 0.01, "ZeroOneAdam": 0.01, "OnebitLamb": 0.05}
 @pytest.mark.parametrize("world", [2, 3])
 def test_optimizers_on_the_gpu_keep_replicas_and_follow_the_host_run(world, overlap):
     kw = dict(overlap_backward=True, bucket_cap_mb=1.0) if overlap else {}
-    for rank, runs in enumerate(run_gpu_ranks(_every_optimizer, world, kw, timeout=300)):
+    for rank, runs in enumerate(run_gpu_ranks(_every_optimizer, world, kw, timeout=240)):
         for name in OPTIMIZERS:
             same, start, gpu = runs[name]["world"]
             host_same, _, host = runs[name]["host"]
@@ -264,7 +264,7 @@ def _diloco_both(rank, world, kw):
                                 dict(sync_every=6, fragments=3, overlap_steps=2)],
                          ids=["plain", "streaming"])
 def test_diloco_on_the_gpu_keeps_replicas_and_follows_the_host_run(kw):
-    for runs in run_gpu_ranks(_diloco_both, 2, kw, timeout=300):
+    for runs in run_gpu_ranks(_diloco_both, 2, kw, timeout=240):
         for wire in WIRES:
             (same, start, gpu), (host_same, _, host) = runs[wire]
             if "fragments" not in kw:  # 16 inner steps end on a round: one point everywhere

@@ -74,15 +74,13 @@ def test_choose_gpu_backend_refuses_what_cannot_run(world, gpus, message):
 
 # ------------------------------------------- the launcher's machinery on gloo --
 def _report_env(rank, world):
+    import torch
     import torch.distributed as dist
 
-    total = [rank + 1]
-    import torch
-
-    t = torch.tensor(total, dtype=torch.float32)
-    dist.all_reduce(t)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)  # 1 + 2: both ranks are in one group
     return (os.environ["NCCL_HOSTID"], os.environ["LOCAL_RANK"], dist.get_rank(),
-            dist.get_world_size(), float(t))
+            dist.get_world_size(), float(total))
 
 
 def _fails_on_rank_1(rank, world):
