@@ -1,38 +1,47 @@
-"""The GPU tier's multi-rank tests (`pytest -m gpu tests`).
+"""The GPU tier's multi-rank tests (`pytest -m gpu tests`), over NCCL.
 
-On one GPU, 2 or 3 ranks share it through a cuda:gloo group: NCCL refuses
-two ranks on one GPU, and gloo's CUDA path moves device tensors as NCCL
-would ask for them (every collective on the device). With as many GPUs as
-ranks the same bodies run over nccl, a GPU per rank. Skipped (with the
-reason) where there is no CUDA device.
+With a GPU per rank each rank takes its own; on a machine with fewer GPUs
+(the lent machines have one) tests/nccl_ranks.py starts the ranks on one
+GPU, each with its own NCCL_HOSTID, so NCCL carries their traffic over its
+socket transport on the loopback (tests/nccl_ranks.py says why that is
+real NCCL). Every rank also holds a gloo group: the host run each test
+compares against, and (at 2 ranks) the same run on the GPU over gloo.
+Skipped (with the reason) where there is no CUDA device.
 
-What they hold the GPU path to:
+What they hold the GPU path to, at 2 and 3 ranks (4 for 2 nodes of 2):
   - compressed_allreduce on device tensors is bitwise the same as on host
-    tensors (the kernels are bit-exact and the pipeline the same);
-  - the optimizers, fused and overlapped, keep bitwise identical replicas
-    and land within 1% (LAMB: 5%) of their movement of the same run on the
-    host (STRAY says why not bitwise);
-  - DiLoCo, plain and streaming, likewise;
+    tensors, error buffers included, from 5 to 2^24 elements, in one piece
+    and in pipelined pieces (the kernels are bit-exact and the pipeline the
+    same);
+  - the three optimizers, fused and overlapped, keep bitwise identical
+    replicas after every step and land within 1% (LAMB: 5%) of their
+    movement of the same run on the host (STRAY says why not bitwise); at
+    2 ranks, the same bits as the run over gloo on the GPU (every sum has
+    two terms, so no order of summation can differ);
+  - DiLoCo, plain and streaming, with the 1-bit and 2-bit wires, likewise;
+  - the hierarchical backend with 2 "nodes" of 2 ranks: bitwise its host run;
   - onebit's GradScaler under fp16 autocast with an inf on one rank: every
     rank skips that step and all scales and replicas stay identical;
   - bf16 autocast with 0/1 Adam overlapped: identical replicas;
   - communication_data_type bf16 and fp16: the warmup mean bitwise the
-    host run's, the DDP hook's mean bitwise numpy's, an fp16 overflow refused.
+    host run's, the DDP hook's mean bitwise numpy's, an fp16 overflow refused;
+  - a rank killed in the middle of an exchange: every live rank raises
+    CommunicationError naming the phase within twice its timeout;
+  - `python -m onebit.bench` on 2 ranks: 0 wrong values.
 """
+import re
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from tests.distributed import run_workers
+from tests.nccl_ranks import run_command_ranks, run_gpu_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="no CUDA device here")]
 
 SHAPES = [(300, 12), (40, 12), (40,), (1000003,), (7, 5, 3)]
-
-
-def backend_for(world: int) -> str:
-    return "nccl" if torch.cuda.device_count() >= world else "cuda:gloo"
 
 
 def _device():
@@ -50,33 +59,71 @@ def _identical_everywhere(tensors, group=None) -> bool:
 
 
 # ------------------------------------------------------------------ backend --
-def _backend_on_both(rank, world, sizes):
+def _backend_on_both(rank, world, sizes, piece_sizes):
+    """Three rounds per size (error feedback carries from round to round)
+    on CUDA tensors over the world and on host tensors over gloo, one piece
+    (piece_size 0) and pipelined pieces alike."""
     import torch.distributed as dist
 
     from onebit.backends import CompressedBackend
 
-    on_device = CompressedBackend(block_size=64)
-    on_host = CompressedBackend(group=dist.new_group(backend="gloo"), block_size=64)
-    for n in sizes:
-        big, small = on_device.error_sizes(n)
-        errors = {d: (torch.zeros(big, device=d), torch.zeros(small, device=d))
-                  for d in (_device(), torch.device("cpu"))}
-        for r in range(3):  # error feedback carries from round to round
-            g = torch.Generator().manual_seed(1000 * r + 10 * rank + n)
-            x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
-            got = on_device.compressed_allreduce(x.to(_device()), *errors[_device()])
-            want = on_host.compressed_allreduce(x.clone(), *errors[torch.device("cpu")])
-            assert torch.equal(got.cpu(), want), (n, r)
-            for a, b in zip(errors[_device()], errors[torch.device("cpu")]):
-                assert torch.equal(a.cpu(), b), (n, r, "errors")
+    host_group = dist.new_group(backend="gloo")
+    for piece_size in piece_sizes:
+        on_device = CompressedBackend(block_size=64, piece_size=piece_size)
+        on_host = CompressedBackend(group=host_group, block_size=64, piece_size=piece_size)
+        for n in sizes:
+            big, small = on_device.error_sizes(n)
+            errors = {d: (torch.zeros(big, device=d), torch.zeros(small, device=d))
+                      for d in (_device(), torch.device("cpu"))}
+            for r in range(3):
+                g = torch.Generator().manual_seed(1000 * r + 10 * rank + n)
+                x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
+                got = on_device.compressed_allreduce(x.clone().to(_device()), *errors[_device()])
+                want = on_host.compressed_allreduce(x.clone(), *errors[torch.device("cpu")])
+                where = f"{n} elements, round {r}, piece_size {piece_size}"
+                assert torch.equal(got.cpu(), want), where
+                for a, b in zip(errors[_device()], errors[torch.device("cpu")]):
+                    assert torch.equal(a.cpu(), b), f"{where}: the error buffers"
     return True
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_compressed_allreduce_on_the_gpu_is_bitwise_the_host_run(world):
-    sizes = [5, 1000, 64 * world * 8 + 3, 2 ** 20 + 7]
-    assert all(run_workers(_backend_on_both, world, sizes, timeout=240,
-                           backend=backend_for(world)))
+    sizes = [5, 1000, 64 * world * 8 + 3, 2 ** 20 + 7, 2 ** 24]
+    # 2^16 elements a piece: 2^24 elements go as 256 pieces, several in flight
+    assert all(run_gpu_ranks(_backend_on_both, world, sizes, [0, 2 ** 16], timeout=240))
+
+
+def _hierarchical_on_both(rank, world):
+    """2 "nodes" of 2 ranks (node stages over the world's backend, not
+    shared memory): CUDA tensors bitwise the same rounds on host tensors
+    over gloo. Each node's sum has two terms, so its order cannot differ."""
+    import torch.distributed as dist
+
+    from onebit.backends.hierarchical import torch_hierarchical
+
+    host_group = dist.new_group(backend="gloo")
+    nodes = [0, 0, 1, 1]
+    on_device = torch_hierarchical(node_of_rank=nodes, block_size=64, shared_memory=False)
+    on_host = torch_hierarchical(group=host_group, node_of_rank=nodes, block_size=64,
+                                 shared_memory=False)
+    for n in (5, 1000, 2 ** 20 + 7):
+        big, small = on_device.error_sizes(n)
+        errors = {d: (torch.zeros(big, device=d), torch.zeros(small, device=d))
+                  for d in (_device(), torch.device("cpu"))}
+        for r in range(3):
+            g = torch.Generator().manual_seed(1000 * r + 10 * rank + n)
+            x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
+            got = on_device.compressed_allreduce(x.clone().to(_device()), *errors[_device()])
+            want = on_host.compressed_allreduce(x.clone(), *errors[torch.device("cpu")])
+            assert torch.equal(got.cpu(), want), f"{n} elements, round {r}"
+            for a, b in zip(errors[_device()], errors[torch.device("cpu")]):
+                assert torch.equal(a.cpu(), b), f"{n} elements, round {r}: the error buffers"
+    return True
+
+
+def test_hierarchical_backend_on_two_gpu_nodes_is_bitwise_the_host_run():
+    assert all(run_gpu_ranks(_hierarchical_on_both, 4, timeout=240))
 
 
 # --------------------------------------------------------------- optimizers --
@@ -103,15 +150,15 @@ def _loss(params, targets):
     return sum(terms)
 
 
-def _optimize(rank, world, name, kw, device_type, steps=16):
+def _optimize(rank, world, name, kw, where, steps=16):
+    """`where`: "world" (CUDA params over the world's backend), "gloo on
+    the gpu" (CUDA params over a gloo group) or "host" (host params over gloo)."""
+    import torch.distributed as dist
+
     import onebit
 
-    device = _device() if device_type == "cuda" else torch.device("cpu")
-    group = None
-    if device_type == "cpu":
-        import torch.distributed as dist
-
-        group = dist.new_group(backend="gloo")
+    device = torch.device("cpu") if where == "host" else _device()
+    group = None if where == "world" else dist.new_group(backend="gloo")
     params = _params(device)
     start = [p.detach().cpu().numpy().copy() for p in params]
     freeze = {"var_freeze_step": 4, "var_update_scaler": 1} if name == "ZeroOneAdam" else {
@@ -128,10 +175,15 @@ def _optimize(rank, world, name, kw, device_type, steps=16):
     return same, start, [p.detach().cpu().numpy() for p in params]
 
 
-def _both_devices(rank, world, name, kw):
-    on_gpu = _optimize(rank, world, name, kw, "cuda")
-    on_host = _optimize(rank, world, name, kw, "cpu")
-    return on_gpu, on_host
+OPTIMIZERS = ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
+
+
+def _every_optimizer(rank, world, kw):
+    """Each optimizer over the world on the GPU, over gloo on the host, and
+    (at 2 ranks) over gloo on the GPU: {name: {where: _optimize's result}}."""
+    wheres = ["world", "host"] + (["gloo on the gpu"] if world == 2 else [])
+    return {name: {where: _optimize(rank, world, name, kw, where) for where in wheres}
+            for name in OPTIMIZERS}
 
 
 # How far the GPU run may land from the host run, as a share of the host
@@ -145,18 +197,28 @@ STRAY = {"OnebitAdam": 0.01, "ZeroOneAdam": 0.01, "OnebitLamb": 0.05}
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["fused", "overlap"])
-@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
-def test_optimizers_on_the_gpu_keep_replicas_and_follow_the_host_run(name, overlap):
+@pytest.mark.parametrize("world", [2, 3])
+def test_optimizers_on_the_gpu_keep_replicas_and_follow_the_host_run(world, overlap):
     kw = dict(overlap_backward=True, bucket_cap_mb=1.0) if overlap else {}
-    for (same, start, gpu), (host_same, _, host) in run_workers(
-            _both_devices, 2, name, kw, timeout=300, backend=backend_for(2)):
-        assert all(same) and all(host_same), "replicas differ after some step"
-        for i, (s, a, b) in enumerate(zip(start, gpu, host)):
-            moved = np.linalg.norm(b - s)
-            assert moved > 0, f"param {i} did not move on the host"
-            assert np.linalg.norm(a - b) <= STRAY[name] * moved, (
-                f"param {i}: GPU strays from the host run", np.linalg.norm(a - b) / moved)
-        assert np.array_equal(gpu[0][:100], start[0][:100]), "rows without a gradient moved"
+    for rank, runs in enumerate(run_gpu_ranks(_every_optimizer, world, kw, timeout=240)):
+        for name in OPTIMIZERS:
+            same, start, gpu = runs[name]["world"]
+            host_same, _, host = runs[name]["host"]
+            assert all(same) and all(host_same), f"{name}: replicas differ after some step"
+            for i, (s, a, b) in enumerate(zip(start, gpu, host)):
+                moved = np.linalg.norm(b - s)
+                assert moved > 0, f"{name}: param {i} did not move on the host"
+                assert np.linalg.norm(a - b) <= STRAY[name] * moved, (
+                    f"{name}: param {i}: GPU strays from the host run",
+                    np.linalg.norm(a - b) / moved)
+            assert np.array_equal(gpu[0][:100], start[0][:100]), f"{name}: rows without a gradient moved"
+            if world == 2:  # the same maths over gloo on the same GPU: the same bits
+                gloo_same, _, over_gloo = runs[name]["gloo on the gpu"]
+                assert all(gloo_same), f"{name}: replicas differ over gloo on the GPU"
+                for i, (a, b) in enumerate(zip(gpu, over_gloo)):
+                    assert np.array_equal(a.view(np.int32), b.view(np.int32)), (
+                        f"{name}: param {i} on rank {rank} differs between the world's backend "
+                        "and gloo on the GPU")
 
 
 # ------------------------------------------------------------------- DiLoCo --
@@ -169,15 +231,13 @@ class Quadratic(torch.nn.Module):
         return _loss(list(self.ps), targets)
 
 
-def _diloco(rank, world, kw, device_type):
+def _diloco(rank, world, kw, where):
+    import torch.distributed as dist
+
     import onebit
 
-    device = _device() if device_type == "cuda" else torch.device("cpu")
-    group = None
-    if device_type == "cpu":
-        import torch.distributed as dist
-
-        group = dist.new_group(backend="gloo")
+    device = torch.device("cpu") if where == "host" else _device()
+    group = None if where == "world" else dist.new_group(backend="gloo")
     model = Quadratic(device)
     start = [p.detach().cpu().numpy().copy() for p in model.parameters()]
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -191,20 +251,26 @@ def _diloco(rank, world, kw, device_type):
         p.detach().cpu().numpy() for p in model.parameters()]
 
 
+WIRES = ["1bit", "2bit"]
+
+
 def _diloco_both(rank, world, kw):
-    return _diloco(rank, world, kw, "cuda"), _diloco(rank, world, kw, "cpu")
+    """{wire: (the run over the world on the GPU, the run over gloo on the host)}"""
+    return {wire: (_diloco(rank, world, dict(kw, compression=wire), "world"),
+                   _diloco(rank, world, dict(kw, compression=wire), "host")) for wire in WIRES}
 
 
 @pytest.mark.parametrize("kw", [dict(sync_every=4),
                                 dict(sync_every=6, fragments=3, overlap_steps=2)],
                          ids=["plain", "streaming"])
 def test_diloco_on_the_gpu_keeps_replicas_and_follows_the_host_run(kw):
-    for (same, start, gpu), (host_same, _, host) in run_workers(
-            _diloco_both, 2, kw, timeout=300, backend=backend_for(2)):
-        if "fragments" not in kw:  # 16 inner steps end on a round: one point everywhere
-            assert same and host_same
-        for i, (s, a, b) in enumerate(zip(start, gpu, host)):
-            assert np.linalg.norm(a - b) <= 0.01 * np.linalg.norm(b - s), f"param {i}"
+    for runs in run_gpu_ranks(_diloco_both, 2, kw, timeout=240):
+        for wire in WIRES:
+            (same, start, gpu), (host_same, _, host) = runs[wire]
+            if "fragments" not in kw:  # 16 inner steps end on a round: one point everywhere
+                assert same and host_same, f"{wire}: replicas differ after the last round"
+            for i, (s, a, b) in enumerate(zip(start, gpu, host)):
+                assert np.linalg.norm(a - b) <= 0.01 * np.linalg.norm(b - s), f"{wire}: param {i}"
 
 
 # ---------------------------------------------------------------- precision --
@@ -246,7 +312,7 @@ def _autocast_run(rank, world, dtype_name):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_autocast_on_the_gpu_keeps_replicas_and_scales_together(dtype):
-    out = run_workers(_autocast_run, 2, dtype, timeout=240, backend=backend_for(2))
+    out = run_gpu_ranks(_autocast_run, 2, dtype, timeout=240)
     for scales, same, losses in out:
         assert all(same), "replicas differ after some step"
         assert all(torch.isfinite(torch.tensor(losses)))
@@ -299,8 +365,82 @@ def _half_on_both(rank, world, name):
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_half_precision_exchange_on_the_gpu_is_the_host_mean_and_refuses_fp16_overflow(name):
-    for same_mean, hook_exact, overflow_refused in run_workers(
-            _half_on_both, 2, name, timeout=240, backend=backend_for(2)):
+    for same_mean, hook_exact, overflow_refused in run_gpu_ranks(
+            _half_on_both, 2, name, timeout=240):
         assert same_mean, "the CUDA warmup mean differs from the host run's"
         assert hook_exact, "the DDP hook's half-precision mean differs from numpy's"
         assert overflow_refused in ((True,) if name == "fp16" else (None,))
+
+
+# ---------------------------------------------------------------- dead rank --
+def _killed_mid_exchange(rank, world, timeout_s):
+    """Rank 1 dies (SIGKILL) as it enters step 6's 1-bit exchange, after the
+    step's agreement; the live ranks report what ended their wait and when."""
+    import os
+    import signal
+    import time
+
+    import onebit
+
+    params = _params(_device())
+    opt = onebit.OnebitAdam(params, lr=1e-2, freeze_step=3, timeout_s=timeout_s)
+    exchange, step_now = opt.backend.compressed_allreduce, [0]
+
+    def dies_in_step_6(*args, **kw):
+        if rank == 1 and step_now[0] == 6:
+            torch.cuda.synchronize()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return exchange(*args, **kw)
+
+    opt.backend.compressed_allreduce = dies_in_step_6
+    for t in range(1, 6):
+        step_now[0] = t
+        opt.zero_grad()
+        _loss(params, _targets(rank, t, _device())).backward()
+        opt.step()
+    start = time.monotonic()
+    try:
+        for t in range(6, 9):  # a stream-ordered wait may end at a later host read
+            step_now[0] = t
+            opt.zero_grad()
+            _loss(params, _targets(rank, t, _device())).backward()
+            opt.step()
+            float(params[0].sum())
+    except onebit.CommunicationError as exc:
+        return "CommunicationError", str(exc), time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - what else ended it is the finding
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+# NCCL's watchdog ends a wait on a dead peer at the process group's timeout;
+# by torch's default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) it then takes the
+# whole process down, where 2 aborts the communicators and leaves the error
+# to the caller. Both run, so one GPU run shows which of them gives every
+# live rank its CommunicationError.
+@pytest.mark.parametrize("handling", [None, "2"],
+                         ids=["torch's default", "TORCH_NCCL_ASYNC_ERROR_HANDLING=2"])
+def test_a_rank_killed_mid_exchange_gives_every_live_rank_a_communication_error(handling):
+    timeout_s = 10.0
+    env = {} if handling is None else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": handling}
+    out = run_gpu_ranks(_killed_mid_exchange, 3, timeout_s, timeout=180, pg_timeout=timeout_s,
+                        may_die=(1,), env=env)
+    assert out[1] is None, "rank 1 was to die"
+    for rank in (0, 2):
+        kind, message, waited = out[rank]
+        assert kind == "CommunicationError", f"rank {rank}: {kind}: {message}"
+        assert re.match(r"onebit: \S.* (failed|did not finish)", message), (
+            f"rank {rank}'s error names no phase: {message}")
+        assert waited < 2 * timeout_s, f"rank {rank} waited {waited:.1f} s"
+
+
+# -------------------------------------------------------------------- bench --
+def test_the_bench_on_two_nccl_ranks_counts_no_wrong_values():
+    argv = [sys.executable, "-m", "onebit.bench", "--minbytes", "4K", "--maxbytes", "4M",
+            "--warmup", "1", "--iters", "3"]
+    ranks = run_command_ranks(argv, 2, timeout=240)
+    for rank, (code, output) in enumerate(ranks):
+        assert code == 0, f"rank {rank} exited {code}:\n{output[-4000:]}"
+    printed = ranks[0].output
+    assert "ranks=2 device=cuda dist=nccl" in printed, printed[-4000:]
+    assert "# Out of bounds values : 0 OK" in printed, printed[-4000:]

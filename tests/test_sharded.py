@@ -187,16 +187,25 @@ ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                reason="no CUDA device here")]
 
 
+def ranks_on(device):
+    """How a test's ranks start: gloo on the host, or the GPU tier's NCCL
+    ranks (tests/nccl_ranks.py: a GPU per rank, or ranks sharing one)."""
+    if device == "cuda":
+        from tests.nccl_ranks import run_gpu_ranks
+
+        return run_gpu_ranks
+    return run_workers
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes,per_node,device", [
     (2, 2, "cpu"), (3, 2, "cpu"), (1, 3, "cpu"), pytest.param(2, 2, "cuda", marks=ON_CUDA)])
 def test_onebit_adam_on_shards_matches_the_float64_simulation(nodes, per_node, device):
-    """On CUDA the ranks share one GPU through a cuda:gloo group (NCCL
-    refuses two ranks on one GPU)."""
+    """On CUDA over NCCL: a GPU per rank, or ranks sharing one GPU through
+    tests/nccl_ranks.py."""
     steps, freeze, lr = 10, 4, 1e-2
-    got = run_workers(_sharded_adam, nodes * per_node, nodes, steps,
-                      dict(freeze_step=freeze, lr=lr), device, timeout=180,
-                      backend="cuda:gloo" if device == "cuda" else "gloo")
+    got = ranks_on(device)(_sharded_adam, nodes * per_node, nodes, steps,
+                           dict(freeze_step=freeze, lr=lr), device, timeout=180)
     expected = simulate_sharded_onebit_adam(nodes, per_node, steps, freeze, lr)
     start = [p.double().numpy() for p in initial_params()]
     for shard, values in got:
@@ -620,8 +629,8 @@ def test_diloco_skips_a_round_on_every_shard_when_one_shard_saw_an_inf(nodes):
     pytest.param("1bit", 2, "cuda", marks=ON_CUDA)])
 def test_diloco_on_shards_matches_the_float64_simulation(compression, nodes, device):
     per_node = 2
-    got = run_workers(_sharded_diloco, nodes * per_node, nodes, compression, 1, 0, device,
-                      timeout=180, backend="cuda:gloo" if device == "cuda" else "gloo")
+    got = ranks_on(device)(_sharded_diloco, nodes * per_node, nodes, compression, 1, 0, device,
+                           timeout=180)
     expected = simulate_sharded_diloco(nodes, per_node, compression)
     start = [p.double().numpy() for p in initial_params()]
     for shard, values, rounds, shard_sized in got:
