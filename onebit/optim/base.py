@@ -233,7 +233,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """A late joiner's own warmup step: Adam, with bias corrections
         counted per param from its first step (late.py)."""
         beta1, beta2 = group["betas"]
-        self._clip_(grads, group["max_grad_norm"])
+        grads = self._clipped(grads, group["max_grad_norm"])
         for p, g in zip(params, grads):
             k = LateJoiners.steps_done(self._local_state(), p) + 1
             m, v = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
@@ -362,8 +362,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 # grad_scale None and found_inf set, and no mark on .grad).
                 self._overlap.settle([ps for _, ps in groups], grads,
                                      relaunch=getattr(self, "found_inf", None) is not None)
-            for (group, _), gs in zip(groups, grads):  # warmup: the average; else the local one
-                self._clip_(gs, group["max_grad_norm"])
+            # warmup: the average; else the local one
+            grads = [self._clipped(gs, group["max_grad_norm"]) for (group, _), gs in zip(groups, grads)]
             self._update(stage, groups, grads)
             self._schedule.advance(self.counters, stage)
         finally:
@@ -551,7 +551,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     @staticmethod
     def _with_float_lr(group: dict) -> dict:
-        """The group as the maths reads it: a 0-dim tensor lr (torch.optim
+        """The group as the maths reads it: a one-element tensor lr (torch.optim
         accepts one) read once as a float; the group itself keeps the tensor,
         which schedulers update in place."""
         lr = group["lr"]
@@ -752,7 +752,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._denoms.clear()
         self._static.clear()
 
-    def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
+    def _clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
+        """`grads` clipped to the global norm `max_norm` (0: as they are).
+        Clipped copies: `grads` may be the params' own `.grad`, which
+        torch's optimizers never write."""
         if max_norm > 0 and grads:
             total = float(torch.linalg.vector_norm(
                 self._shards.whole_norms(tensor_norms(grads))))
@@ -766,7 +769,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                     [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))))
             coef = max_norm / (total + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+                return list(torch._foreach_mul(grads, coef))
+        return grads
 
     # -------------------------------------------------------- communication --
     def _collective(self, phase: str, start) -> None:
