@@ -171,3 +171,22 @@ def test_a_one_element_tensor_lr_trains_as_the_float(cls, stage):
 def test_a_tensor_lr_of_several_elements_is_refused(cls):
     with pytest.raises(ValueError, match=r"lr must be .*tensor\(\[0\.0100, 0\.0100\]\)"):
         build(cls, lr=torch.tensor([1e-2, 1e-2]))
+
+
+def _copy_across_ranks(rank, world):
+    model, opt = build(OnebitAdam)
+    with pytest.raises(TypeError, match="cannot be copied or pickled across 2 ranks"):
+        copy.deepcopy(opt)
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(opt)
+    train(model, opt, [1])  # (the refusal left it as it was)
+    return opt.counters["step"]
+
+
+@pytest.mark.slow
+def test_a_copy_across_ranks_is_refused_with_what_to_do_instead():
+    """Past one rank the optimizer holds the process group and the backend
+    its peers exchange with, which no copy can share."""
+    from tests.distributed import run_workers
+
+    assert run_workers(_copy_across_ranks, 2, timeout=60) == [1, 1]

@@ -103,8 +103,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     - optional, with defaults here: `rank_agreed_settings`, the names of its
       own attributes (set before calling this constructor) that every rank
       must share besides the schedule's; `_exchange_input_key(index)`
-      (None), `_staged_state()` (checkpoints), `_late_update(...)` (Adam for
-      late joiners).
+      (None), `_staged_state()` and `_after_load()` (checkpoints),
+      `_late_update(...)` (Adam for late joiners).
     """
 
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
@@ -205,6 +205,32 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # What a stage's maths calls to exchange (step_exchange.py).
         self._exchanges = StepExchange(self._channel.exchange, self._overlap, self.world_size)
 
+    # -------------------------------------------------------------- copies --
+    # torch's hooks, which torch's own copies leave behind too (its
+    # __setstate__ starts them empty).
+    _HOOKS_NOT_COPIED = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                         "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                         "_optimizer_load_state_dict_pre_hooks",
+                         "_optimizer_load_state_dict_post_hooks")
+
+    def __getstate__(self) -> dict:
+        """For copy.deepcopy and pickle (EMA/SWA utilities and some trainers
+        copy an optimizer). torch's keeps only defaults, state and
+        param_groups; this optimizer's machinery (the stage schedule, the
+        error buffers, the guards) lives beside them, so all of it goes. At
+        world size 1 none of it holds a process: the copy is independent and
+        steps as the original. Past one rank it holds the process group, the
+        compressed backend and its peers' agreement, which no copy can
+        share: refused, naming what to do instead."""
+        if self.world_size > 1 or self._shards.sharded:
+            raise TypeError(
+                f"{type(self).__name__} cannot be copied or pickled across {self.world_size} "
+                "ranks (or on sharded params): it holds the process group and the compressed "
+                "backend its peers exchange with. Save state_dict() and "
+                "error_feedback_state_dict() instead, and load them into a new optimizer")
+        # (torch's __setstate__ takes it back, with empty hooks)
+        return {k: v for k, v in self.__dict__.items() if k not in self._HOOKS_NOT_COPIED}
+
     # ------------------------------------------------ the subclass contract --
     @abc.abstractmethod
     def _update(self, stage: Stage, groups: list, grads: list) -> None:
@@ -228,6 +254,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         maker, whether a checkpoint at `step` holds it for real). See
         `state_dict`."""
         return {}
+
+    def _after_load(self) -> None:
+        """The subclass's own part of `load_state_dict`, once the rest is
+        loaded (before the user's load post-hooks run)."""
 
     def _late_update(self, key: LateKey, group, params, grads) -> None:
         """A late joiner's own warmup step: Adam, with bias corrections
@@ -903,7 +933,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         state_dict = checkpoints.adapt(self, state_dict, lambda step: self._schedule.counters_at(
             type(self).__name__, len(self.param_groups), step))
         state_dict = checkpoints.keep_masks(state_dict, self.param_groups)
-        super().load_state_dict(state_dict)
+        # torch runs the load post-hooks at the end of its own part; they
+        # are the user's view of a finished load, so they wait for ours.
+        post_hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         checkpoints.state_in_fp32(self.state, self.param_groups, state_dict,
                                   keep=self.STATE_IN_PARAM_DTYPE)
         self._shards.from_dtensors(self.state)
@@ -920,7 +957,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # A late joiner (or a param about to be one: no v) never held what the
         # run's local steps keep (0/1 Adam's synced point): the checkpoint's
         # entry is a placeholder, which would pass for real after its warmup.
-        for p, st in self.state.items():
+        for p, st in checkpoints.param_states(self.state):
             if "exp_avg_sq" not in st or self._late.is_late(self.state, p):
                 for name in self.STATE_OF_THE_RUN:
                     st.pop(name, None)
@@ -932,6 +969,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._stopped_training = []
         self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
+        self._after_load()
+        for hook in post_hooks.values():
+            hook(self)
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers: what `state_dict()` leaves out,
@@ -975,7 +1015,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._momentum_restart.enabled = bool(enabled)
 
     def _restart_momentum(self) -> None:
-        for state in self.state.values():
+        for _, state in checkpoints.param_states(self.state):
             m = state.get("exp_avg")
             if isinstance(m, torch.Tensor):
                 m.zero_()
