@@ -15,10 +15,10 @@ def check(name: str, value, ok: bool, expected: str) -> None:
 
 def is_number(value) -> bool:
     """A finite real number, as torch.optim accepts them: Python and numpy
-    ints and floats, and 0-dim tensors (what a capturable lr is). bool is not
-    a number here: `lr=True` is a mistake."""
+    ints and floats, and one-element tensors (what a capturable lr is: 0-dim
+    or of shape [1]). bool is not a number here: `lr=True` is a mistake."""
     if isinstance(value, torch.Tensor):
-        return value.dim() == 0 and value.is_floating_point() and bool(torch.isfinite(value))
+        return value.numel() == 1 and value.is_floating_point() and bool(torch.isfinite(value))
     return (isinstance(value, numbers.Real) and not isinstance(value, bool)
             and math.isfinite(float(value)))
 

@@ -275,6 +275,8 @@ class ShardedParams:
         if not self.sharded:
             return
         for index, st in state_dict["state"].items():
+            if not isinstance(index, int):  # (an entry that is no param's, kept as it is)
+                continue
             # A new dict: torch's state_dict shares the live per-param dicts.
             state_dict["state"][index] = {
                 k: placed_like(v, params[index]) if isinstance(v, torch.Tensor) else v
@@ -284,7 +286,9 @@ class ShardedParams:
         """The reverse, in a loaded optimizer's `state`: local tensors."""
         if not self.sharded:
             return
-        for st in state.values():
+        for key, st in state.items():
+            if not isinstance(key, torch.Tensor):  # (an entry that is no param's)
+                continue
             for k, v in st.items():
                 st[k] = local(v) if isinstance(v, torch.Tensor) else v
 

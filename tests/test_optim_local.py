@@ -140,7 +140,7 @@ def test_rejects_non_finite_values_flags_that_are_not_bools_and_bad_timeouts(cls
     for name, bad in (("lr", math.inf), ("lr", math.nan), ("weight_decay", math.inf),
                       ("eps", math.nan), ("max_grad_norm", math.inf), ("betas", (0.9, math.nan)),
                       ("lr", True), ("lr", "1e-3"), ("lr", torch.tensor(math.inf)),
-                      ("lr", torch.tensor([1e-3])),
+                      ("lr", torch.tensor([1e-3, 1e-3])),  # (one element of any shape is taken)
                       ("bias_correction", "no"), ("eps_inside_sqrt", 1), ("amsgrad", "False"),
                       ("cuda_aware", None),
                       ("timeout_s", "x"), ("timeout_s", 0), ("timeout_s", -1.0),

@@ -373,20 +373,24 @@ def dcp_save(module, opt, path) -> None:
               opt.error_feedback_key(): opt.error_feedback_state_dict()}, checkpoint_id=path)
 
 
-def dcp_resume(module, opt, path) -> bool:
+def dcp_resume(module, opt, path, partial: bool = False) -> bool:
     """docs/checkpoints.md's resume: the model and optimizer, then this
     rank's error buffers into a dict built on the *loaded* optimizer (a late
     joiner's, and a changed trained set's, are laid out as it says).
+    `partial`: docs/sharding.md's `allow_partial_load=True`, as a resume at
+    another world size loads (this rank's error entry is then absent).
     Returns whether the buffers came back."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
+    def planner():  # (one per load: a planner keeps the state of its load)
+        return dcp.DefaultLoadPlanner(allow_partial_load=True) if partial else None
     state = {"model": module.state_dict(), "optim": get_optimizer_state_dict(module, opt)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, planner=planner())
     module.load_state_dict(state["model"])
     set_optimizer_state_dict(module, opt, state["optim"])
     errors = {opt.error_feedback_key(): opt.error_feedback_state_dict()}
-    dcp.load(errors, checkpoint_id=path)
+    dcp.load(errors, checkpoint_id=path, planner=planner())
     return opt.load_error_feedback_state_dict(errors[opt.error_feedback_key()])
 
 

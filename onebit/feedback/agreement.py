@@ -158,9 +158,9 @@ def tensor_fingerprint(t: torch.Tensor) -> tuple:
 
 
 def _shape_or_value(t: torch.Tensor):
-    """A step's cheap view of a tensor setting: a 0-dim one by value (a step
-    reads its lr as a float anyway), another by shape and dtype."""
-    return float(t) if t.dim() == 0 else (tuple(t.shape), str(t.dtype))
+    """A step's cheap view of a tensor setting: a one-element one by value (a
+    step reads its lr as a float anyway), another by shape and dtype."""
+    return float(t) if t.numel() == 1 else (tuple(t.shape), str(t.dtype))
 
 
 def group_settings(param_groups, leave_out: Sequence[str] = (),

@@ -143,6 +143,9 @@ class ErrorFeedbackChannel:
         self.traffic = TrafficStats()  # the owner's full-precision averaging
         self.telemetry = StepTelemetry([self.traffic] + ([backend.stats] if backend else []))
         self.restart_notice = ErrorFeedbackRestartNotice(owner, consequence)
+        # Since the owner's last load: no errors came back and none were
+        # exchanged (the buffers are the load's zeros, see state.py).
+        self._load_left_zeros = False
 
     def report(self, step: int) -> Dict[str, object]:
         """`comm_stats()` after `step` steps (or rounds)."""
@@ -176,8 +179,13 @@ class ErrorFeedbackChannel:
                    position: Dict[str, int]) -> dict:
         """This rank's errors of the fused buffers `layouts` (key -> layout),
         with their identity. Buffers that have not exchanged yet get zeros of
-        the right size, so a fresh owner's dict is a target DCP can load into."""
-        return error_feedback_state(self.exchange, layouts, device, self.identity(position))
+        the right size, so a fresh owner's dict is a target DCP can load into.
+        Made after a load that left zeros, before anything restored them or
+        was exchanged, it is such a target only: no load restores it unless
+        a checkpoint's entry was written over it (state.py)."""
+        restorable = not (self._load_left_zeros and not self.exchange.error_buffers())
+        return error_feedback_state(self.exchange, layouts, device, self.identity(position),
+                                    restorable)
 
     def load_state_dict(self, state: dict, layouts: dict, position: Dict[str, int]) -> bool:
         """Restore what `state_dict` saved, when it has this identity and
@@ -186,6 +194,7 @@ class ErrorFeedbackChannel:
         loaded = restore_error_feedback(self.exchange, state, layouts, self.identity(position))
         if loaded:
             self.restart_notice.restored()
+            self._load_left_zeros = False
         return loaded
 
     def owner_loaded(self, errors_lost: bool) -> None:
@@ -194,3 +203,4 @@ class ErrorFeedbackChannel:
         run had some) arms the restart notice."""
         self.exchange.load_errors(None)
         self.restart_notice.loaded(errors_lost)
+        self._load_left_zeros = True

@@ -13,11 +13,23 @@ import warnings
 import torch
 
 
-def error_feedback_state(exchange, layouts: dict, device: torch.device, identity: dict) -> dict:
+# Before a layout in a saved entry: zeros a load left, not any buffer's errors.
+UNRESTORED = "unrestored: "
+
+
+def error_feedback_state(exchange, layouts: dict, device: torch.device, identity: dict,
+                         restorable: bool = True) -> dict:
     """This rank's error buffers of `exchange` (an ErrorFeedbackExchange) for
     the fused buffers of `layouts`, with `identity`: what they are valid for
-    (rank, world size, wire format, block size, step or round)."""
-    return {**identity, "groups": exchange.errors_state(layouts, device)}
+    (rank, world size, wire format, block size, step or round).
+    `restorable` False: they are the zeros a load left in place of lost
+    errors; the layouts say so, and no load restores them (the module's
+    docstring)."""
+    groups = exchange.errors_state(layouts, device)
+    if not restorable:
+        for entry in groups.values():
+            entry["layout"] = UNRESTORED + entry["layout"]
+    return {**identity, "groups": groups}
 
 
 def restore_error_feedback(exchange, state: dict, layouts: dict, identity: dict) -> bool:

@@ -103,8 +103,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     - optional, with defaults here: `rank_agreed_settings`, the names of its
       own attributes (set before calling this constructor) that every rank
       must share besides the schedule's; `_exchange_input_key(index)`
-      (None), `_staged_state()` (checkpoints), `_late_update(...)` (Adam for
-      late joiners).
+      (None), `_staged_state()` and `_after_load()` (checkpoints),
+      `_late_update(...)` (Adam for late joiners).
     """
 
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
@@ -205,6 +205,32 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # What a stage's maths calls to exchange (step_exchange.py).
         self._exchanges = StepExchange(self._channel.exchange, self._overlap, self.world_size)
 
+    # -------------------------------------------------------------- copies --
+    # torch's hooks, which torch's own copies leave behind too (its
+    # __setstate__ starts them empty).
+    _HOOKS_NOT_COPIED = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                         "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                         "_optimizer_load_state_dict_pre_hooks",
+                         "_optimizer_load_state_dict_post_hooks")
+
+    def __getstate__(self) -> dict:
+        """For copy.deepcopy and pickle (EMA/SWA utilities and some trainers
+        copy an optimizer). torch's keeps only defaults, state and
+        param_groups; this optimizer's machinery (the stage schedule, the
+        error buffers, the guards) lives beside them, so all of it goes. At
+        world size 1 none of it holds a process: the copy is independent and
+        steps as the original. Past one rank it holds the process group, the
+        compressed backend and its peers' agreement, which no copy can
+        share: refused, naming what to do instead."""
+        if self.world_size > 1 or self._shards.sharded:
+            raise TypeError(
+                f"{type(self).__name__} cannot be copied or pickled across {self.world_size} "
+                "ranks (or on sharded params): it holds the process group and the compressed "
+                "backend its peers exchange with. Save state_dict() and "
+                "error_feedback_state_dict() instead, and load them into a new optimizer")
+        # (torch's __setstate__ takes it back, with empty hooks)
+        return {k: v for k, v in self.__dict__.items() if k not in self._HOOKS_NOT_COPIED}
+
     # ------------------------------------------------ the subclass contract --
     @abc.abstractmethod
     def _update(self, stage: Stage, groups: list, grads: list) -> None:
@@ -229,11 +255,15 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `state_dict`."""
         return {}
 
+    def _after_load(self) -> None:
+        """The subclass's own part of `load_state_dict`, once the rest is
+        loaded (before the user's load post-hooks run)."""
+
     def _late_update(self, key: LateKey, group, params, grads) -> None:
         """A late joiner's own warmup step: Adam, with bias corrections
         counted per param from its first step (late.py)."""
         beta1, beta2 = group["betas"]
-        self._clip_(grads, group["max_grad_norm"])
+        grads = self._clipped(grads, group["max_grad_norm"])
         for p, g in zip(params, grads):
             k = LateJoiners.steps_done(self._local_state(), p) + 1
             m, v = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
@@ -362,8 +392,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 # grad_scale None and found_inf set, and no mark on .grad).
                 self._overlap.settle([ps for _, ps in groups], grads,
                                      relaunch=getattr(self, "found_inf", None) is not None)
-            for (group, _), gs in zip(groups, grads):  # warmup: the average; else the local one
-                self._clip_(gs, group["max_grad_norm"])
+            # warmup: the average; else the local one
+            grads = [self._clipped(gs, group["max_grad_norm"]) for (group, _), gs in zip(groups, grads)]
             self._update(stage, groups, grads)
             self._schedule.advance(self.counters, stage)
         finally:
@@ -551,7 +581,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     @staticmethod
     def _with_float_lr(group: dict) -> dict:
-        """The group as the maths reads it: a 0-dim tensor lr (torch.optim
+        """The group as the maths reads it: a one-element tensor lr (torch.optim
         accepts one) read once as a float; the group itself keeps the tensor,
         which schedulers update in place."""
         lr = group["lr"]
@@ -752,7 +782,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._denoms.clear()
         self._static.clear()
 
-    def _clip_(self, grads: List[torch.Tensor], max_norm: float) -> None:
+    def _clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
+        """`grads` clipped to the global norm `max_norm` (0: as they are).
+        Clipped copies: `grads` may be the params' own `.grad`, which
+        torch's optimizers never write."""
         if max_norm > 0 and grads:
             total = float(torch.linalg.vector_norm(
                 self._shards.whole_norms(tensor_norms(grads))))
@@ -766,7 +799,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                     [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))))
             coef = max_norm / (total + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+                return list(torch._foreach_mul(grads, coef))
+        return grads
 
     # -------------------------------------------------------- communication --
     def _collective(self, phase: str, start) -> None:
@@ -899,7 +933,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         state_dict = checkpoints.adapt(self, state_dict, lambda step: self._schedule.counters_at(
             type(self).__name__, len(self.param_groups), step))
         state_dict = checkpoints.keep_masks(state_dict, self.param_groups)
-        super().load_state_dict(state_dict)
+        # torch runs the load post-hooks at the end of its own part; they
+        # are the user's view of a finished load, so they wait for ours.
+        post_hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         checkpoints.state_in_fp32(self.state, self.param_groups, state_dict,
                                   keep=self.STATE_IN_PARAM_DTYPE)
         self._shards.from_dtensors(self.state)
@@ -916,7 +957,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # A late joiner (or a param about to be one: no v) never held what the
         # run's local steps keep (0/1 Adam's synced point): the checkpoint's
         # entry is a placeholder, which would pass for real after its warmup.
-        for p, st in self.state.items():
+        for p, st in checkpoints.param_states(self.state):
             if "exp_avg_sq" not in st or self._late.is_late(self.state, p):
                 for name in self.STATE_OF_THE_RUN:
                     st.pop(name, None)
@@ -928,6 +969,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._stopped_training = []
         self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
+        self._after_load()
+        for hook in post_hooks.values():
+            hook(self)
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers: what `state_dict()` leaves out,
@@ -971,7 +1015,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._momentum_restart.enabled = bool(enabled)
 
     def _restart_momentum(self) -> None:
-        for state in self.state.values():
+        for _, state in checkpoints.param_states(self.state):
             m = state.get("exp_avg")
             if isinstance(m, torch.Tensor):
                 m.zero_()

@@ -38,6 +38,15 @@ _TORCH_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable",
                "decoupled_weight_decay")
 
 
+def param_states(state: dict) -> list:
+    """The (key, per-param state) pairs of an optimizer's `state` (keyed by
+    param) or of a state_dict's (keyed by index). torch keeps entries keyed
+    by anything else as they are (`opt.state["note"] = 1`): they are no
+    param's, and nothing here reads or changes them."""
+    return [(k, st) for k, st in state.items()
+            if isinstance(k, (torch.Tensor, int)) and isinstance(st, dict)]
+
+
 def checkpoint_kind(state_dict: dict) -> str:
     """The optimizer that wrote `state_dict`: a onebit class name, "Adam" for
     torch's Adam/AdamW, or "unknown"."""
@@ -54,7 +63,7 @@ def checkpoint_kind(state_dict: dict) -> str:
         if "var_interval" in counters:
             return "ZeroOneAdam"
         return "OnebitLamb" if groups and "max_coeff" in groups[0] else "OnebitAdam"
-    per_param = [s for k, s in state_dict["state"].items() if k != STATE_KEY]
+    per_param = [s for _, s in param_states(state_dict["state"])]
     if (groups and all("amsgrad" in g for g in groups)
             and all({"exp_avg", "exp_avg_sq"} <= set(s) for s in per_param)):
         return "Adam"
@@ -140,7 +149,7 @@ def add_placeholders(state_dict: dict, params, staged: Dict[str, tuple]) -> None
     so a fresh optimizer's state_dict has every key a trained one has: DCP
     loads only into keys the target already has. `params`: the optimizer's
     params in state_dict order."""
-    for key, st in list(state_dict["state"].items()):
+    for key, st in param_states(state_dict["state"]):
         missing = [name for name in staged if name not in st]
         if missing:
             # torch's state_dict() hands out the optimizer's own per-param
@@ -163,7 +172,7 @@ def drop_placeholders(state, staged: Dict[str, tuple], step: int,
     for name, (_, real) in staged.items():
         if (name in saved_as_placeholders if saved_as_placeholders is not None
                 else not real(step)):
-            for st in state.values():
+            for _, st in param_states(state):
                 st.pop(name, None)
 
 

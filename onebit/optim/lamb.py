@@ -5,6 +5,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from . import checkpoints
 from . import functional as F
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
@@ -110,12 +111,11 @@ class OnebitLamb(FreezeStepOptimizer):
         self.lamb_coeffs = []  # the last step's per-tensor coefficients (for logging)
         self._scaled_errors = False  # see load_state_dict
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
+    def _after_load(self) -> None:
         # Checkpoints of onebit before 2026-11 scaled the momenta (a per-param
         # "scaling_coeff"), so their error buffers are in those units: they
         # restart from zero instead (load_error_feedback_state_dict).
-        coeffs = [st.pop("scaling_coeff", 1.0) for st in self.state.values()]
+        coeffs = [st.pop("scaling_coeff", 1.0) for _, st in checkpoints.param_states(self.state)]
         self._scaled_errors = any(c != 1.0 for c in coeffs)
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
@@ -152,7 +152,7 @@ class OnebitLamb(FreezeStepOptimizer):
         variance as the fresh one, as freeze_step does for the rest."""
         for p, g in zip(params, grads):
             done = LateJoiners.steps_done(self._local_state(), p)
-            self._clip_([g], group["max_grad_norm"])  # (its own norm: step() clips the rest)
+            [g] = self._clipped([g], group["max_grad_norm"])  # (its own norm: step() clips the rest)
             self._warmup_step(key, group, [p], [g], done + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
