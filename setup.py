@@ -65,6 +65,8 @@ setup(
         "mpi": ["mpi4py>=3.1", "mpich>=4"],
         "cuda": ["cupy-cuda12x>=13"],
         "xpu": [],  # torch>=2.5 has torch.xpu natively; nothing more to install
+        # onebit.fault_tolerance: replicas that fail and rejoin (wheels for Python 3.11)
+        "ft": ["torchft>=0.2"],
         # examples and --plot run in the tests; the docs site is built there (--strict)
         "dev": ["pytest>=7", "pytest-timeout>=2", "pybind11>=2.10", "scikit-learn",
                 "transformers>=4.40", "accelerate>=0.26", "lightning>=2.2",

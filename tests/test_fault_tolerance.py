@@ -8,6 +8,7 @@ failed is applied nowhere (params as before it); every committed step
 leaves every replica that took it with the same bits; a restarted replica
 heals from a peer and is then bitwise equal to it; the run ends with
 identical replicas."""
+import copy
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import torch
 torchft = pytest.importorskip("torchft", reason="the [ft] extra (torchft) is not installed")
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-pytestmark = pytest.mark.slow  # each run starts 3-4 interpreters and waits out deadlines
+slow = pytest.mark.slow  # each run starts 3-4 interpreters and waits out deadlines
 
 REPLICA = str(Path(__file__).with_name("ft_replica.py"))
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -108,6 +109,7 @@ def final(run: Run, replica: int) -> dict:
     return recs[-1]
 
 
+@slow
 def test_fault_free_replicas_match_the_plain_run_step_by_step(tmp_path):
     """Without faults the wrapper adds nothing to the maths: three torchft
     replicas commit every step, identical after each, through warmup and
@@ -127,6 +129,7 @@ def test_fault_free_replicas_match_the_plain_run_step_by_step(tmp_path):
 
 # Every fault point with OnebitAdam; the other optimizers at the hardest
 # one, inside the exchange (the wrapper around them is the same).
+@slow
 @pytest.mark.parametrize("optimizer,fault", [
     ("OnebitAdam", "kill-before"), ("OnebitAdam", "kill-during"), ("OnebitAdam", "kill-after"),
     ("ZeroOneAdam", "kill-during"), ("OnebitLamb", "kill-during")])
@@ -149,6 +152,7 @@ def test_a_killed_replica_costs_one_step_and_the_survivors_go_on(tmp_path, optim
     assert final(run, 0)["params"] == final(run, 2)["params"]
 
 
+@slow
 def test_a_killed_replica_restarted_heals_and_ends_identical(tmp_path):
     run = Run(tmp_path)
     for r in range(3):
@@ -171,6 +175,7 @@ def test_a_killed_replica_restarted_heals_and_ends_identical(tmp_path):
     assert final(run, 1)["replicas"] == 3
 
 
+@slow
 def test_a_stopped_replica_past_the_timeout_rejoins_after_continuing(tmp_path):
     run = Run(tmp_path)
     for r in range(3):
@@ -190,3 +195,115 @@ def test_a_stopped_replica_past_the_timeout_rejoins_after_continuing(tmp_path):
         failed = [rec for rec in run.records(r) if not rec["committed"]]
         assert failed, "the survivors never noticed the stopped replica"
     assert len({final(run, r)["params"] for r in range(3)}) == 1
+
+
+# ---------------------------------------------------------------------------
+# The transaction, with no processes: a stand-in for torchft's Manager that
+# votes as told, at world size 1 (no process group).
+
+class _Group:
+    generation = 0
+    replica_rank, replica_world_size = 0, 1
+
+
+class _VotingManager:
+    def __init__(self) -> None:
+        self.onebit_group = _Group()
+        self.votes, self.errors, self.fns = [], [], {}
+
+    def start_quorum(self) -> None:
+        pass
+
+    def errored(self):
+        return self.errors[-1] if self.errors else None
+
+    def report_error(self, exc) -> None:
+        self.errors.append(exc)
+
+    def should_commit(self) -> bool:
+        return self.votes.pop(0)
+
+    def register_state_dict_fn(self, key, load, save) -> None:
+        self.fns[key] = (load, save)
+
+
+def _fast(test):
+    return pytest.mark.parametrize("optimizer", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])(
+        pytest.mark.filterwarnings("ignore::UserWarning")(test))
+
+
+def _wrapped(optimizer):
+    import onebit
+    from onebit.fault_tolerance import FaultTolerantOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    manager = _VotingManager()
+    kinds = {"OnebitAdam": lambda ps: onebit.OnebitAdam(ps, lr=1e-2, freeze_step=2),
+             "OnebitLamb": lambda ps: onebit.OnebitLamb(ps, lr=1e-2, freeze_step=2),
+             "ZeroOneAdam": lambda ps: onebit.ZeroOneAdam(ps, lr=1e-2, var_freeze_step=2)}
+    return model, manager, FaultTolerantOptimizer(manager, model.parameters(), kinds[optimizer])
+
+
+def _train_step(model, opt, t):
+    g = torch.Generator().manual_seed(t)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(torch.randn(4, 5, generator=g)),
+                                 torch.randn(4, 2, generator=g)).backward()
+    return opt.step()
+
+
+@_fast
+def test_a_refused_step_leaves_params_state_and_counters_as_they_were(optimizer):
+    """should_commit() says no: the step is applied nowhere, and the same
+    step taken again gives the bits of a run that never failed."""
+    model, manager, opt = _wrapped(optimizer)
+    ref_model, ref_manager, ref = _wrapped(optimizer)
+    manager.votes = [True, True, True, False, True, True]
+    ref_manager.votes = [True] * 5
+    for t in range(3):
+        assert _train_step(model, opt, t) and _train_step(ref_model, ref, t)
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = copy.deepcopy(opt.state_dict())
+    assert not _train_step(model, opt, 3)  # refused
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    opt.zero_grad()  # the next quorum: the optimizer is rebuilt from the snapshot
+    after = opt.state_dict()
+    assert after["param_groups"][0]["onebit"] == state_before["param_groups"][0]["onebit"]
+    assert after["state"].keys() == state_before["state"].keys()
+    for i, st in state_before["state"].items():
+        for name, value in st.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(after["state"][i][name], value), (i, name)
+    for t in (3, 4):
+        assert _train_step(model, opt, t) and _train_step(ref_model, ref, t)
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, r)
+    assert opt.committed_steps == 5 and opt.failed_steps == 1
+
+
+@_fast
+def test_a_failed_exchange_votes_no_and_rolls_back(optimizer):
+    from onebit.collectives import CommunicationError
+
+    model, manager, opt = _wrapped(optimizer)
+    manager.votes = [True, True, True]
+    for t in range(2):
+        assert _train_step(model, opt, t)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def dies(*a, **k):
+        raise CommunicationError("onebit: compressed_allreduce phase 1 failed (test)")
+    opt.optimizer.step = dies
+    assert not _train_step(model, opt, 2)
+    assert manager.errors and isinstance(manager.errors[0], CommunicationError)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_needs_the_managers_replica_group():
+    from onebit.fault_tolerance import FaultTolerantOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="replica_manager"):
+        FaultTolerantOptimizer(object(), model.parameters(), lambda ps: None)
