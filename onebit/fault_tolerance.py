@@ -316,3 +316,137 @@ class FaultTolerantOptimizer:
         return {**self.optimizer.comm_stats(), "committed_steps": self.committed_steps,
                 "failed_steps": self.failed_steps, "quorum_changes": self.quorum_changes,
                 "committed_bytes_sent": self.committed_bytes}
+
+
+class FaultTolerantDiLoCo:
+    """DiLoCo whose rounds commit through torchft.
+
+    The inner steps stay local and involve no quorum. At each round's inner
+    step: the quorum (a joining replica heals here), the round (the inner
+    step, then the 1-bit or 2-bit average of the pseudo-gradients and the
+    outer step), and torchft's vote. A round that fails is rolled back on
+    this replica, inner step included: params, anchors, outer momentum,
+    error buffers, the inner optimizer's state and the counters are as
+    before it, so the next inner step is the round again, among the
+    replicas that are left. The round is landed among the survivors, not
+    dropped: their inner progress since the last round is kept and sent,
+    and the anchors are identical on every replica after every committed
+    round.
+
+    `make_diloco()` builds `onebit.DiLoCo(model, inner_optimizer, ...)` on
+    the current quorum (called again whenever the replicas change):
+    plain rounds only (fragments=1, overlap_steps=0, warmup_steps=0).
+    A replica that heals receives the anchors, the outer momentum, the
+    counters and the inner optimizer's state, and starts from the anchors
+    (the last synced point), with its error buffers at zero.
+
+        diloco = FaultTolerantDiLoCo(manager, model, inner, lambda: onebit.DiLoCo(
+            model, inner, sync_every=16, compression="1bit"))
+        for batch in batches:
+            loss_fn(model(batch)).backward()
+            diloco.step()            # inner.step(); a round every 16th: True if it committed
+            inner.zero_grad()
+    """
+
+    def __init__(self, manager: "Manager", model: torch.nn.Module,
+                 inner_optimizer: torch.optim.Optimizer, make_diloco: Callable[[], object]) -> None:
+        require_torchft()
+        self.manager, self.inner = manager, inner_optimizer
+        self._make = make_diloco
+        self._group = FaultTolerantOptimizer._replica_group(manager)
+        self.diloco = self._build()
+        self.params = list(self.diloco.params)
+        self._built_on = -1
+        self._healed: Optional[dict] = None
+        self.committed_rounds = self.failed_rounds = self.quorum_changes = 0
+        self.last_error: Optional[BaseException] = None
+        manager.register_state_dict_fn("onebit_diloco", self._load_healed_state, self.state_dict)
+
+    def _build(self):
+        diloco = self._make()
+        if diloco.fragments != 1 or diloco.overlap_steps or diloco.warmup_steps:
+            diloco.detach()
+            raise ValueError("FaultTolerantDiLoCo: plain rounds only (fragments=1, "
+                             "overlap_steps=0, warmup_steps=0)")
+        return diloco
+
+    @property
+    def inner_steps(self) -> int:
+        return self.diloco.inner_steps
+
+    def state_dict(self) -> dict:
+        """What a healing replica receives: DiLoCo's shared state and the
+        inner optimizer's."""
+        if self._healed is not None:
+            return self._healed
+        return {"diloco": self.diloco.state_dict(), "inner": self.inner.state_dict()}
+
+    def _load_healed_state(self, state: dict) -> None:
+        self._healed = _cloned(state)
+
+    def step(self) -> Optional[bool]:
+        """The inner step; at a round's step, the round as a transaction.
+        Returns None between rounds, else whether the round committed."""
+        d = self.diloco
+        if (d.inner_steps + 1) % d.sync_every:
+            self.inner.step()
+            return None
+        self.manager.start_quorum()
+        self._rebuild_if_needed()
+        d = self.diloco
+        params = [p.detach().clone() for p in self.params]
+        saved = (_cloned(d.state_dict()), _cloned(d.error_feedback_state_dict()),
+                 _cloned(self.inner.state_dict()))
+        ok = self._built_on == self._group.generation and self.manager.errored() is None
+        if ok:
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=_RESTART_WARNING)
+                    self.inner.step()
+            except CommunicationError as exc:
+                self.manager.report_error(exc)
+                self.last_error, ok = exc, False
+        if self.manager.should_commit() and ok:
+            self.committed_rounds += 1
+            return True
+        self.failed_rounds += 1
+        with torch.no_grad():
+            for p, saved_p in zip(self.params, params):
+                p.copy_(saved_p)
+        self.inner.load_state_dict(saved[2])
+        d.load_state_dict(saved[0])  # no collective: the group may be broken
+        d.load_error_feedback_state_dict(saved[1])
+        return False
+
+    def _rebuild_if_needed(self) -> None:
+        if self._group.generation == self._built_on and self._healed is None:
+            return
+        old = self.diloco
+        if self._healed is not None:  # start from the peer's last synced point
+            state, inner_state = self._healed["diloco"], self._healed["inner"]
+            mine = [a.detach().clone() for a in state["anchors"]]
+        else:
+            state, inner_state = _cloned(old.state_dict()), None
+            mine = [p.detach().clone() for p in self.params]
+        old.detach()
+        try:
+            fresh = self._build()  # broadcasts rank 0's params: each takes its own back
+        except CommunicationError as exc:
+            self.manager.report_error(exc)
+            self.last_error = exc
+            self.diloco = old
+            return
+        with torch.no_grad():
+            for p, value in zip(self.params, mine):
+                p.copy_(value)
+        fresh.load_state_dict(state)
+        if inner_state is not None:
+            self.inner.load_state_dict(inner_state)
+        self.quorum_changes += self._group.generation != self._built_on
+        log.info("onebit DiLoCo: replicas now %d (rank %d): error buffers restart from zero",
+                 self._group.replica_world_size, self._group.replica_rank)
+        self.diloco, self._built_on, self._healed = fresh, self._group.generation, None
+
+    def comm_stats(self) -> Dict[str, object]:
+        return {**self.diloco.comm_stats(), "committed_rounds": self.committed_rounds,
+                "failed_rounds": self.failed_rounds, "quorum_changes": self.quorum_changes}

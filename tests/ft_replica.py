@@ -24,7 +24,7 @@ import torch
 
 import onebit
 from onebit import collectives
-from onebit.fault_tolerance import FaultTolerantOptimizer, replica_manager
+from onebit.fault_tolerance import FaultTolerantDiLoCo, FaultTolerantOptimizer, replica_manager
 
 VOCAB, DIM, OUT = 24, 8, 3
 
@@ -106,6 +106,38 @@ class Injector:
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def train_diloco(args, model, manager, injector, params) -> None:
+    """DiLoCo's rounds every 4 inner steps of AdamW; one record per round."""
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    wire = args.optimizer.split("-")[1]  # DiLoCo-1bit, DiLoCo-2bit
+    ft = FaultTolerantDiLoCo(manager, model, inner, lambda: onebit.DiLoCo(
+        model, inner, sync_every=4, compression=wire, timeout_s=args.timeout_s))
+    replicas = 0
+    with open(args.out, "a") as out:
+        while manager.current_step() < args.steps or (
+                replicas < args.until_replicas and manager.current_step() < args.steps + 1000):
+            if manager.current_step() >= args.steps:
+                time.sleep(0.05)
+            step = manager.current_step()
+            x, y = batch(args.replica, ft.inner_steps)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            injector.arm(step, "before")
+            committed = ft.step()
+            inner.zero_grad()
+            if committed is None:
+                continue
+            anchors = digest(ft.diloco.anchors)
+            record = dict(replica=args.replica, step=step, committed=committed,
+                          after=manager.current_step(), loss=loss.item(),
+                          replicas=manager.num_participants(), params=digest(params),
+                          anchors=anchors, stage="rounds", counters=ft.inner_steps)
+            replicas = record["replicas"] if committed else 0
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+    manager.shutdown(wait=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--replica", type=int, required=True)
@@ -124,10 +156,12 @@ def main() -> None:
     model = model_for(seed=args.replica)  # replicas start apart: the first quorum syncs them
     manager = replica_manager(model, lighthouse_addr=args.lighthouse,
                               replica_id=f"replica_{args.replica}", timeout_s=3 * args.timeout_s)
-    opt = FaultTolerantOptimizer(manager, model.parameters(),
-                                 make_optimizer(args.optimizer, args.freeze_step, args.timeout_s))
     injector = Injector(args.fault, args.fault_step, manager)
     params = list(model.parameters())
+    if args.optimizer.startswith("DiLoCo"):
+        return train_diloco(args, model, manager, injector, params)
+    opt = FaultTolerantOptimizer(manager, model.parameters(),
+                                 make_optimizer(args.optimizer, args.freeze_step, args.timeout_s))
     with open(args.out, "a") as out:
         replicas = 0
         while manager.current_step() < args.steps or (

@@ -721,6 +721,17 @@ class DiLoCo:
         of the loop."""
         self._close(catch_up=True)
 
+    def detach(self) -> None:
+        """Remove the hooks and stop the communication thread, with no
+        collective and no check: for a wrapper that replaces this DiLoCo by
+        one on another process group (onebit.fault_tolerance), where peers
+        may be gone. Rounds in flight are dropped."""
+        self._closed = True
+        for hook in self._hooks:
+            hook.remove()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
     def _close(self, catch_up: bool) -> None:
         if self._closed:  # closing again (close() in a `with` block, say) has nothing to do
             return
