@@ -364,8 +364,9 @@ def test_bad_bench_flags_are_usage_errors(flags):
 def test_backend_typo_names_the_known_backends():
     """A misspelt --backend started every rank, and each died in nested
     tracebacks (exit 1); it is now one usage line naming the known names."""
-    proc = subprocess.run([sys.executable, "-m", "onebit.bench", "--backend", "hierarchical,compresed"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "onebit.bench", "--backend",
+                           "hierarchical,compresed"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     last = proc.stderr.strip().splitlines()[-1]
     assert "'compresed'" in last and "'compressed'" in last and "'hierarchical'" in last, last

@@ -264,9 +264,10 @@ class HierarchicalBackend:
         node_bytes = 2 * (self.ranks_per_node - 1) * layout.shard_numel * 4
         self.node_stats.add(node_bytes, node_bytes, 0, node_s, between_nodes=0)
         net = self.net.stats.since(before)
+        compress_s = time.perf_counter() - started - net["comm_s"] - node_s
         self.stats.add(net["bytes_sent"] + node_bytes, net["bytes_received"] + node_bytes,
                        fp32_allreduce_bytes(sum(layout.sizes), self.size),
-                       net["comm_s"] + node_s, time.perf_counter() - started - net["comm_s"] - node_s,
+                       net["comm_s"] + node_s, compress_s,
                        between_nodes=net["bytes_sent"])  # the 1-bit stage, among the nodes
 
     def _agree(self, layout: HierarchicalLayout, device: torch.device) -> None:
