@@ -1196,6 +1196,7 @@ def test_close_sync_at_a_round_boundary_sends_nothing_and_moves_nothing():
         assert rounds == 4 and sent == 0 and _same(got, want)
 
 
+@pytest.mark.slow  # four cases, each two runs on 3 ranks
 @pytest.mark.parametrize("fragments, overlap, alpha, behind, outer_lr", [
     (2, 1, 0.0, False, 1.3), (2, 1, 0.5, False, 1.3), (1, 0, 0.0, True, 1.3),
     (2, 0, 0.0, True, "stepped")])
