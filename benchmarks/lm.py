@@ -490,6 +490,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--shards does not apply to the DDP hook rows {sorted(HOOKS)}")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
+    if args.backend is not None:
+        from onebit.backends import backend_name
+
+        try:
+            backend_name(args.backend)
+        except ValueError as exc:
+            raise ValueError(f"--backend: {exc}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

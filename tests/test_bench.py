@@ -348,6 +348,7 @@ def test_mpirun_jobs_across_machines_default_to_rank_0s_host_name():
     ["probe", "--params", "0"], ["probe", "--iters", "0"],
     ["time_to_target", "--target-pct", "-1"], ["time_to_target", "--methods", "OnebitAdam"],
     ["time_to_target", "--steps", "0"],
+    ["--backend", "compresed"], ["--backend", "compressed,"], ["lm", "--backend", "compresed"],
 ])
 def test_bad_bench_flags_are_usage_errors(flags):
     """argparse's usage error and exit status 2, at once: no loop, no traceback."""
@@ -358,6 +359,18 @@ def test_bad_bench_flags_are_usage_errors(flags):
                           text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2, (flags, proc.stdout, proc.stderr)
     assert "usage:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_backend_typo_names_the_known_backends():
+    """A misspelt --backend started every rank, and each died in nested
+    tracebacks (exit 1); it is now one usage line naming the known names."""
+    proc = subprocess.run([sys.executable, "-m", "onebit.bench", "--backend",
+                           "hierarchical,compresed"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "'compresed'" in last and "'compressed'" in last and "'hierarchical'" in last, last
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout
 
 
 def test_help_lists_every_subcommand_and_no_file_outside_the_package(capsys):

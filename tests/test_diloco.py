@@ -1101,3 +1101,130 @@ def test_a_parameter_listed_twice_or_named_pairs_are_refused():
     with pytest.raises(ValueError, match="got an element of type tuple"):
         onebit.DiLoCo(model.named_parameters(), torch.optim.SGD(model.parameters(), lr=0.1),
                       sync_every=2)
+
+
+# ------------------------------------------------ the end of a loop between rounds --
+END_H, END_STEPS = 4, 15  # rounds after steps 4, 8 and 12: the loop ends 3 steps past the last
+
+
+def _ends_between_rounds(rank, world, sync, steps=END_STEPS, fragments=1, overlap=0, alpha=0.0,
+                         behind=False, outer_lr=1.3):
+    """A loop of `steps` inner steps at sync_every=4, then close(sync=sync):
+    this rank's params, rounds and bytes sent. `behind`: rank 1 skips its
+    inner step at step 1, as torch's GradScaler does after an inf there
+    alone, and so ends a step short."""
+    import onebit
+
+    params = [torch.nn.Parameter(x) for x in _init()]
+    inner = torch.optim.SGD(params, lr=INNER_LR)
+    diloco = onebit.DiLoCo(params, inner, sync_every=END_H, block_size=BLOCK, timeout_s=30,
+                           fragments=fragments, overlap_steps=overlap,
+                           fragment_update_alpha=alpha, outer_lr=outer_lr)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = _grad(rank, step, i)
+        if behind and rank == 1 and step == 1:
+            continue
+        inner.step()
+    sent = diloco.comm_stats()["total_bytes_sent"]
+    diloco.close(sync=sync)
+    return _numpy(params), diloco.rounds, diloco.comm_stats()["total_bytes_sent"] - sent
+
+
+def _simulate_the_end(world, steps, final_round):
+    """float64: each rank's own SGD steps, a 1-bit round (errors carried,
+    tests/reference.py) after every 4th step with plain outer SGD at 1.3,
+    and with `final_round` one more round after the last step."""
+    anchor = [x.double().numpy().reshape(-1) for x in _init()]
+    params = [[a.copy() for a in anchor] for _ in range(world)]
+    n = reference.placement([a.size for a in anchor], BLOCK, world)[1]
+    worker, server = [np.zeros(n)] * world, [np.zeros(n // world)] * world
+
+    def round_():
+        nonlocal anchor, worker, server
+        deltas = [[a - p for a, p in zip(anchor, params[r])] for r in range(world)]
+        avg, worker, server, _ = reference.reference_round(deltas, worker, server, BLOCK)
+        anchor = [a - 1.3 * g for a, g in zip(anchor, avg)]
+        for r in range(world):
+            params[r] = [a.copy() for a in anchor]
+
+    for step in range(steps):
+        for r in range(world):
+            params[r] = [p - INNER_LR * _grad(r, step, i).double().numpy().reshape(-1)
+                         for i, p in enumerate(params[r])]
+        if (step + 1) % END_H == 0:
+            round_()
+    if final_round:
+        round_()
+    return params
+
+
+def _flat(arrays):
+    return np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in arrays])
+
+
+def test_close_ends_between_rounds_with_the_ranks_apart_and_close_sync_on_one_point():
+    """15 inner steps at sync_every=4: close() leaves every rank 3 steps of
+    its own past the last round (as docs/usage.md says), and close(sync=True)
+    makes a fourth round there: every rank bitwise on one point, the
+    float64 simulation's."""
+    world = 3
+    apart = run_workers(_ends_between_rounds, world, False, timeout=120)
+    assert all(rounds == 3 and sent == 0 for _, rounds, sent in apart)
+    assert not _same(apart[0][0], apart[1][0]) and not _same(apart[0][0], apart[2][0])
+    want = _simulate_the_end(world, END_STEPS, final_round=False)
+    for rank in range(world):
+        got, expected = _flat(apart[rank][0]), _flat(want[rank])
+        assert np.max(np.abs(got - expected)) / np.max(np.abs(expected)) < 2e-4
+
+    synced = run_workers(_ends_between_rounds, world, True, timeout=120)
+    assert all(rounds == 4 and sent > 0 for _, rounds, sent in synced)
+    for rank in range(1, world):
+        assert _same(synced[0][0], synced[rank][0]), f"rank {rank} ends elsewhere"
+    want = _simulate_the_end(world, END_STEPS, final_round=True)
+    assert all(_same(want[0], want[r]) for r in range(world))  # the simulation agrees
+    got, expected = _flat(synced[0][0]), _flat(want[0])
+    assert np.max(np.abs(got - expected)) / np.max(np.abs(expected)) < 2e-4
+
+
+def test_close_sync_at_a_round_boundary_sends_nothing_and_moves_nothing():
+    """16 steps: the fourth round has landed, no rank moved since; close(sync=True)
+    only agrees on that (no round, no byte) and every rank stays put."""
+    plain = run_workers(_ends_between_rounds, 2, False, 16, timeout=120)
+    synced = run_workers(_ends_between_rounds, 2, True, 16, timeout=120)
+    for (got, rounds, sent), (want, _, _) in zip(synced, plain):
+        assert rounds == 4 and sent == 0 and _same(got, want)
+
+
+@pytest.mark.slow  # four cases, each two runs on 3 ranks
+@pytest.mark.parametrize("fragments, overlap, alpha, behind, outer_lr", [
+    (2, 1, 0.0, False, 1.3), (2, 1, 0.5, False, 1.3), (1, 0, 0.0, True, 1.3),
+    (2, 0, 0.0, True, "stepped")])
+def test_close_sync_ends_every_rank_on_one_point(fragments, overlap, alpha, behind, outer_lr):
+    """Streaming fragments (one in flight at the end), fragment_update_alpha
+    (whose landings leave the ranks apart), a rank a step behind (torch's
+    GradScaler), and that rank under an outer lr schedule (read at the
+    furthest rank's step, else the ranks' round settings differ): after
+    close(sync=True) every rank holds the same params, bit for bit."""
+    import onebit
+
+    if outer_lr == "stepped":
+        outer_lr = onebit.SteppedOuterLR(1.3, 2.0, END_STEPS)  # 2.0 at step 15 only
+    world = 3
+    apart = run_workers(_ends_between_rounds, world, False, END_STEPS, fragments, overlap, alpha,
+                        behind, outer_lr, timeout=120)
+    assert not _same(apart[0][0], apart[1][0])
+    synced = run_workers(_ends_between_rounds, world, True, END_STEPS, fragments, overlap, alpha,
+                         behind, outer_lr, timeout=120)
+    for rank in range(1, world):
+        assert _same(synced[0][0], synced[rank][0]), f"rank {rank} ends elsewhere"
+    assert len({rounds for _, rounds, _ in synced}) == 1
+
+
+def test_close_refuses_a_sync_that_is_no_flag():
+    import onebit
+
+    params = [torch.nn.Parameter(x) for x in _init()]
+    diloco = onebit.DiLoCo(params, torch.optim.SGD(params, lr=INNER_LR), sync_every=END_H)
+    with pytest.raises(ValueError, match="sync"):
+        diloco.close(sync="yes")

@@ -413,3 +413,35 @@ def test_clipping_gradients_whose_norm_overflows_fp32_scales_them_instead_of_zer
     assert opt.state[a]["exp_avg"].item() == pytest.approx(want, rel=1e-6)
     assert opt.state[b]["exp_avg"].item() == pytest.approx(-want, rel=1e-6)
     assert torch.isfinite(a).all() and torch.isfinite(b).all() and a.item() != 0.0
+
+
+def _freeze_after(grads_at_freeze, var_freeze_step=3):
+    """A ZeroOneAdam whose variance saw `grads_at_freeze` (one tensor) at
+    every step up to var_freeze_step; the warnings of the steps through the freeze."""
+    import warnings
+
+    p = torch.nn.Parameter(torch.zeros(grads_at_freeze.numel()))
+    opt = ZeroOneAdam([p], lr=1e-3, var_freeze_step=var_freeze_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(var_freeze_step + 2):
+            p.grad = grads_at_freeze.clone()
+            opt.step()
+    return [str(w.message) for w in caught if "var_freeze_step" in str(w.message)]
+
+
+def test_zero_one_adam_warns_when_the_variance_freezes_before_it_settled():
+    """A variance frozen while some coordinates' gradients are still near
+    zero gives them steps far past the lr once their gradients grow (on
+    GPT-2: attention's query and key weights, a divergence). 1% of the
+    coordinates at 1e-6 of the others' gradient (v 1e-12 of theirs) at the
+    freeze warn, once; 0.05% does not (the limit is 0.1%, freeze_check.py)."""
+    g = torch.ones(2000)
+    g[:20] = 1e-6  # 20 of 2000 coordinates: 1%
+    said = _freeze_after(g)
+    assert len(said) == 1, said
+    assert "after step 3 (var_freeze_step=3)" in said[0] and "1.00%" in said[0], said[0]
+    g = torch.ones(2000)
+    g[:1] = 1e-6  # 1 of 2000: 0.05%
+    assert _freeze_after(g) == []
+    assert _freeze_after(torch.linspace(0.5, 2.0, 2000)) == []  # a settled variance

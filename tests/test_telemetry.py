@@ -72,6 +72,8 @@ def test_comm_stats_bytes_and_times_match_an_independent_count():
         assert [s["stage"] for s in rank_stats] == ["warmup", "warmup", "compression",
                                                      "compression", "compression"]
         assert [s["coming"] for s in rank_stats] == [s["stage"] for s in rank_stats]
+        for s in rank_stats:  # a flat backend knows no nodes: all it sends counts
+            assert s["bytes_between_nodes"] == s["bytes_sent"]
         for s in (s1, s2):
             assert s["bytes_sent"] == s["bytes_received"] == averaged
             assert s["fp32_bytes"] == fp32
@@ -88,6 +90,46 @@ def test_comm_stats_bytes_and_times_match_an_independent_count():
         assert s3["comm_s"] > 0 and s3["compress_s"] > 0
         assert s5["total_bytes_sent"] == 2 * averaged + 2 * compressed
         assert math.isclose(s5["total_comm_s"], sum(s["comm_s"] for s in rank_stats))
+
+
+def _run_hierarchical(rank, world):
+    import onebit
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SIZES]
+    opt = onebit.OnebitAdam(params, lr=1e-3, freeze_step=2, comm_backend_name="hierarchical")
+    assert opt.backend.nodes == [[0, 1], [2, 3]]
+    out = []
+    for t in range(1, 5):
+        g = torch.Generator().manual_seed(10 * t + rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        out.append(opt.comm_stats())
+    return out
+
+
+def test_hierarchical_bytes_between_nodes_are_its_one_bit_stage_alone():
+    """2 nodes of 2 ranks: bytes_sent counts the fp32 reduce-scatter and
+    all-gather inside the node too; bytes_between_nodes is what leaves the
+    node, the 1-bit exchange of this rank's shard among the 2 nodes."""
+    p, per_node, nodes = 4, 2, 2
+    n = padded_numel(SIZES, p)  # the buffer cut into whole blocks for all 4 ranks
+    shard = n // per_node  # this rank's shard, reduced inside the node in fp32
+    chunk = shard // nodes  # the part of it this rank serves among the nodes
+    between = 2 * (nodes - 1) * (chunk // 8 + chunk // BLOCK * 4)  # signs and fp32 scales
+    inside = 2 * (per_node - 1) * shard * 4  # a ring reduce-scatter + all-gather of fp32
+    fused = sum(-(-math.prod(s) // BLOCK) * BLOCK for s in SIZES[:-1]) + math.prod(SIZES[-1])
+    averaged = 2 * (p - 1) * 4 * fused // p  # the warmup's all-reduce over all 4 ranks
+    ranks = run_workers(_run_hierarchical, p, timeout=120, env={"ONEBIT_RANKS_PER_NODE": "2"})
+    for s1, s2, s3, s4 in ranks:
+        assert [s["stage"] for s in (s1, s2, s3, s4)] == ["warmup"] * 2 + ["compression"] * 2
+        for s in (s1, s2):  # a flat all-reduce: all it sends counts
+            assert s["bytes_sent"] == s["bytes_between_nodes"] == averaged
+        for s in (s3, s4):
+            assert s["bytes_between_nodes"] == between
+            assert s["bytes_sent"] == between + inside
+        assert s4["total_bytes_between_nodes"] == 2 * averaged + 2 * between
 
 
 def test_zero_one_adam_names_its_stages():

@@ -143,8 +143,9 @@ class HierarchicalBackend:
     (node.py's interface: staging, reduce_scatter, all_gather). Use
     `torch_hierarchical` or `mpi_hierarchical` to build one.
     The API is CompressedAllreduceBase's: `layout`, `error_sizes`,
-    `compressed_allreduce`, `stats` (all bytes this rank sent) and
-    `net_stats` (the inter-node ones alone).
+    `compressed_allreduce`, `stats` (all bytes this rank sent; its
+    `bytes_between_nodes`, the inter-node ones alone) and `net_stats` (the
+    inter-node backend's own counters).
     """
 
     name = "hierarchical"
@@ -261,11 +262,13 @@ class HierarchicalBackend:
         ring reduce-scatter and all-gather of fp32 would move them: (K - 1)
         shards each way; between nodes, what the flat backend counted."""
         node_bytes = 2 * (self.ranks_per_node - 1) * layout.shard_numel * 4
-        self.node_stats.add(node_bytes, node_bytes, 0, node_s)
+        self.node_stats.add(node_bytes, node_bytes, 0, node_s, between_nodes=0)
         net = self.net.stats.since(before)
+        compress_s = time.perf_counter() - started - net["comm_s"] - node_s
         self.stats.add(net["bytes_sent"] + node_bytes, net["bytes_received"] + node_bytes,
                        fp32_allreduce_bytes(sum(layout.sizes), self.size),
-                       net["comm_s"] + node_s, time.perf_counter() - started - net["comm_s"] - node_s)
+                       net["comm_s"] + node_s, compress_s,
+                       between_nodes=net["bytes_sent"])  # the 1-bit stage, among the nodes
 
     def _agree(self, layout: HierarchicalLayout, device: torch.device) -> None:
         """Every rank checks that all ranks pass the same layout and piece

@@ -5,7 +5,13 @@ share of the collective: an all-to-all or all-gather of rows of R bytes
 sends (p - 1) * R and receives as much (a rank's own row never leaves it).
 Next to them, `fp32_bytes`: what a ring all-reduce of the same elements in
 fp32 sends per rank, 2 (p - 1) / p * 4 bytes each -- the baseline a
-compression ratio is against. Seconds are host wall time around the calls:
+compression ratio is against. `bytes_between_nodes`: the part of
+`bytes_sent` that leaves this rank's node, what the slow link carries. The
+hierarchical backend knows its nodes and counts its 1-bit stage there (its
+fp32 traffic inside the node stays out); a collective that knows no nodes
+(the flat backends, the optimizers' full-precision averaging) counts all it
+sends, as if every peer were on another host (on one host it is an upper
+bound). Seconds are host wall time around the calls:
 where the waits are stream-ordered (NCCL, XCCL) they count the launches, not
 the transfers, which finish later on the device. The piece tuner, which
 must know the transfer's time, takes it from device events instead
@@ -15,7 +21,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-FIELDS = ("calls", "bytes_sent", "bytes_received", "fp32_bytes", "comm_s", "compress_s")
+FIELDS = ("calls", "bytes_sent", "bytes_received", "bytes_between_nodes", "fp32_bytes", "comm_s",
+          "compress_s")
 
 
 def fp32_allreduce_bytes(numel: int, world_size: int) -> int:
@@ -37,11 +44,14 @@ class TrafficStats:
         self.totals: Dict[str, float] = dict.fromkeys(FIELDS, 0)
 
     def add(self, sent: int = 0, received: int = 0, fp32: int = 0, comm_s: float = 0.0,
-            compress_s: float = 0.0) -> None:
+            compress_s: float = 0.0, between_nodes: Optional[int] = None) -> None:
+        """One call's counts; `between_nodes` defaults to all of `sent` (a
+        collective that knows no nodes)."""
         t = self.totals
         t["calls"] += 1
         t["bytes_sent"] += sent
         t["bytes_received"] += received
+        t["bytes_between_nodes"] += sent if between_nodes is None else between_nodes
         t["fp32_bytes"] += fp32
         t["comm_s"] += comm_s
         t["compress_s"] += compress_s

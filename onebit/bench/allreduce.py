@@ -66,6 +66,19 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"-f must be a finite number >= 1, got {args.stepfactor:g}")
     _sizes(args)
     check_block_size(args.block_size)
+    check_backend_names(args.backend)
+
+
+def check_backend_names(flag: str) -> None:
+    """Every name in --backend's comma list is a registered backend, checked
+    before any rank starts (a typo otherwise killed each rank mid-launch)."""
+    from ..backends import backend_name
+
+    for name in flag.split(","):
+        try:
+            backend_name(name)
+        except ValueError as exc:
+            raise ValueError(f"--backend {flag}: {exc}") from None
 
 
 def _device() -> torch.device:

@@ -96,6 +96,7 @@ class _FragmentRound:
     frozen: Optional[List[int]] = None
     skipped: Optional[bool] = None
     closed: bool = False  # a proposal from close() that no rank launched (_catch_up)
+    at_anchor: bool = False  # close(sync=True)'s last round: it lands on the new anchors
     # Where a schedule sets the outer lr: the inner step of its landing in
     # the schedule, and the lr read at the launch (_round_lr): there, or
     # (`planned` False) at the launch step, where the schedule gives none
@@ -571,7 +572,10 @@ class DiLoCo:
         self.outer_optimizer.step()  # SGD steps only the anchors that have a .grad
         for a in anchors:
             a.grad = None
-        if self.fragment_update_alpha > 0:  # (1 - alpha) * anchor + alpha * p, in fp32
+        if job.at_anchor:  # close(sync=True): every rank on the new anchors
+            for p, a in zip(params, anchors):
+                p.copy_(a)
+        elif self.fragment_update_alpha > 0:  # (1 - alpha) * anchor + alpha * p, in fp32
             for p, a in zip(params, anchors):
                 p.copy_(torch.lerp(a, p.float(), self.fragment_update_alpha))
         elif job.launch_points is None:
@@ -713,13 +717,25 @@ class DiLoCo:
                              f"them on every rank alike{scheduled}")
         return any(row[0] for row in table), all(row[2] for row in table)
 
-    def close(self) -> None:
+    def close(self, sync: bool = False) -> None:
         """Stop syncing: land what is in flight (`drain`), join the rounds
         other ranks launched that this rank has not reached (`_catch_up`),
         remove the hooks on the inner optimizer, stop the communication
         thread. Call it (or use `with DiLoCo(...)`) on every rank at the end
-        of the loop."""
-        self._close(catch_up=True)
+        of the loop.
+
+        By default the params stay where the last round and this rank's
+        own inner steps since left them: the same on every rank only when
+        the loop ended at a round boundary. sync=True (on every rank) ends
+        on a synced point whatever the step: once caught up, every fragment
+        that some rank moved since its last landing makes one more round,
+        and every rank's params are set to its new anchors, bit for bit the
+        same (fragment_update_alpha and keep_local_progress do not apply to
+        that landing). A fragment no rank moved costs the round's agreement
+        only (one all-gather of six numbers) and stays as it is."""
+        check_flag("sync", sync)
+        self._close(catch_up=True, final_round=sync)
+
 
     def detach(self) -> None:
         """Remove the hooks and stop the communication thread, with no
@@ -732,7 +748,7 @@ class DiLoCo:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
 
-    def _close(self, catch_up: bool) -> None:
+    def _close(self, catch_up: bool, final_round: bool = False) -> None:
         if self._closed:  # closing again (close() in a `with` block, say) has nothing to do
             return
         self._closed = True
@@ -741,6 +757,8 @@ class DiLoCo:
             self.drain()
             if catch_up:
                 self._catch_up()
+            if final_round:
+                self._final_round()
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -778,13 +796,43 @@ class DiLoCo:
             fragment = launching[0]
             self._launch(fragment, lands_at=self.warmup_steps + position + self.plan.delay,
                          closing=True)
-            job = self._in_flight[fragment]
-            self._finished(job)
-            if job.closed:
-                del self._in_flight[fragment]
-                self.launches -= 1
+            if self._dropped(fragment):
                 return
             self._land(fragment)
+
+    @torch.no_grad()
+    def _final_round(self) -> None:
+        """close(sync=True): one more round of every fragment that some rank
+        moved since its last landing, landed at its new anchors on every
+        rank. A rank that has not moved the fragment (its params are its
+        anchors, in the params' dtype) only proposes the round; when no
+        rank moved it, nobody makes it (the agreement that _catch_up uses).
+        Under an outer_lr schedule it reads the lr at the furthest rank's
+        inner step: a rank whose GradScaler skipped steps counts fewer, and
+        every rank must land the round alike."""
+        lands_at = self.inner_steps
+        if self._outer_lr_at is not None and (self.world_size > 1 or self._shards.sharded):
+            table = collectives.gather_numbers("DiLoCo: agreeing on the last round's inner step",
+                                               [self.inner_steps], torch.int64,
+                                               self._agree_group, self.timeout_s)
+            lands_at = max(row[0] for row in table)
+        for fragment in range(self.plan.count):
+            params, anchors = self._members(fragment)
+            unmoved = all(torch.equal(p, a.to(p.dtype)) for p, a in zip(params, anchors))
+            self._launch(fragment, lands_at=lands_at, closing=unmoved)
+            self._in_flight[fragment].at_anchor = True
+            if not self._dropped(fragment):
+                self._land(fragment)
+
+    def _dropped(self, fragment: int) -> bool:
+        """Wait for the fragment's exchange; when every rank only proposed
+        it (from close()), nobody made it: forget it and say so."""
+        job = self._in_flight[fragment]
+        self._finished(job)
+        if job.closed:
+            del self._in_flight[fragment]
+            self.launches -= 1
+        return job.closed
 
     # ----------------------------------------------------------- telemetry --
     def comm_stats(self) -> Dict[str, object]:

@@ -13,7 +13,9 @@ import torch
 
 from ..backends.stats import TrafficStats
 
-_PER_STEP = ("bytes_sent", "bytes_received", "fp32_bytes", "comm_s", "compress_s")
+# bytes_between_nodes: the part of bytes_sent that leaves the node (stats.py)
+_PER_STEP = ("bytes_sent", "bytes_received", "bytes_between_nodes", "fp32_bytes", "comm_s",
+             "compress_s")
 
 
 def _norm(tensors: List[torch.Tensor]) -> float:

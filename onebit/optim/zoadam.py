@@ -11,6 +11,7 @@ from ..multi_tensor import zero_one_land, zero_one_local_step, zero_one_step, ze
 from ..wire import DEFAULT_BLOCK_SIZE
 from .base import OnebitOptimizer
 from .defaults import adam_defaults
+from .freeze_check import warn_if_unsettled
 from .options import CommOptions, documents_comm_options
 from .stage_schedules import ZeroOneSchedule
 from .step_exchange import GroupExchange
@@ -141,9 +142,13 @@ class ZeroOneAdam(OnebitOptimizer):
         c = self.counters
         t, frozen, full = stage.step, stage.variance_frozen, stage.full_precision
         version = stage.variance_updates  # v's updates, this step's included
-        if frozen and not self.frozen(t - 1):
+        freezing = frozen and not self.frozen(t - 1)
+        if freezing:
             # The error buffers switch from gradients to accumulated steps.
             self.reset_compression_errors()
+            warn_if_unsettled("ZeroOneAdam", "var_freeze_step", t - 1,
+                              [v for _, params in groups if params
+                               for v in self._moments(params)[1]])
         sync = frozen and stage.compressed
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
