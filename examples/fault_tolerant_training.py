@@ -47,6 +47,7 @@ def worker(a: argparse.Namespace) -> None:
     held = sample_batch(held_ids, torch.Generator().manual_seed(12345), 128, a.context)
     with open(a.out, "a") as out:
         while manager.current_step() < a.steps:
+            started = time.time()
             opt.zero_grad()
             step = manager.current_step()
             gen = torch.Generator().manual_seed(1000 * step + a.replica)
@@ -56,6 +57,9 @@ def worker(a: argparse.Namespace) -> None:
                                                      ids[:, 1:].reshape(-1))
             loss.backward()
             committed = opt.step()
+            # A replica of its own machine: the step takes at least --step-time
+            # whatever the other replicas on this box do with the cores.
+            time.sleep(max(0.0, a.step_time - (time.time() - started)))
             stats = opt.comm_stats()
             record = dict(replica=a.replica, step=step, committed=committed, t=time.time(),
                           replicas=manager.num_participants(), bytes=stats["bytes_sent"],
@@ -71,7 +75,7 @@ def run_replicas(a: argparse.Namespace, kill_every: float) -> dict:
     """One training run of a.replicas replicas; the summary of its records."""
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=max(1, a.replicas - 1),
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2,
                                   join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     out = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False).name
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -81,12 +85,12 @@ def run_replicas(a: argparse.Namespace, kill_every: float) -> dict:
         args = [sys.executable, os.path.abspath(__file__), "--worker", "--replica", str(r),
                 "--lighthouse", lighthouse.address(), "--out", out]
         for name in ("steps", "freeze", "lr", "vocab", "dim", "layers", "heads", "context",
-                     "batch", "timeout_s"):
+                     "batch", "timeout_s", "step_time"):
             args += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
         return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL)
 
     procs = {r: start(r) for r in range(a.replicas)}
-    kills, rng = 0, random.Random(a.seed)
+    kills, restarts, rng = 0, 0, random.Random(a.seed)
     next_kill = time.time() + kill_every if kill_every else float("inf")
     deadline = time.time() + a.deadline_s
     finished = None  # when the first replica committed the last step
@@ -98,6 +102,10 @@ def run_replicas(a: argparse.Namespace, kill_every: float) -> dict:
             if time.time() > finished + 20:
                 break
             continue
+        for r, p in procs.items():  # a supervisor's job (torchx, SLURM): restart what died
+            if p.poll() not in (None, 0):
+                procs[r] = start(r)
+                restarts += 1
         if time.time() >= next_kill:
             victim = rng.choice([r for r, p in procs.items() if p.poll() is None] or [0])
             if procs[victim].poll() is None:
@@ -116,7 +124,8 @@ def run_replicas(a: argparse.Namespace, kill_every: float) -> dict:
     first = min(r["t"] for r in committed if r["step"] == 0)
     last = max(r["t"] for r in committed)
     ends = [r for r in committed if "held_out" in r]
-    return dict(kills=kills, failed_steps=sum(not r["committed"] for r in records),
+    return dict(kills=kills, restarts=restarts,
+                failed_steps=sum(not r["committed"] for r in records),
                 seconds=last - first, steps_per_s=a.steps / (last - first),
                 held_out=ends[0]["held_out"] if ends else float("nan"),
                 # what a rank sends in a committed 1-bit step with every replica in
@@ -144,6 +153,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--timeout-s", dest="timeout_s", type=float, default=10.0)
+    p.add_argument("--step-time", dest="step_time", type=float, default=0.0,
+                   help="pad each step to this many seconds: replicas sharing a small box "
+                        "then run as if each had its own machine")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--replica", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
@@ -158,12 +170,13 @@ def main() -> None:
     results = {}
     print(f"# {a.replicas} replicas, {a.steps} steps of OnebitAdam on TinyGPT "
           f"(dim {a.dim}, {a.layers} layers), torchft on loopback")
-    print(f"{'run':>20} {'kills':>6} {'failed':>7} {'seconds':>8} {'steps/s':>8} "
+    print(f"{'run':>20} {'kills':>6} {'crashes':>8} {'failed':>7} {'seconds':>8} {'steps/s':>8} "
           f"{'held-out':>9} {'bytes/step':>11}")
     for name, every in runs:
         r = results[name] = run_replicas(a, every)
-        print(f"{name:>20} {r['kills']:>6} {r['failed_steps']:>7} {r['seconds']:>8.1f} "
-              f"{r['steps_per_s']:>8.2f} {r['held_out']:>9.4f} {r['bytes_per_step']:>11.0f}")
+        print(f"{name:>20} {r['kills']:>6} {r['restarts']:>8} {r['failed_steps']:>7} "
+              f"{r['seconds']:>8.1f} {r['steps_per_s']:>8.2f} {r['held_out']:>9.4f} "
+              f"{r['bytes_per_step']:>11.0f}")
     if len(results) == 2:
         free, faulty = results["no faults"], results[runs[1][0]]
         print(f"goodput {faulty['steps_per_s'] / free['steps_per_s']:.1%} of the fault-free run; "
