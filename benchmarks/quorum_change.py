@@ -76,8 +76,10 @@ def train(rank: int, world: int, variant: str, seed: int, a: dict) -> dict:
         if t in changes:
             leaving = len(members) == world
             member = rank in members
-            old = (copy.deepcopy(opt.state_dict()), copy.deepcopy(opt.error_feedback_state_dict())) \
-                if member else None
+            old = None
+            if member:
+                old = (copy.deepcopy(opt.state_dict()),
+                       copy.deepcopy(opt.error_feedback_state_dict()))
             # a joiner heals from rank 0: its params and optimizer state
             box = [old[0] if rank == 0 else None]
             dist.broadcast_object_list(box, 0)

@@ -188,7 +188,8 @@ def test_a_stopped_replica_past_the_timeout_rejoins_after_continuing(tmp_path):
                   until_replicas=3)
     stopped = run.procs[1][0]
     end = time.monotonic() + DEADLINE_S
-    while time.monotonic() < end and Path(f"/proc/{stopped.pid}/stat").read_text().split()[2] != "T":
+    state = Path(f"/proc/{stopped.pid}/stat")
+    while time.monotonic() < end and state.read_text().split()[2] != "T":  # T: stopped
         time.sleep(0.1)
     time.sleep(12)  # past the replicas' timeout (6 s) and the heartbeat's (2 s)
     os.kill(stopped.pid, signal.SIGCONT)
