@@ -117,7 +117,8 @@ def main() -> None:
         a["changes"] = [int(steps * f) for f in (0.3, 0.35, 0.45, 0.5, 0.6, 0.65, 0.75, 0.8)]
     print(f"# quorum change: TinyGPT d=64, {a['nproc']} gloo ranks, {steps} steps, freeze "
           f"{a['freeze']}, the last rank leaves/rejoins at {a['changes']}, seeds {a['seeds']}")
-    print(f"{'variant':>9} {'held-out (mean)':>16} {'min':>7} {'max':>7}  vs none")
+    print(f"{'variant':>9} {'held-out (mean)':>16} {'min':>7} {'max':>7}  vs none  "
+          f"per seed (vs none, the same seed)")
     results = {}
     for variant in VARIANTS:
         runs = [launch.spawn_local(train, a["nproc"], variant, s, a, threads=1)[0]["held_out"]
@@ -125,8 +126,9 @@ def main() -> None:
         results[variant] = runs
         base = statistics.mean(results["none"])
         mean = statistics.mean(runs)
+        paired = " ".join(f"{(x / y - 1) * 100:+.2f}%" for x, y in zip(runs, results["none"]))
         print(f"{variant:>9} {mean:>16.4f} {min(runs):>7.4f} {max(runs):>7.4f}  "
-              f"{(mean / base - 1) * 100:+.2f}%", flush=True)
+              f"{(mean / base - 1) * 100:+.2f}%   {paired}", flush=True)
 
 
 if __name__ == "__main__":
