@@ -11,7 +11,7 @@ steps later, the exchange running meanwhile (tau = 0: at once).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,14 @@ class FragmentPlan:
         (counted from the end of the warmup; none before the first round)."""
         return [f for f in range(self.count)
                 if past >= self.offset(f) and (past - self.offset(f)) % self.sync_every == 0]
+
+    def launches_after(self, past: int) -> Iterator[Tuple[int, int]]:
+        """Every launch after inner step `past`, in schedule order, without
+        end: (fragment, its inner step counted as `past` is)."""
+        while True:
+            past += 1
+            for fragment in self.launching(past):
+                yield fragment, past
 
     def landing(self, past: int) -> List[int]:
         """The fragments whose outer step lands after inner step `past`."""
