@@ -78,7 +78,7 @@ class OnebitAdam(FreezeStepOptimizer):
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
-            m, v = self._moments(params)
+            m, v = self._params.moments(params)
             bc1, bc2 = self._bias_corrections(group, t, stage.variance_updates)
             onebit_adam(
                 params, gs, m, v,

@@ -64,9 +64,10 @@ from . import functional as F
 from .capture import StaticBuffers
 from .checkpoints import COUNTERS_KEY
 from .guards import Variances, ZeroVarianceGuard, resolved
-from .late import FROZEN, LATE, LATE_KEY, TRAINED, LateJoiners, codes_fit
+from .late import LATE, LATE_KEY, TRAINED, LateJoiners
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
+from .param_state import ParamState, TrainedSet
 from .step_exchange import StepExchange
 from .stage import Stage
 from .untouched import UntouchedParams
@@ -142,6 +143,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.cuda_aware = cuda_aware
         self._shards = ShardedParams(type(self).__name__, self.param_groups, process_group)
+        self._late = LateJoiners(schedule.warmup_length, schedule.warmup_option)
+        self._params = ParamState(self, self._shards, self._late)
         if self._shards.sharded and overlap_backward:
             raise ValueError(f"{type(self).__name__}: overlap_backward is not supported with "
                              "FSDP2-sharded params yet; leave it False")
@@ -149,7 +152,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.comm_backend_name = backend_name(chosen)  # a default: agreed below
         self.backend = None
         # Where this optimizer's own collectives (averaging, agreement) take tensors.
-        self.comm_device = collectives.communication_device(process_group, self._device()) \
+        self.comm_device = collectives.communication_device(process_group, self._params.device()) \
             if self.distributed else torch.device("cpu")
         # The decisions every rank must share (skipping a step, which params
         # have no gradient) span the shard group too: a shard that skipped
@@ -186,7 +189,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             type(self).__name__, self.backend, self.world_size,
             dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
-        self._late = LateJoiners(schedule.warmup_length, schedule.warmup_option)
         self._static = StaticBuffers()
         self._warned_scales_drift = False
         self._momentum_restart = checkpoints.MomentumRestart()
@@ -194,9 +196,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                                 if self._shards.sharded else None)
         self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
         self._hook_averaged: set = set()  # ids of params the DDP hook averaged, for one step
-        self._trainable_signature = None  # see _notice_trainable_changes
-        self._stopped_training: List[torch.Tensor] = []  # ... and _params_stopped_training
-        self._trainable_digest = 0
+        self._trained = TrainedSet()  # see _notice_trainable_changes
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
         self._share_counters(self._initial_counters())
         self._overlap: Optional[BackwardOverlap] = None
@@ -265,8 +265,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         beta1, beta2 = group["betas"]
         grads = self._clipped(grads, group["max_grad_norm"])
         for p, g in zip(params, grads):
-            k = LateJoiners.steps_done(self._local_state(), p) + 1
-            m, v = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
+            k = LateJoiners.steps_done(self._params.local_state(), p) + 1
+            m, v = self._params.tensor(p, "exp_avg"), self._params.tensor(p, "exp_avg_sq")
             F.update_momentum_([m], [g], beta1)
             F.update_variance_([v], [g], beta2)
             bc1, bc2 = self._bias_corrections(group, k, k)
@@ -343,11 +343,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         t = stage.step
         # One pass over the params decides who trains and who is late: a
         # step pays it per tensor.
-        codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
+        codes = self._params.codes(stage.variance_frozen)
         self._notice_trainable_changes(codes)
         groups = [(self._with_float_lr(g), ps)
-                  for g, ps in zip(self.param_groups, self._coded(codes, TRAINED))]
-        late = [(g, ps) for (g, _), ps in zip(groups, self._coded(codes, LATE))]
+                  for g, ps in zip(self.param_groups, self._params.coded(codes, TRAINED))]
+        late = [(g, ps) for (g, _), ps in zip(groups, self._params.coded(codes, LATE))]
         if self._overlap is not None:  # before _gradients, which unscales in place
             self._overlap.notice_changed_gradients()
         grads = [self._gradients(ps) for _, ps in groups]
@@ -358,9 +358,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             unseen = (self._unseen_trained(stage, groups, grads)
                       if stage.variance_frozen and self._late.warmup_length else [])
             skip, gradless, first_used = self._agree_before_step(t, grads + late_grads, unseen)
-            if self._stopped_training:  # (the ranks agree on them: the step goes on)
-                self._params_stopped_training(self._stopped_training)
-                self._stopped_training = []
+            if self._trained.stopped:  # (the ranks agree on them: the step goes on)
+                self._params_stopped_training(self._trained.take_stopped())
             if skip:
                 self._end_overlap()
                 self._channel.telemetry.end_step(t, stage.name, skipped=True)
@@ -402,7 +401,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         for i, ((group, params), gs) in enumerate(zip(late, late_grads)):
             if params:
                 self._late_update(LateKey(i), group, params, gs)
-                LateJoiners.advance(self._local_state(), params)
+                LateJoiners.advance(self._params.local_state(), params)
         if untouched is not None:
             untouched.restore()
             if stage.full_precision:  # v moved in this step, and was just put back for some:
@@ -417,7 +416,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 and stage.replicas_match):
             self._replicas.check_replicas(
                 t, [{"params": self._shards.locals(g["params"])} for g in self.param_groups],
-                self._local_state())
+                self._params.local_state())
         self._channel.telemetry.end_step(t, stage.name, skipped=False)
         return loss
 
@@ -441,7 +440,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             stale = self._overlap is not None and self._overlap.stale
             settings = step_settings(self.counters, self.param_groups)
             verdict = self._in_order(lambda: self._agreement.before_step(
-                t, flag, self._trainable_digest, stale, self.param_groups, no_grad, settings,
+                t, flag, self._trained.digest, stale, self.param_groups, no_grad, settings,
                 used))
             if self._overlap is not None:  # every rank redoes its buckets, or none
                 self._overlap.stale = verdict.redo_buckets
@@ -489,7 +488,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         keep = UntouchedParams()
         ids = {id(p) for p in gradless}
         for p in gradless:
-            keep.keep_param(p, self._state_of(p), leave=self.STATE_OF_THE_RUN)
+            keep.keep_param(p, self._params.of(p), leave=self.STATE_OF_THE_RUN)
         for i, ps in enumerate(trained):
             places = [(GroupKey(i), ps, j) for j, p in enumerate(ps) if id(p) in ids]
             if self._overlap is not None:
@@ -508,7 +507,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         for i, ((group, ps), gs) in enumerate(zip(groups, grads)):
             if not ps:
                 continue
-            seen, _ = self._seen(i, group, lambda ps=ps: self._state_tensors(ps, "exp_avg_sq"),
+            seen, _ = self._seen(i, group, lambda ps=ps: self._params.tensors(ps, "exp_avg_sq"),
                                  stage.variance_version)
             if not all(seen):
                 out += [(p, g) for p, g, ok in zip(ps, gs, seen) if not ok]
@@ -524,11 +523,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         the next step would forget it, so that such a checkpoint's error
         buffers are those the run goes on with."""
         for p in params:
-            st = self._state_of(p)
+            st = self._params.of(p)
             st.clear()
             st[LATE_KEY] = 0
-            self._state_tensor(p, "exp_avg")
-            self._state_tensor(p, "exp_avg_sq")
+            self._params.tensor(p, "exp_avg")
+            self._params.tensor(p, "exp_avg_sq")
         self._forget_layouts()
 
     def _warn_scales_drift(self, t: int) -> None:
@@ -631,26 +630,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._channel.report(self.counters["step"])
 
     # ------------------------------------------------------------- tensors --
-    def _trainable(self, group) -> List[torch.Tensor]:
-        """The params this optimizer trains with its own stages: those that
-        require grad, less late joiners in their own warmup (late.py). A param
-        whose .grad is None at a step counts as a zero gradient, so every rank
-        flattens the same layout."""
-        return self._shards.locals([p for p in group["params"]
-                                    if p.requires_grad and not self._late.is_late(self.state, p)])
-
-    def _trained_lists(self) -> List[List[torch.Tensor]]:
-        return [self._trainable(g) for g in self.param_groups]
-
-    def _last_trained_lists(self) -> List[List[torch.Tensor]]:
-        """The params the last step trained with its stages (loaded: the
-        saved step), which the error buffers are laid out for; before any
-        step, or where groups were added since, those that train now."""
-        signature = self._trainable_signature
-        if signature is None or not codes_fit(signature, self.param_groups):
-            return self._trained_lists()
-        return self._coded(signature, TRAINED)
-
     def _coming_trained_lists(self) -> List[List[torch.Tensor]]:
         """The params the coming step trains with its stages, as step() will
         find them (the overlap plans its buckets by them during backward):
@@ -658,47 +637,24 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         marked a late joiner first, as step() marks it. Else backward's
         exchange inputs made its state, v = 0 included, and step() then took
         it for a trained param that never saw a gradient: it never moved.
-        One pass over the params, as step()'s (the codes say who trains).
         A change is noticed here, as step() would: backward's exchange
         inputs must not read what was cached for the old params (0/1
         Adam's denominators and masks, by group)."""
-        stage = self.stage_at(self.counters["step"] + 1)
-        codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
+        codes = self._params.codes(self.stage_at(self.counters["step"] + 1).variance_frozen)
         self._notice_trainable_changes(codes)
-        return self._coded(codes, TRAINED)
-
-    def _coded(self, codes: List[List[int]], code: int) -> List[List[torch.Tensor]]:
-        """Each group's params whose code (`codes`: LateJoiners.codes's, one
-        row per group) is `code`, as local shards."""
-        return [self._shards.locals([p for p, c in zip(g["params"], row) if c == code])
-                for g, row in zip(self.param_groups, codes)]
+        return self._params.coded(codes, TRAINED)
 
     def _notice_trainable_changes(self, signature: List[List[int]]) -> None:
-        """Keep the digest of which params train current (`signature`: each
-        group's codes from LateJoiners.codes); when it changes (layers
-        frozen or unfrozen, a param group added, a late joiner joining),
-        forget everything laid out for the old set: flat buffers,
-        error-feedback buffers (they restart from zero), cached denominators
-        and guards, scratch buffers."""
-        if signature != self._trainable_signature:
-            if self._trainable_signature is not None:
-                self._stopped_training = [
-                    p for group, old, new in zip(self.param_groups, self._trainable_signature,
-                                                 signature) if len(old) == len(new)
-                    for p, was, now in zip(group["params"], old, new)
-                    if was != FROZEN and now == FROZEN]
-                if self._overlap is not None and self._overlap.launched:
-                    # Exchanges backward queued over the old buffers (a group
-                    # added mid-run, its params planned in): undone first,
-                    # while their buffers exist; step() exchanges again.
-                    self._overlap.abandon()
-                self._forget_layouts()
-            self._hold_signature(signature)
-
-    def _hold_signature(self, signature: Optional[List[List[int]]]) -> None:
-        """Who trains, as the agreement compares it (by digest; 0: none yet)."""
-        self._trainable_signature = signature
-        self._trainable_digest = collectives.stable_digest(signature) if signature else 0
+        """When who trains changes, forget everything laid out for the old
+        set: flat buffers, error-feedback buffers (they restart from zero),
+        cached denominators and guards, scratch buffers."""
+        if self._trained.notice(signature, self.param_groups):
+            if self._overlap is not None and self._overlap.launched:
+                # Exchanges backward queued over the old buffers (a group
+                # added mid-run, its params planned in): undone first,
+                # while their buffers exist; step() exchanges again.
+                self._overlap.abandon()
+            self._forget_layouts()
 
     def _params_stopped_training(self, params: List[torch.Tensor]) -> None:
         """`params` were trained in the last step and are frozen from this
@@ -706,75 +662,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         where the replicas are equal after every step (0/1 Adam's local
         steps are not)."""
 
-    def _local_state(self):
-        """`self.state`, which a sharded param's local shard (what the maths
-        holds, see `_trainable`) indexes as the param itself."""
-        return self._shards.state_view(self.state)
-
-    def _state_of(self, p: torch.Tensor) -> dict:
-        """The state of param `p`, or of the param whose local shard `p` is."""
-        return self.state[self._shards.owner(p)]
-
-    def _state_tensor(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        st = self._state_of(p)
-        t = st.get(name)
-        if t is None:
-            t = st[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        return t
-
-    def _states(self, params: List[torch.Tensor]) -> List[dict]:
-        """The state of each of `params` (as _state_of), one lookup each: a
-        step over thousands of small tensors pays per lookup (a tensor's
-        hash is a Python call), so a step takes its params' states once and
-        hands them to _moments and _state_tensors."""
-        state = self.state
-        return [state[p] for p in self._shards.owners(params)]
-
-    def _state_tensors(self, params: List[torch.Tensor], name: str,
-                       states: Optional[List[dict]] = None) -> List[torch.Tensor]:
-        """Each param's fp32 state tensor `name`, created on first use.
-        `states`: the params' _states, where the caller has them."""
-        out = [st.get(name) for st in (self._states(params) if states is None else states)]
-        for i, t in enumerate(out):
-            if t is None:
-                out[i] = self._state_tensor(params[i], name)
-        return out
-
-    def _moments(self, params: List[torch.Tensor], states: Optional[List[dict]] = None):
-        """The params' fp32 (exp_avg, exp_avg_sq) state tensors, created on
-        first use. `states`: as for _state_tensors."""
-        states = self._states(params) if states is None else states
-        return (self._state_tensors(params, "exp_avg", states),
-                self._state_tensors(params, "exp_avg_sq", states))
-
     def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
         """fp32 gradients, unscaled when a GradScaler handed us its scale."""
-        grads = self._shards.grads(params)
-        # The usual case (every gradient there, dense fp32, outside autograd)
-        # in one pass: a step over thousands of small tensors pays per tensor.
-        if not all(g is not None and g.dtype is torch.float32 and not g.requires_grad
-                   and not g.is_sparse for g in grads):
-            grads = [self._fp32_gradient(p, g) for p, g in zip(params, grads)]
-        scale = getattr(self, "grad_scale", None)
-        if scale is not None and grads:
-            torch._foreach_mul_(grads, (1.0 / scale.double()).float().item())
-        return grads
-
-    def _fp32_gradient(self, p: torch.Tensor, g: Optional[torch.Tensor]) -> torch.Tensor:
-        """`p`'s gradient `g` as a dense fp32 tensor outside autograd (zeros
-        where it has none)."""
-        if g is None:
-            return torch.zeros_like(p, dtype=torch.float32)
-        if g.is_sparse:
-            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-        g = g.detach()
-        return g.float() if g.dtype != torch.float32 else g
-
-    def _device(self) -> torch.device:
-        for g in self.param_groups:
-            for p in g["params"]:
-                return p.device
-        return torch.device("cpu")
+        return self._params.gradients(params, getattr(self, "grad_scale", None))
 
     def _forget_layouts(self) -> None:
         self._channel.exchange.forget_layouts()
@@ -909,7 +799,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                checkpoints.MOMENTUM_KEY: compressed,
                                checkpoints.PLACEHOLDERS_KEY: placeholders,
                                checkpoints.TRAINED_KEY:
-                                   checkpoints.trained_codes(self._trainable_signature)}
+                                   checkpoints.trained_codes(self._trained.signature)}
         params = [p for g in self.param_groups for p in g["params"]]
         checkpoints.add_placeholders(sd, params, self._all_staged_state())
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
@@ -965,8 +855,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load
         # as laid out for it (_error_layouts).
-        self._hold_signature(trained)
-        self._stopped_training = []
+        self._trained.hold(trained)
+        self._trained.stopped = []
         self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
         self._momentum_restart.loaded(compressed)
         self._after_load()
@@ -981,7 +871,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         identical to not stopping. Groups that have not exchanged yet get
         zeros of the right size, so a fresh optimizer's dict is a target DCP
         can load into."""
-        return self._channel.state_dict(self._error_layouts(), self._device(),
+        return self._channel.state_dict(self._error_layouts(), self._params.device(),
                                         {"step": self.counters["step"]})
 
     def error_feedback_key(self) -> str:
@@ -1026,7 +916,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         (where every compressed exchange then goes)."""
         if self.world_size == 1:
             return {}
-        trained = self._last_trained_lists()
+        trained = self._trained.last_lists(self._params, self.param_groups)
         buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
         return self._channel.exchange.layouts(trained, buckets)
 
@@ -1118,5 +1008,5 @@ class FreezeStepOptimizer(OnebitOptimizer):
     def _exchange_input_(self, index, params, grads, out, positions) -> None:
         """The new momentum beta1 * m + (1 - beta1) * g, into `out`: m itself
         changes only when step() commits it."""
-        m = self._state_tensors(params, "exp_avg")
+        m = self._params.tensors(params, "exp_avg")
         F.momentum_into(out, m, grads, self.param_groups[index]["betas"][0])

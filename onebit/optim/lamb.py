@@ -151,13 +151,13 @@ class OnebitLamb(FreezeStepOptimizer):
         param at a time, counted from its first step; its last step keeps its
         variance as the fresh one, as freeze_step does for the rest."""
         for p, g in zip(params, grads):
-            done = LateJoiners.steps_done(self._local_state(), p)
+            done = LateJoiners.steps_done(self._params.local_state(), p)
             [g] = self._clipped([g], group["max_grad_norm"])  # (its own norm: step() clips the rest)
             self._warmup_step(key, group, [p], [g], done + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
-        states = self._states(params)
-        m, v = self._moments(params, states)
+        states = self._params.states(params)
+        m, v = self._params.moments(params, states)
         coeffs = lamb_warmup_step_(
             params, gs, m, v,
             zero_variance=lambda v: self._seen(i, group, v, None)[0],
@@ -190,8 +190,8 @@ class OnebitLamb(FreezeStepOptimizer):
     def _compressed_step(self, i, group, params, gs, t, variance_updates: int) -> None:
         """`variance_updates`: how many updates the frozen v had (freeze_step,
         unless a checkpoint from a run with another freeze_step was loaded)."""
-        states = self._states(params)
-        m, v = self._moments(params, states)
+        states = self._params.states(params)
+        m, v = self._params.moments(params, states)
         frozen = self.trust_ratio == "frozen"
         if frozen:
             m_last = self._static.scratch("momentum before this step", i, m)

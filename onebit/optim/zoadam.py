@@ -128,11 +128,11 @@ class ZeroOneAdam(OnebitOptimizer):
             # Only where the caches of the frozen v miss (once per v): a
             # lookup of every trained param per bucket made backward's host
             # time grow with buckets x params.
-            return self._state_tensors(self._trainable(group), "exp_avg_sq")
+            return self._params.tensors(self._params.trainable(group), "exp_avg_sq")
 
         denom = self._denominators(index, group, group_variances, bc2, version)
         seen, masks = self._seen(index, group, group_variances, version)
-        m = self._state_tensors(params, "exp_avg")  # (`params` are trained[j] for j in positions)
+        m = self._params.tensors(params, "exp_avg")  # (`params` are trained[j] for j in positions)
         single_sync_input_into(out, params, m, grads, [denom[j] for j in positions], bc1,
                                [seen[j] for j in positions], [masks[j] for j in positions],
                                beta1=group["betas"][0], weight_decay=group["weight_decay"])
@@ -152,8 +152,8 @@ class ZeroOneAdam(OnebitOptimizer):
             # the accumulator would hold this step's displacement alone.
             single = sync and c["lrs"][i] == 0.0
             beta1, beta2 = group["betas"]
-            states = self._states(params)
-            m, v = self._moments(params, states)
+            states = self._params.states(params)
+            m, v = self._params.moments(params, states)
             if single:  # (lrs stays 0: the next interval starts here)
                 self._sync_single_(i, t, version, group, params, gs, m, v, states)
                 continue
@@ -173,7 +173,7 @@ class ZeroOneAdam(OnebitOptimizer):
             bc1, bc2 = self._bias_corrections(group, t, version)
             denom = self._denominators(i, group, v, bc2, version)  # (v's, not m's)
             if frozen:
-                u = self._state_tensors(params, "momentum_accumulator", states)
+                u = self._params.tensors(params, "momentum_accumulator", states)
                 anchors = self._anchors(params, states, c["lrs"][i] == 0.0)
                 # A local step: the momentum and the step in one pass where
                 # the device has the kernel (the tensors that move; the
@@ -220,7 +220,7 @@ class ZeroOneAdam(OnebitOptimizer):
         in_interval = {id(p) for g, lrs in zip(self.param_groups, self.counters["lrs"])
                        if lrs != 0.0 for p in g["params"]}
         for p in self._shards.locals([p for p in params if id(p) in in_interval]):
-            st = self._state_of(p)
+            st = self._params.of(p)
             if "sync_point" in st:
                 p.copy_(st["sync_point"])
                 if "momentum_accumulator" in st:
@@ -244,7 +244,7 @@ class ZeroOneAdam(OnebitOptimizer):
     def _sync_single_(self, i, t, version, group, params, grads, m, v, states) -> None:
         """A sync with no lr since the last sync (see sync_single_)."""
         # The accumulators stay 0, but exist for the local steps.
-        self._state_tensors(params, "momentum_accumulator", states)
+        self._params.tensors(params, "momentum_accumulator", states)
         bc1, bc2 = self._bias_corrections(group, t, version)
         denom = self._denominators(i, group, v, bc2, version)
         seen, masks = self._seen(i, group, v, version)
