@@ -61,9 +61,8 @@ from ..multi_tensor import tensor_norms
 from ..shards import ShardedParams
 from . import checkpoints
 from . import functional as F
-from .capture import StaticBuffers
+from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
-from .guards import Variances, ZeroVarianceGuard, resolved
 from .late import LATE, LATE_KEY, TRAINED, LateJoiners
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
@@ -189,12 +188,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             type(self).__name__, self.backend, self.world_size,
             dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
-        self._static = StaticBuffers()
         self._warned_scales_drift = False
         self._momentum_restart = checkpoints.MomentumRestart()
-        self._zero_variance = ZeroVarianceGuard(self._shards.whole_sums
-                                                if self._shards.sharded else None)
-        self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
+        self._caches = GroupCaches(self._shards)  # v's denominators and masks, scratch
         self._hook_averaged: set = set()  # ids of params the DDP hook averaged, for one step
         self._trained = TrainedSet()  # see _notice_trainable_changes
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
@@ -269,7 +265,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             m, v = self._params.tensor(p, "exp_avg"), self._params.tensor(p, "exp_avg_sq")
             F.update_momentum_([m], [g], beta1)
             F.update_variance_([v], [g], beta2)
-            bc1, bc2 = self._bias_corrections(group, k, k)
+            bc1, bc2 = F.bias_corrections(group, k, k)
             denom = F.denominators([v], group["eps"], group["eps_inside_sqrt"], bc2)
             F.adam_step_([p], [m], denom, group["lr"], group["weight_decay"], bc1)
 
@@ -407,8 +403,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if stage.full_precision:  # v moved in this step, and was just put back for some:
                 # what the step derived from it (its square roots, the
                 # zero-variance masks) is derived again from the v put back.
-                self._zero_variance.clear()
-                self._denoms.clear()
+                self._caches.clear()
         if first_used:
             self._start_late(first_used)
         self.last_stage = stage
@@ -507,7 +502,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         for i, ((group, ps), gs) in enumerate(zip(groups, grads)):
             if not ps:
                 continue
-            seen, _ = self._seen(i, group, lambda ps=ps: self._params.tensors(ps, "exp_avg_sq"),
+            seen, _ = self._caches.seen(i, group, lambda ps=ps: self._params.tensors(ps, "exp_avg_sq"),
                                  stage.variance_version)
             if not all(seen):
                 out += [(p, g) for p, g, ok in zip(ps, gs, seen) if not ok]
@@ -668,9 +663,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _forget_layouts(self) -> None:
         self._channel.exchange.forget_layouts()
-        self._zero_variance.clear()
-        self._denoms.clear()
-        self._static.clear()
+        self._caches.clear()
+        self._caches.static.clear()
 
     def _clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
         """`grads` clipped to the global norm `max_norm` (0: as they are).
@@ -926,69 +920,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         from ..ddp import OnebitHookState
 
         return OnebitHookState(self)
-
-    # ------------------------------------------------- maths the stages share --
-    def _seen(self, index, group, exp_avg_sqs: Variances, version: Optional[int]):
-        """The zero-variance guard's (seen, masks) for group `index` (see
-        guards.py); `version` names v (a stage's `variance_version`: None
-        while it changes every step). Where v changes every step and there
-        is no weight decay, nothing can move an unseen element (its m is 0
-        too), so nothing is checked. `exp_avg_sqs`: as for _denominators."""
-        if version is None and not group["weight_decay"]:
-            n = len(resolved(exp_avg_sqs))
-            return [True] * n, [None] * n
-        return self._zero_variance.check(index, exp_avg_sqs, version)
-
-    def _mask_(self, group, tensors: List[torch.Tensor]) -> None:
-        """Multiply each tensor by the group's exp_avg_mask (DeepSpeed semantics:
-        1-bit signs cannot represent exact zeros, so positions known to stay 0
-        are forced back to 0 after every compressed exchange)."""
-        for t in tensors:
-            mask = self._group_mask(group, t.device)
-            if mask is None:
-                return
-            t.mul_(mask)
-
-    def _group_mask(self, group, device: torch.device) -> Optional[torch.Tensor]:
-        """The group's exp_avg_mask on `device` (moved there once), or None;
-        on sharded params, the part of it this rank's shards take."""
-        mask = group.get("exp_avg_mask")
-        if mask is None:
-            return None
-        if mask.device != device:
-            mask = group["exp_avg_mask"] = mask.to(device)
-        return self._shards.local_mask(mask, group["params"])
-
-    def _denominators(self, index, group, exp_avg_sqs: Variances, bc2: float,
-                      version: Optional[int]) -> List[torch.Tensor]:
-        """sqrt(v / bc2) + eps, cached while v is frozen.
-
-        `version` names the current v (a stage's `variance_version`; None: v
-        changes every step, no cache). Once v stops changing the square root
-        need not be recomputed each step: this buffer (one fp32 copy of the
-        group) is what makes the compression stage cheaper than an Adam step.
-        `exp_avg_sqs`: the group's v, or a function giving it, called only
-        when there is no cache to use (a bucket's input written during
-        backward then costs in proportion to the bucket, not the group).
-        """
-        if version is None:
-            self._denoms.pop(index, None)
-            v = resolved(exp_avg_sqs)
-            return F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2,
-                                  out=self._static.scratch("denominators", index, v))
-        key = (version, group["eps"], group["eps_inside_sqrt"], bc2)
-        cached = self._denoms.get(index)
-        if cached is None or cached[0] != key:
-            cached = self._denoms[index] = (key, F.denominators(
-                resolved(exp_avg_sqs), group["eps"], group["eps_inside_sqrt"], bc2))
-        return cached[1]
-
-    @staticmethod
-    def _bias_corrections(group, step: int, variance_updates: int):
-        if not group["bias_correction"]:
-            return 1.0, 1.0
-        b1, b2 = group["betas"]
-        return 1.0 - b1 ** step, (1.0 - b2 ** max(variance_updates, 1))
 
 
 class FreezeStepOptimizer(OnebitOptimizer):

@@ -136,6 +136,23 @@ def _into(out: Optional[Tensors], src: Tensors) -> Tensors:
     return out
 
 
+def adam_moments_(grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *, beta1: float,
+                  beta2: float) -> None:
+    """A warmup's moments, in place: m and v learn from `grads` (averaged
+    across ranks), before the denominators and masks of the new v are read."""
+    update_momentum_(exp_avgs, grads, beta1)
+    update_variance_(exp_avg_sqs, grads, beta2)
+
+
+def bias_corrections(group: dict, step: int, variance_updates: int):
+    """(1 - beta1^step, 1 - beta2^variance_updates) for a param group; (1, 1)
+    without bias_correction. v's count stops when v freezes."""
+    if not group["bias_correction"]:
+        return 1.0, 1.0
+    b1, b2 = group["betas"]
+    return 1.0 - b1 ** step, (1.0 - b2 ** max(variance_updates, 1))
+
+
 def denominators(exp_avg_sqs: Tensors, eps: float, eps_inside_sqrt: bool, bc2: float,
                  out: Optional[Tensors] = None) -> Tensors:
     """sqrt(v / bc2) + eps, or sqrt(v / bc2 + eps) when eps_inside_sqrt.
