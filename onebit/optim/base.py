@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import copy
 import math
 import time
 import warnings
@@ -333,7 +332,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 loss = closure()
         self._channel.restart_notice.before_step()
         if self._momentum_restart.due():
-            self._restart_momentum()
+            checkpoints.zero_momentum_(self.state)
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
         t = stage.step
@@ -777,32 +776,19 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     # --------------------------------------------------------- checkpoints --
     def state_dict(self) -> dict:
-        """torch's state_dict, with the counters copied (the saved dict must
-        not follow training) and a placeholder for each per-param state a
-        later stage creates, so a fresh optimizer's state_dict has every key
-        a trained one has: DCP loads only into keys the target already has."""
+        """torch's state_dict, with the counters copied and a placeholder for
+        each per-param state a later stage creates (checkpoints.annotate):
+        a fresh optimizer's state_dict has every key a trained one has."""
         sd = super().state_dict()
-        compressed = self._momentum_restart.pending or (
-            self.world_size > 1
-            and self._schedule.had_error_feedback(self.counters, self.counters["step"]))
         step = self.counters["step"]
-        placeholders = sorted(name for name, (_, real) in self._staged_state().items()
-                              if not real(step))
-        for g in sd["param_groups"]:
-            g[COUNTERS_KEY] = {**copy.deepcopy(g[COUNTERS_KEY]),
-                               checkpoints.MOMENTUM_KEY: compressed,
-                               checkpoints.PLACEHOLDERS_KEY: placeholders,
-                               checkpoints.TRAINED_KEY:
-                                   checkpoints.trained_codes(self._trained.signature)}
         params = [p for g in self.param_groups for p in g["params"]]
-        checkpoints.add_placeholders(sd, params, self._all_staged_state())
+        checkpoints.annotate(sd, params, step=step, staged=self._staged_state(),
+                             momentum_compressed=self._momentum_restart.pending or (
+                                 self.world_size > 1
+                                 and self._schedule.had_error_feedback(self.counters, step)),
+                             late_warmup=self._late.warmup_length, trained=self._trained.signature)
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
         return sd
-
-    def _all_staged_state(self) -> Dict[str, tuple]:
-        # A late joiner's own warmup count (late.py); "done" for everyone else.
-        warm = self._late.warmup_length
-        return {LATE_KEY: (lambda p: warm, lambda step: True), **self._staged_state()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint, from any world size: this optimizer's own, or a
@@ -825,37 +811,30 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_post_hooks = post_hooks
+        self._load_own_part(state_dict)
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _load_own_part(self, state_dict: dict) -> None:
         checkpoints.state_in_fp32(self.state, self.param_groups, state_dict,
                                   keep=self.STATE_IN_PARAM_DTYPE)
         self._shards.from_dtensors(self.state)
-        counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
-        had_error_feedback = self._schedule.had_error_feedback(counters, counters["step"])
-        # Absent from checkpoints written before it: the stage decides.
-        compressed = counters.pop(checkpoints.MOMENTUM_KEY, had_error_feedback)
-        placeholders = counters.pop(checkpoints.PLACEHOLDERS_KEY, None)
-        trained = checkpoints.signature_from_codes(counters.pop(checkpoints.TRAINED_KEY, None),
-                                                   self.param_groups)
-        self._share_counters(counters)
-        checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"],
-                                      placeholders)
-        # A late joiner (or a param about to be one: no v) never held what the
-        # run's local steps keep (0/1 Adam's synced point): the checkpoint's
-        # entry is a placeholder, which would pass for real after its warmup.
-        for p, st in checkpoints.param_states(self.state):
-            if "exp_avg_sq" not in st or self._late.is_late(self.state, p):
-                for name in self.STATE_OF_THE_RUN:
-                    st.pop(name, None)
+        saved = checkpoints.SavedCounters(self.param_groups, self._initial_counters(),
+                                          self._schedule.had_error_feedback)
+        self._share_counters(saved.counters)
+        checkpoints.drop_placeholders(self.state, self._staged_state(), saved.step,
+                                      saved.placeholders)
+        checkpoints.drop_state_of_the_run(self.state, lambda p: self._late.is_late(self.state, p),
+                                          self.STATE_OF_THE_RUN)
         self._forget_layouts()
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load
         # as laid out for it (_error_layouts).
-        self._trained.hold(trained)
+        self._trained.hold(saved.trained)
         self._trained.stopped = []
-        self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
-        self._momentum_restart.loaded(compressed)
+        self._channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
+        self._momentum_restart.loaded(saved.momentum_compressed)
         self._after_load()
-        for hook in post_hooks.values():
-            hook(self)
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers: what `state_dict()` leaves out,
@@ -897,12 +876,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @momentum_restart.setter
     def momentum_restart(self, enabled: bool) -> None:
         self._momentum_restart.enabled = bool(enabled)
-
-    def _restart_momentum(self) -> None:
-        for _, state in checkpoints.param_states(self.state):
-            m = state.get("exp_avg")
-            if isinstance(m, torch.Tensor):
-                m.zero_()
 
     def _error_layouts(self) -> dict:
         """Error-buffer key -> layout of every fused buffer this optimizer
