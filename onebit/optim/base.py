@@ -38,7 +38,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import time
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -53,9 +52,8 @@ from ..checks import check_each_parameter_once
 from ..feedback.agreement import (RankAgreement, check_params_served, group_settings,
                                   nonfinite_flag)
 from ..feedback.channel import ErrorFeedbackChannel, agreed_backend_name, open_backend
-from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
+from ..feedback.exchange import GroupKey, LateKey
 from ..feedback.handoff import exchange_group
-from ..half_precision import check_fp16_mean, share
 from ..multi_tensor import tensor_norms
 from ..shards import ShardedParams
 from . import checkpoints
@@ -63,6 +61,7 @@ from . import functional as F
 from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
 from .late import LATE, LATE_KEY, TRAINED, LateJoiners
+from .averaging import FullPrecisionAveraging
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
 from .param_state import ParamState, TrainedSet
@@ -190,7 +189,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._warned_scales_drift = False
         self._momentum_restart = checkpoints.MomentumRestart()
         self._caches = GroupCaches(self._shards)  # v's denominators and masks, scratch
-        self._hook_averaged: set = set()  # ids of params the DDP hook averaged, for one step
+        self._averaging = FullPrecisionAveraging(
+            type(self).__name__, process_group, self.world_size, timeout_s, self.averaging_dtype,
+            self._channel.exchange, self._channel.traffic)
         self._trained = TrainedSet()  # see _notice_trainable_changes
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
         self._share_counters(self._initial_counters())
@@ -369,14 +370,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
             if stage.full_precision:
                 for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
-                    self._average_unhooked_(GroupKey(i), ps, gs)
+                    self._averaging.average_unhooked_(GroupKey(i), ps, gs)
             for i, ((_, ps), gs) in enumerate(zip(late, late_grads)):  # full precision (late.py)
-                self._average_unhooked_(LateKey(i), ps, gs)
+                self._averaging.average_unhooked_(LateKey(i), ps, gs)
         except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
             self._end_overlap()  # step t never began; undo what backward exchanged (overlap.py)
             raise
         finally:
-            self._hook_averaged = set()  # the DDP hook's promise covers one step
+            self._averaging.forget_marks()  # the DDP hook's promise covers one step
         self.counters["step"] = t
         self._step_in_progress = t  # what an exchange input written from here on is for
         try:
@@ -446,7 +447,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if bad and found_inf is None:
             hint = (" With communication_data_type='fp16' the DDP hook's mean arrives as inf "
                     "when a rank's share or the sum is beyond 65504: use 'bf16'."
-                    if self._hook_averaged and self.averaging_dtype == torch.float16 else "")
+                    if self._averaging.hooked and self.averaging_dtype == torch.float16 else "")
             raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
                              "least one rank; nothing was updated (use torch.amp.GradScaler to "
                              f"skip such steps).{hint}")
@@ -587,19 +588,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         averages the others itself (a head outside the DDP model, added with
         add_param_group). It covers one step."""
         every = [p for g in self.param_groups for p in g["params"]] if params is None else params
-        self._hook_averaged.update(id(p) for p in every)
-
-    def _average_unhooked_(self, key, params: List[torch.Tensor],
-                           grads: List[torch.Tensor]) -> None:
-        """Average the gradients of `params` the DDP hook did not average:
-        all of them without the hook; with it, those outside the DDP model
-        (through a buffer of their own, UnhookedKey)."""
-        if not self._hook_averaged:
-            self._average_(key, grads)
-            return
-        rest = [g for p, g in zip(params, grads) if id(p) not in self._hook_averaged]
-        if rest:
-            self._average_(UnhookedKey(key), rest)
+        self._averaging.mark(every)
 
     @property
     def traffic(self) -> TrafficStats:
@@ -686,38 +675,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return grads
 
     # -------------------------------------------------------- communication --
-    def _collective(self, phase: str, start) -> None:
-        collectives.run(f"{type(self).__name__}: {phase}", start, self.timeout_s, self.process_group)
-
-    def _average_(self, key, tensors: List[torch.Tensor]) -> None:
-        """Full-precision mean across ranks, as one collective on fused buffer
-        `key` (a GroupKey, or a LateKey for late joiners), in
-        `averaging_dtype` (communication_data_type)."""
-        if self.world_size == 1 or not tensors:
-            return
-        dtype, world = self.averaging_dtype, self.world_size
-
-        def mean_(flat: torch.Tensor) -> None:
-            started = time.perf_counter()
-            # fp32 sums, then divides (the bits every release had); half
-            # precision divides first, so the sum stays as small as the mean.
-            wire = flat if dtype == torch.float32 else share(flat, world, dtype)
-            self._collective("gradient averaging (full-precision all-reduce)",
-                             lambda: dist.all_reduce(wire, group=self.process_group, async_op=True))
-            # The buffer is in the compression layout, every tensor padded to
-            # whole blocks: the pads go over the wire too, so they count as
-            # sent, though not in the fp32 baseline of the params' bytes.
-            self.traffic.add_allreduce(wire.numel(), world, dtype.itemsize,
-                                       time.perf_counter() - started,
-                                       payload=sum(t.numel() for t in tensors))
-            if wire is flat:
-                flat.div_(world)
-            else:
-                check_fp16_mean(type(self).__name__, wire)
-                flat.copy_(wire)
-
-        self._channel.exchange.average_(key, tensors, mean_)
-
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._channel.exchange.reset()
