@@ -38,7 +38,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -49,8 +48,7 @@ from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends import backend_name
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once
-from ..feedback.agreement import (RankAgreement, check_params_served, group_settings,
-                                  nonfinite_flag)
+from ..feedback.agreement import RankAgreement, check_params_served, group_settings
 from ..feedback.channel import ErrorFeedbackChannel, agreed_backend_name, open_backend
 from ..feedback.exchange import GroupKey, LateKey
 from ..feedback.handoff import exchange_group
@@ -60,14 +58,14 @@ from . import checkpoints
 from . import functional as F
 from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
-from .late import LATE, LATE_KEY, TRAINED, LateJoiners
+from .late import LATE, TRAINED, LateJoiners
 from .averaging import FullPrecisionAveraging
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks
 from .param_state import ParamState, TrainedSet
 from .step_exchange import StepExchange
+from .step_plan import StepGate, StepPlan, keep_untouched, start_late, unseen_trained
 from .stage import Stage
-from .untouched import UntouchedParams
 
 
 def step_settings(counters: dict, param_groups) -> dict:
@@ -186,7 +184,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             type(self).__name__, self.backend, self.world_size,
             dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
-        self._warned_scales_drift = False
         self._momentum_restart = checkpoints.MomentumRestart()
         self._caches = GroupCaches(self._shards)  # v's denominators and masks, scratch
         self._averaging = FullPrecisionAveraging(
@@ -200,6 +197,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._setup_overlap(overlap_backward, bucket_cap_mb)
         # What a stage's maths calls to exchange (step_exchange.py).
         self._exchanges = StepExchange(self._channel.exchange, self._overlap, self.world_size)
+        self._gate = StepGate(type(self).__name__, self._agreement, self._agreeing,
+                              self.comm_device, self._overlap)
 
     # -------------------------------------------------------------- copies --
     # torch's hooks, which torch's own copies leave behind too (its
@@ -331,14 +330,32 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = self._gather()
+        try:
+            go_on = self._agree(plan)
+            if go_on:
+                self._average(plan)
+        except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
+            self._end_overlap()  # step t never began; undo what backward exchanged (overlap.py)
+            raise
+        finally:
+            self._averaging.forget_marks()  # the DDP hook's promise covers one step
+        if not go_on:
+            self._end_overlap()
+            self._channel.telemetry.end_step(plan.stage.step, plan.stage.name, skipped=True)
+            return loss
+        self._take_step(plan)  # the maths: the subclass's _update
+        self._finish(plan)
+        return loss
+
+    def _gather(self) -> StepPlan:
+        """The coming step's stage, who trains and who is late (one pass over
+        the params: a step pays it per tensor), and their fp32 gradients."""
         self._channel.restart_notice.before_step()
         if self._momentum_restart.due():
             checkpoints.zero_momentum_(self.state)
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
-        t = stage.step
-        # One pass over the params decides who trains and who is late: a
-        # step pays it per tensor.
         codes = self._params.codes(stage.variance_frozen)
         self._notice_trainable_changes(codes)
         groups = [(self._with_float_lr(g), ps)
@@ -346,66 +363,91 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         late = [(g, ps) for (g, _), ps in zip(groups, self._params.coded(codes, LATE))]
         if self._overlap is not None:  # before _gradients, which unscales in place
             self._overlap.notice_changed_gradients()
-        grads = [self._gradients(ps) for _, ps in groups]
-        late_grads = [self._gradients(ps) for _, ps in late]
+        return StepPlan(stage, groups, [self._gradients(ps) for _, ps in groups],
+                        late, [self._gradients(ps) for _, ps in late])
+
+    def _agree(self, plan: StepPlan) -> bool:
+        """Whether the step goes on, as every rank agreed (step_plan.StepGate);
+        then `plan` learns the params no rank has a gradient for, what to put
+        back for them (untouched.py) and who is used first since v froze."""
+        if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
+            self._overlap.launch_rest(plan.trained, plan.grads)
+        stage = plan.stage
+        unseen = (unseen_trained(plan, self._caches, self._params)
+                  if stage.variance_frozen and self._late.warmup_length else [])
+        skip, gradless, plan.first_used = self._gate.before_step(
+            stage.step, plan.grads + plan.late_grads, unseen, self.param_groups,
+            step_settings(self.counters, self.param_groups), self._trained.digest,
+            getattr(self, "found_inf", None),
+            agreeing_scaler=getattr(self, AGREEING_SCALER_ATTRIBUTE, False),
+            fp16_hint=bool(self._averaging.hooked) and self.averaging_dtype == torch.float16)
+        gradless = self._shards.locals(gradless)
+        if self._trained.stopped:  # (the ranks agree on them: the step goes on)
+            self._params_stopped_training(self._trained.take_stopped())
+        if skip:
+            return False
+        if not self._leaves_gradless_params(stage):
+            # (0/1 Adam's syncs:) a late joiner is averaged in full
+            # precision every step, so its replicas need no common point.
+            late_ids = {id(p) for _, ps in plan.late for p in ps}
+            gradless = [p for p in gradless if id(p) in late_ids]
+        plan.gradless = gradless
+        plan.untouched = (keep_untouched(gradless, plan.trained, self._params, self._overlap,
+                                         self._channel.exchange, self.STATE_OF_THE_RUN)
+                          if gradless else None)
+        plan.exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
+        return True
+
+    def _average(self, plan: StepPlan) -> None:
+        """Full-precision averages: the trained params' where the stage says
+        so, the late joiners' at every step (late.py)."""
+        if plan.stage.full_precision:
+            for i, ((_, ps), gs) in enumerate(zip(plan.groups, plan.grads)):
+                self._averaging.average_unhooked_(GroupKey(i), ps, gs)
+        for i, ((_, ps), gs) in enumerate(zip(plan.late, plan.late_grads)):
+            self._averaging.average_unhooked_(LateKey(i), ps, gs)
+
+    def _take_step(self, plan: StepPlan) -> None:
+        """Step t's maths: the subclass's `_update` (the 1-bit step), on the
+        gradients clipped (warmup: the average; else the local one)."""
+        stage = plan.stage
+        self.counters["step"] = stage.step
+        self._step_in_progress = stage.step  # what an exchange input written from here on is for
         try:
-            if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
-                self._overlap.launch_rest([ps for _, ps in groups], grads)
-            unseen = (self._unseen_trained(stage, groups, grads)
-                      if stage.variance_frozen and self._late.warmup_length else [])
-            skip, gradless, first_used = self._agree_before_step(t, grads + late_grads, unseen)
-            if self._trained.stopped:  # (the ranks agree on them: the step goes on)
-                self._params_stopped_training(self._trained.take_stopped())
-            if skip:
-                self._end_overlap()
-                self._channel.telemetry.end_step(t, stage.name, skipped=True)
-                return loss
-            if not self._leaves_gradless_params(stage):
-                # (0/1 Adam's syncs:) a late joiner is averaged in full
-                # precision every step, so its replicas need no common point.
-                late_ids = {id(p) for _, ps in late for p in ps}
-                gradless = [p for p in gradless if id(p) in late_ids]
-            untouched = (self._keep_untouched(gradless, [ps for _, ps in groups])
-                         if gradless else None)
-            exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
-            if stage.full_precision:
-                for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
-                    self._averaging.average_unhooked_(GroupKey(i), ps, gs)
-            for i, ((_, ps), gs) in enumerate(zip(late, late_grads)):  # full precision (late.py)
-                self._averaging.average_unhooked_(LateKey(i), ps, gs)
-        except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
-            self._end_overlap()  # step t never began; undo what backward exchanged (overlap.py)
-            raise
-        finally:
-            self._averaging.forget_marks()  # the DDP hook's promise covers one step
-        self.counters["step"] = t
-        self._step_in_progress = t  # what an exchange input written from here on is for
-        try:
-            if exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
+            if plan.exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
                 # Backward's gradients were scaled whether step() unscales
                 # them (grad_scale) or the user did (unscale_, which leaves
                 # grad_scale None and found_inf set, and no mark on .grad).
-                self._overlap.settle([ps for _, ps in groups], grads,
+                self._overlap.settle(plan.trained, plan.grads,
                                      relaunch=getattr(self, "found_inf", None) is not None)
-            # warmup: the average; else the local one
-            grads = [self._clipped(gs, group["max_grad_norm"]) for (group, _), gs in zip(groups, grads)]
-            self._update(stage, groups, grads)
+            grads = [self._clipped(gs, group["max_grad_norm"])
+                     for (group, _), gs in zip(plan.groups, plan.grads)]
+            self._update(stage, plan.groups, grads)
             self._schedule.advance(self.counters, stage)
         finally:
             self._step_in_progress = None
             self._end_overlap()
-        for i, ((group, params), gs) in enumerate(zip(late, late_grads)):
+
+    def _finish(self, plan: StepPlan) -> None:
+        """Late joiners' own steps, untouched params put back, first-used
+        params made late joiners, the replicas' check, the telemetry."""
+        stage, t = plan.stage, plan.stage.step
+        for i, ((group, params), gs) in enumerate(zip(plan.late, plan.late_grads)):
             if params:
                 self._late_update(LateKey(i), group, params, gs)
                 LateJoiners.advance(self._params.local_state(), params)
-        if untouched is not None:
-            untouched.restore()
+        if plan.untouched is not None:
+            plan.untouched.restore()
             if stage.full_precision:  # v moved in this step, and was just put back for some:
                 # what the step derived from it (its square roots, the
                 # zero-variance masks) is derived again from the v put back.
                 self._caches.clear()
-        if first_used:
-            self._start_late(first_used)
+        if plan.first_used:
+            start_late(plan.first_used, self._params)
+            # What was laid out for the old trained set goes now, as the next
+            # step would forget it: a checkpoint taken now holds the error
+            # buffers the run goes on with.
+            self._forget_layouts()
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
@@ -413,55 +455,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 t, [{"params": self._shards.locals(g["params"])} for g in self.param_groups],
                 self._params.local_state())
         self._channel.telemetry.end_step(t, stage.name, skipped=False)
-        return loss
-
-    def _agree_before_step(self, t: int, grads_by_group: List[List[torch.Tensor]],
-                           unseen: list = ()) -> Tuple[bool, List[torch.Tensor], list]:
-        """Whether step t must be skipped: a GradScaler saw inf/NaN, or a
-        gradient is not finite, on any rank. Without a GradScaler, non-finite
-        gradients raise on every rank before anything changes. Before any
-        collective that depends on them, the same all-gather checks that the
-        ranks train the same params, finds the trained params no rank has
-        a gradient for (returned second), and which of `unseen`
-        (_unseen_trained) some rank has a nonzero gradient for (returned
-        third: first used since v froze): one host sync in all."""
-        found_inf = getattr(self, "found_inf", None)
-        flag = nonfinite_flag(grads_by_group, self.comm_device, found_inf)
-        every = [p for g in self.param_groups for p in g["params"]]
-        no_grad = [p.grad is None for p in every]
-        # (on the device: the flags join the gather, no host read of their own)
-        used = torch.stack([g.ne(0).any() for _, g in unseen]) if unseen else None
-        if self._agreeing:
-            stale = self._overlap is not None and self._overlap.stale
-            settings = step_settings(self.counters, self.param_groups)
-            verdict = self._in_order(lambda: self._agreement.before_step(
-                t, flag, self._trained.digest, stale, self.param_groups, no_grad, settings,
-                used))
-            if self._overlap is not None:  # every rank redoes its buckets, or none
-                self._overlap.stale = verdict.redo_buckets
-            bad, no_grad, used = verdict.nonfinite, verdict.gradless, verdict.used
-            if bad and found_inf is not None and not verdict.nonfinite_everywhere:
-                self._warn_scales_drift(t)
-        else:
-            bad, used = bool(flag), used.tolist() if used is not None else ()
-        if bad and found_inf is None:
-            hint = (" With communication_data_type='fp16' the DDP hook's mean arrives as inf "
-                    "when a rank's share or the sum is beyond 65504: use 'bf16'."
-                    if self._averaging.hooked and self.averaging_dtype == torch.float16 else "")
-            raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
-                             "least one rank; nothing was updated (use torch.amp.GradScaler to "
-                             f"skip such steps).{hint}")
-        return bad, self._shards.locals(
-            [p for p, none in zip(every, no_grad) if none and p.requires_grad]), \
-            [p for (p, _), first in zip(unseen, used) if first]
-
-    def _in_order(self, collective):
-        """A collective of step() on this optimizer's group: behind the
-        exchanges that backward queued, on their thread (overlap.in_order),
-        so that every rank issues the two groups' collectives in one order."""
-        if self._overlap is None:
-            return collective()
-        return self._overlap.in_order(collective)
 
     # State a step sets whether a param had a gradient or not: left as the
     # step made it when the step puts an untouched param back.
@@ -473,70 +466,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Whether step `stage` leaves the params no rank has a gradient for
         as they were (untouched.py): every step does, but 0/1 Adam's syncs."""
         return True
-
-    def _keep_untouched(self, gradless: List[torch.Tensor],
-                        trained: List[List[torch.Tensor]]) -> UntouchedParams:
-        """What this step must put back for the params no rank has a gradient
-        for (untouched.py): their values and state, and this rank's slices
-        of every error buffer they sit in, as they were before this step's
-        exchanges (those launched during backward included)."""
-        keep = UntouchedParams()
-        ids = {id(p) for p in gradless}
-        for p in gradless:
-            keep.keep_param(p, self._params.of(p), leave=self.STATE_OF_THE_RUN)
-        for i, ps in enumerate(trained):
-            places = [(GroupKey(i), ps, j) for j, p in enumerate(ps) if id(p) in ids]
-            if self._overlap is not None:
-                places += self._overlap.places(trained, i, ids)
-            for key, like, index in places:
-                keep.keep(self._channel.exchange.keep_tensor_errors(key, like, index))
-        return keep
-
-    def _unseen_trained(self, stage: Stage, groups, grads) -> list:
-        """(param, its fp32 gradient) for each trained param whose v is 0
-        everywhere, the zero-variance guard's answer (cached while v is
-        frozen): once v froze, the params a nonzero gradient on some rank
-        uses for the first time (late.py). Nothing per param where every
-        trained tensor has seen a gradient."""
-        out = []
-        for i, ((group, ps), gs) in enumerate(zip(groups, grads)):
-            if not ps:
-                continue
-            seen, _ = self._caches.seen(i, group, lambda ps=ps: self._params.tensors(ps, "exp_avg_sq"),
-                                 stage.variance_version)
-            if not all(seen):
-                out += [(p, g) for p, g, ok in zip(ps, gs, seen) if not ok]
-        return out
-
-    def _start_late(self, params: List[torch.Tensor]) -> None:
-        """`params` (local shards) were used for the first time since v froze,
-        in the step just taken: v of 0 held them still, so that gradient is
-        spent. From the next step they are late joiners (late.py): their
-        state is that of a late joiner's first step (zeros), kept whole so
-        that a checkpoint taken now has every key (DCP loads only into
-        those); and what was laid out for the old trained set goes now, as
-        the next step would forget it, so that such a checkpoint's error
-        buffers are those the run goes on with."""
-        for p in params:
-            st = self._params.of(p)
-            st.clear()
-            st[LATE_KEY] = 0
-            self._params.tensor(p, "exp_avg")
-            self._params.tensor(p, "exp_avg_sq")
-        self._forget_layouts()
-
-    def _warn_scales_drift(self, t: int) -> None:
-        """Some ranks' GradScaler found an inf and others not: every rank
-        skips this step, but torch's GradScaler backs off only where it
-        found one, so the ranks' scales now differ (onebit.amp's does not)."""
-        if getattr(self, AGREEING_SCALER_ATTRIBUTE, False) or self._warned_scales_drift:
-            return
-        self._warned_scales_drift = True
-        warnings.warn(f"{type(self).__name__}: at step {t} only some ranks found an inf or NaN; "
-                      "every rank skipped the step, but torch.amp.GradScaler backs off only on "
-                      "those ranks, so the ranks' loss scales now differ (under DDP the replicas "
-                      "then drift apart). Use onebit.amp.GradScaler, which agrees across ranks",
-                      RuntimeWarning, stacklevel=3)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's add_param_group, made safe for data parallelism: every
