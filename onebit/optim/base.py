@@ -41,17 +41,13 @@ import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .. import collectives
 from ..amp import AGREEING_SCALER_ATTRIBUTE
-from ..backends import backend_name
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once
-from ..feedback.agreement import RankAgreement, check_params_served, group_settings
-from ..feedback.channel import ErrorFeedbackChannel, agreed_backend_name, open_backend
+from ..feedback.agreement import group_settings
+from ..feedback.channel import ErrorFeedbackChannel
 from ..feedback.exchange import GroupKey, LateKey
-from ..feedback.handoff import exchange_group
 from ..multi_tensor import tensor_norms
 from ..shards import ShardedParams
 from . import checkpoints
@@ -60,8 +56,9 @@ from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
 from .late import LATE, TRAINED, LateJoiners
 from .averaging import FullPrecisionAveraging
+from .communication import Communication, agreed_settings
 from .options import CommOptions
-from .overlap import BackwardOverlap, OverlapCallbacks
+from .overlap import BackwardOverlap, OverlapCallbacks, check_overlap_group
 from .param_state import ParamState, TrainedSet
 from .step_exchange import StepExchange
 from .step_plan import StepGate, StepPlan, keep_untouched, start_late, unseen_trained
@@ -111,94 +108,48 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     rank_agreed_settings: Tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, schedule, options: CommOptions) -> None:
-        comm_backend_name, cuda_aware = options.comm_backend_name, options.cuda_aware
-        process_group, timeout_s = options.process_group, options.timeout_s
-        overlap_backward, bucket_cap_mb = options.overlap_backward, options.bucket_cap_mb
-        block_size = self.block_size = options.block_size
-        self.scale_dtype = options.wire_scale_dtype
-        self.averaging_dtype = options.averaging_dtype
-        # What every rank must share besides the param groups: the stage
-        # schedule's and the subclass's settings; the wire format; and what
-        # decides the bucket plan.
+        name = type(self).__name__
         self._schedule = schedule
-        self._settings = {**schedule.settings(),
-                          **{name: getattr(self, name) for name in self.rank_agreed_settings}}
-        self._settings.update(block_size=block_size,
-                              scale_dtype=str(self.scale_dtype), overlap_backward=overlap_backward,
-                              bucket_cap_mb=bucket_cap_mb,
-                              communication_data_type=str(self.averaging_dtype),
-                              # its checks are collectives of their own
-                              check_replicas_every=options.check_replicas_every)
-        self._constructed = False
+        settings = agreed_settings(schedule, {n: getattr(self, n) for n in self.rank_agreed_settings},
+                                   options)
+        self._comm: Optional[Communication] = None  # (torch's __init__ adds the first groups)
         super().__init__(params, defaults)
-        self.timeout_s = timeout_s
-        self.check_replicas_every = options.check_replicas_every
-        self.process_group = process_group
-        self.distributed = collectives.is_distributed(type(self).__name__)
-        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
-        self.cuda_aware = cuda_aware
-        self._shards = ShardedParams(type(self).__name__, self.param_groups, process_group)
-        self._late = LateJoiners(schedule.warmup_length, schedule.warmup_option)
-        self._params = ParamState(self, self._shards, self._late)
-        if self._shards.sharded and overlap_backward:
-            raise ValueError(f"{type(self).__name__}: overlap_backward is not supported with "
-                             "FSDP2-sharded params yet; leave it False")
-        chosen = self._shards.comm_backend(comm_backend_name)
-        self.comm_backend_name = backend_name(chosen)  # a default: agreed below
-        self.backend = None
-        # Where this optimizer's own collectives (averaging, agreement) take tensors.
-        self.comm_device = collectives.communication_device(process_group, self._params.device()) \
-            if self.distributed else torch.device("cpu")
-        # The decisions every rank must share (skipping a step, which params
-        # have no gradient) span the shard group too: a shard that skipped
-        # while its neighbour stepped would leave half a parameter behind.
-        # The replicas' checksums, though, compare only copies of one shard.
-        self._agreement = RankAgreement(type(self).__name__, self._shards.mesh_group
-                                        if self._shards.sharded else process_group, timeout_s)
-        self._replicas = RankAgreement(type(self).__name__, process_group, timeout_s)
-        self._agreeing = self.world_size > 1 or (self._shards.sharded and dist.get_world_size() > 1)
-        if self._agreeing and self.world_size == 1:  # one replica of shards: agree, no exchange
-            self._agreement.check_construction(self._settings, self.param_groups,
-                                               self.comm_backend_name)
-        if self.world_size > 1:
-            check_params_served(type(self).__name__, self.param_groups, process_group)
-            # (a default: each rank read it from its own launcher's variables)
-            self.comm_backend_name = agreed_backend_name(chosen, process_group, timeout_s,
-                                                         self.comm_device)
-            # Before any group or backend is made: those are collectives that
-            # ranks built differently (another backend, the overlap on one
-            # rank only) would not all join, hanging or aborting instead.
-            self._agreement.check_construction(self._settings, self.param_groups,
-                                               self.comm_backend_name)
-            group = process_group
-            if overlap_backward and not self.comm_backend_name.startswith("mpi"):
-                group = exchange_group(process_group)  # the communication thread's own (overlap.py)
-            self.backend = open_backend(self.comm_backend_name, group, timeout_s=timeout_s,
-                                        cuda_aware=cuda_aware, block_size=block_size,
-                                        scale_dtype=self.scale_dtype)
-            if self._shards.sharded:  # replicas of one shard, not of different ones
-                self._replicas.check_fields(self._shards.replica_fields())
-            self._broadcast_parameters()
-        self._constructed = True
+        self._shards = ShardedParams(name, self.param_groups, options.process_group)
+        self._params = ParamState(self, self._shards,
+                                  LateJoiners(schedule.warmup_length, schedule.warmup_option))
+        comm = Communication(name, options, settings, self._shards, self._params.device())
+        comm.open(self.param_groups, self._shards)
+        self._comm = comm
         self._channel = ErrorFeedbackChannel(
-            type(self).__name__, self.backend, self.world_size,
-            dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
+            name, comm.backend, comm.world_size, comm.rank, options.block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
         self._momentum_restart = checkpoints.MomentumRestart()
         self._caches = GroupCaches(self._shards)  # v's denominators and masks, scratch
         self._averaging = FullPrecisionAveraging(
-            type(self).__name__, process_group, self.world_size, timeout_s, self.averaging_dtype,
+            name, comm.process_group, comm.world_size, comm.timeout_s, options.averaging_dtype,
             self._channel.exchange, self._channel.traffic)
         self._trained = TrainedSet()  # see _notice_trainable_changes
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
         self._share_counters(self._initial_counters())
-        self._overlap: Optional[BackwardOverlap] = None
         self._step_in_progress: Optional[int] = None  # set by step() once it agreed to go on
-        self._setup_overlap(overlap_backward, bucket_cap_mb)
+        self._overlap = self._setup_overlap(options.overlap_backward, options.bucket_cap_mb)
         # What a stage's maths calls to exchange (step_exchange.py).
         self._exchanges = StepExchange(self._channel.exchange, self._overlap, self.world_size)
-        self._gate = StepGate(type(self).__name__, self._agreement, self._agreeing,
-                              self.comm_device, self._overlap)
+        self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, self._overlap)
+
+    # The communication's settings (communication.py), read-only.
+    process_group = property(lambda self: self._comm.process_group)
+    distributed = property(lambda self: self._comm.distributed)
+    world_size = property(lambda self: self._comm.world_size)
+    timeout_s = property(lambda self: self._comm.timeout_s)
+    cuda_aware = property(lambda self: self._comm.options.cuda_aware)
+    comm_backend_name = property(lambda self: self._comm.comm_backend_name)
+    backend = property(lambda self: self._comm.backend)
+    comm_device = property(lambda self: self._comm.comm_device)
+    block_size = property(lambda self: self._comm.options.block_size)
+    scale_dtype = property(lambda self: self._comm.options.wire_scale_dtype)
+    averaging_dtype = property(lambda self: self._comm.options.averaging_dtype)
+    check_replicas_every = property(lambda self: self._comm.options.check_replicas_every)
 
     # -------------------------------------------------------------- copies --
     # torch's hooks, which torch's own copies leave behind too (its
@@ -374,7 +325,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._overlap.launch_rest(plan.trained, plan.grads)
         stage = plan.stage
         unseen = (unseen_trained(plan, self._caches, self._params)
-                  if stage.variance_frozen and self._late.warmup_length else [])
+                  if stage.variance_frozen and self._params.late.warmup_length else [])
         skip, gradless, plan.first_used = self._gate.before_step(
             stage.step, plan.grads + plan.late_grads, unseen, self.param_groups,
             step_settings(self.counters, self.param_groups), self._trained.digest,
@@ -451,7 +402,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
-            self._replicas.check_replicas(
+            self._comm.replicas.check_replicas(
                 t, [{"params": self._shards.locals(g["params"])} for g in self.param_groups],
                 self._params.local_state())
         self._channel.telemetry.end_step(t, stage.name, skipped=False)
@@ -477,27 +428,24 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             params = param_group["params"] = list(params)
         listed = [params] if isinstance(params, torch.Tensor) else params
         check_each_parameter_once(type(self).__name__, listed)
-        if getattr(self, "_constructed", False):  # sharded like the rest, or whole like the rest
+        if self._comm is not None:  # sharded like the rest, or whole like the rest
             self._shards.check_added([*self.param_groups, {**param_group, "params": listed}])
         super().add_param_group(param_group)
-        if not getattr(self, "_constructed", False):  # torch's __init__ adding the first groups
+        if self._comm is None:  # torch's __init__ adding the first groups
             return
         # A refused group leaves: it would train unchecked, and 0/1 Adam's
         # per-group counters would miss it. The checks come before the
         # broadcast, so a refusal leaves its params as they were, too.
         try:
-            if self.world_size > 1:
-                check_params_served(type(self).__name__, self.param_groups, self.process_group)
-                self._agreement.check_construction(self._settings, self.param_groups,
-                                                   self.comm_backend_name)
+            self._comm.check_added(self.param_groups)
             if self._overlap is not None:
-                self._check_overlap_group(self.param_groups[-1])
+                check_overlap_group(self.param_groups[-1])
         except BaseException:
             self.param_groups.pop()
             raise
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
-            self._broadcast_parameters(groups=self.param_groups[-1:])
+            self._comm.broadcast(self.param_groups[-1:], self._shards)
         if self._overlap is not None:  # its params get hooks too
             self._overlap.watch(self.param_groups[-1]["params"])
         self._schedule.group_added(self.counters)
@@ -608,22 +556,16 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Forget the error-feedback buffers (they restart from zero)."""
         self._channel.exchange.reset()
 
-    def _broadcast_parameters(self, groups=None) -> None:
-        """Start every rank from rank 0's parameters (one collective per group)."""
-        for group in self.param_groups if groups is None else groups:
-            collectives.broadcast_from_first_rank(
-                f"{type(self).__name__}: broadcast of rank 0's initial parameters",
-                self._shards.locals(list(group["params"])), self.process_group, self.timeout_s)
-
     # ------------------------------------------------- overlap with backward --
     def _coming_step(self) -> int:
         """The step an exchange input is written for: the coming one during
         backward, the current one inside step()."""
         return self._step_in_progress or self.counters["step"] + 1
 
-    def _setup_overlap(self, overlap_backward: bool, bucket_cap_mb: float) -> None:
+    def _setup_overlap(self, overlap_backward: bool,
+                       bucket_cap_mb: float) -> Optional[BackwardOverlap]:
         if not overlap_backward or self.world_size == 1:
-            return
+            return None
         # Late-bound: a subclass (or a test) may replace these methods.
         callbacks = OverlapCallbacks(
             active=lambda: self._exchange_during_backward(),
@@ -631,17 +573,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             gradients=lambda params: self._gradients(params),
             write_input=lambda *args: self._exchange_input_(*args),
             input_key=lambda index: self._exchange_input_key(index))
-        self._overlap = BackwardOverlap(self._channel.exchange, callbacks, bucket_cap_mb)
+        overlap = BackwardOverlap(self._channel.exchange, callbacks, bucket_cap_mb)
         for group in self.param_groups:
-            self._check_overlap_group(group)
-            self._overlap.watch(group["params"])
-
-    def _check_overlap_group(self, group: dict) -> None:
-        if self._overlap is not None and group["max_grad_norm"] > 0:
-            raise ValueError("overlap_backward=True needs max_grad_norm=0: clipping needs the norm "
-                             "of every gradient, which exists only after backward. Clipping "
-                             "before step() yourself works, but exchanges every bucket again "
-                             "in step(): turn the overlap off to clip")
+            check_overlap_group(group)
+            overlap.watch(group["params"])
+        return overlap
 
     def no_overlap(self):
         """Context manager: the backward passes inside it start no exchange
@@ -672,7 +608,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              momentum_compressed=self._momentum_restart.pending or (
                                  self.world_size > 1
                                  and self._schedule.had_error_feedback(self.counters, step)),
-                             late_warmup=self._late.warmup_length, trained=self._trained.signature)
+                             late_warmup=self._params.late.warmup_length, trained=self._trained.signature)
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
         return sd
 
@@ -710,7 +646,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._share_counters(saved.counters)
         checkpoints.drop_placeholders(self.state, self._staged_state(), saved.step,
                                       saved.placeholders)
-        checkpoints.drop_state_of_the_run(self.state, lambda p: self._late.is_late(self.state, p),
+        checkpoints.drop_state_of_the_run(self.state, lambda p: self._params.late.is_late(self.state, p),
                                           self.STATE_OF_THE_RUN)
         self._forget_layouts()
         # The saved step's set, as the run that did not stop holds it: a
