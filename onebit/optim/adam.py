@@ -8,7 +8,7 @@ import torch
 from . import functional as F
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
-from .base import FreezeStepOptimizer
+from .freeze_step import FreezeStepOptimizer
 from .caches import apply_mask_
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options

@@ -1,43 +1,27 @@
 """What the three 1-bit optimizers share: the step that orchestrates them.
 
-`OnebitOptimizer.step()` gathers fp32 gradients, asks the ranks to agree
-(on the params that train, on skipping a non-finite step), averages in full
-precision where the stage says so, and hands the maths of the step to the
-subclass's `_update`. Each concern around that is an object it holds, built
-from explicit inputs and testable without an optimizer.
+Where the 1-bit step happens: `step()` -> `_take_step` -> the subclass's
+`_update` -> its stage maths, a function with explicit inputs beside its
+class, as torch.optim.adam's `adam()` (adam.py `onebit_adam`; lamb.py
+`onebit_lamb_fresh_step_`, `onebit_lamb_frozen_step_`; zoadam.py
+`sync_local_steps_`, `sync_single_`), which exchanges through
+`StepExchange` (step_exchange.py).
 
-Shared with DiLoCo (onebit/feedback/):
-
-- `ErrorFeedbackChannel`: the backend, the fused buffers and their error
-  feedback, the traffic and `comm_stats()`, the saved errors and the
-  notice when a resume lost them;
-- `RankAgreement`: the construction fingerprint, the per-step verdict,
-  the replica divergence guard;
-- `ShardedParams` (onebit/shards.py): FSDP2 shards seen as local tensors.
-
-The optimizers' own (onebit/optim/):
-
-- `StepExchange` (step_exchange.py): a stage's 1-bit exchange, whichever
-  path it takes (one fused buffer, or the buckets of `BackwardOverlap`,
-  overlap.py, started during backward);
-- `LateJoiners` (late.py): params that start training after v froze;
-- `StaticBuffers` (capture.py): scratch buffers kept from step to step;
-- `ZeroVarianceGuard` (guards.py): what an exchange must not move;
-- `UntouchedParams` (untouched.py): params no rank has a gradient for.
-
-Hyper-parameter defaults live in defaults.py, the checkpoint formats in
-checkpoints.py, the maths in functional.py, the stage schedules in
-stage_schedules.py, and each optimizer's stage maths as functions with
-explicit inputs beside its class, as torch.optim.adam's `adam()` (adam.py:
-`onebit_adam`; lamb.py: `lamb_warmup_step_`, `onebit_lamb_fresh_step_`,
-`onebit_lamb_frozen_step_`; zoadam.py: `accumulate_`, `sync_local_steps_`,
-`sync_single_`). The classes gather the state and call them.
+`step()` is five verbs over a `StepPlan` (step_plan.py): gather the fp32
+gradients, agree across ranks (`StepGate`), average in full precision
+where the stage says so (`FullPrecisionAveraging`, averaging.py), update,
+finish. The objects it holds, each built from explicit inputs:
+`Communication` (communication.py: the group, the backend, the rank
+agreements), `ParamState` and `TrainedSet` (param_state.py: per-param
+state over FSDP2 shards, who trains), `GroupCaches` (caches.py: v's
+denominators and masks), `BackwardOverlap` (overlap.py), the shared
+`ErrorFeedbackChannel` (onebit/feedback/), and the checkpoint bodies in
+checkpoints.py.
 """
 from __future__ import annotations
 
 import abc
 import contextlib
-import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -45,33 +29,23 @@ import torch
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once
-from ..feedback.agreement import group_settings
 from ..feedback.channel import ErrorFeedbackChannel
 from ..feedback.exchange import GroupKey, LateKey
-from ..multi_tensor import tensor_norms
 from ..shards import ShardedParams
 from . import checkpoints
 from . import functional as F
 from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
-from .late import LATE, TRAINED, LateJoiners
+from .late import LATE, TRAINED, LateJoiners, late_adam_step_
 from .averaging import FullPrecisionAveraging
 from .communication import Communication, agreed_settings
 from .options import CommOptions
 from .overlap import BackwardOverlap, OverlapCallbacks, check_overlap_group
 from .param_state import ParamState, TrainedSet
 from .step_exchange import StepExchange
-from .step_plan import StepGate, StepPlan, keep_untouched, start_late, unseen_trained
+from .step_plan import (StepGate, StepPlan, keep_untouched, start_late, step_settings,
+                        unseen_trained)
 from .stage import Stage
-
-
-def step_settings(counters: dict, param_groups) -> dict:
-    """What every rank must hold alike at each step, named for the message:
-    the counters that decide the stage (a rank resumed from another
-    checkpoint would run another stage's collectives) and each group's
-    hyper-parameters (a scheduler stepped on one rank only)."""
-    return {"the step counters": sorted(counters.items()),
-            "hyper-parameters": group_settings(param_groups, leave_out=(COUNTERS_KEY,))}
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
@@ -208,16 +182,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _late_update(self, key: LateKey, group, params, grads) -> None:
         """A late joiner's own warmup step: Adam, with bias corrections
         counted per param from its first step (late.py)."""
-        beta1, beta2 = group["betas"]
         grads = self._clipped(grads, group["max_grad_norm"])
-        for p, g in zip(params, grads):
-            k = LateJoiners.steps_done(self._params.local_state(), p) + 1
-            m, v = self._params.tensor(p, "exp_avg"), self._params.tensor(p, "exp_avg_sq")
-            F.update_momentum_([m], [g], beta1)
-            F.update_variance_([v], [g], beta2)
-            bc1, bc2 = F.bias_corrections(group, k, k)
-            denom = F.denominators([v], group["eps"], group["eps_inside_sqrt"], bc2)
-            F.adam_step_([p], [m], denom, group["lr"], group["weight_decay"], bc1)
+        steps = [LateJoiners.steps_done(self._params.local_state(), p) + 1 for p in params]
+        late_adam_step_(params, grads, self._params.tensors(params, "exp_avg"),
+                        self._params.tensors(params, "exp_avg_sq"), steps, group)
 
     # ------------------------------------------------------------ counters --
     @property
@@ -532,24 +500,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._caches.static.clear()
 
     def _clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
-        """`grads` clipped to the global norm `max_norm` (0: as they are).
-        Clipped copies: `grads` may be the params' own `.grad`, which
-        torch's optimizers never write."""
-        if max_norm > 0 and grads:
-            total = float(torch.linalg.vector_norm(
-                self._shards.whole_norms(tensor_norms(grads))))
-            if not math.isfinite(total):
-                # Finite gradients whose squares sum beyond fp32 (the
-                # non-finite check let them through: no element's square
-                # overflows, or no single tensor's on the CPU): the norm in
-                # float64, not a coefficient of 0 that would zero the step.
-                # (Every rank of a shard group takes this branch alike.)
-                total = float(torch.linalg.vector_norm(self._shards.whole_norms(torch.stack(
-                    [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))))
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                return list(torch._foreach_mul(grads, coef))
-        return grads
+        """`grads` clipped to the global norm `max_norm` (functional.clipped)."""
+        return F.clipped(grads, max_norm, self._shards.whole_norms)
 
     # -------------------------------------------------------- communication --
     def reset_compression_errors(self) -> None:
@@ -715,24 +667,3 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         from ..ddp import OnebitHookState
 
         return OnebitHookState(self)
-
-
-class FreezeStepOptimizer(OnebitOptimizer):
-    """1-bit Adam and 1-bit LAMB: full precision up to `freeze_step`, 1-bit
-    after (stage_schedules.FreezeStepSchedule); the compression stage
-    exchanges the new momentum."""
-
-    @property
-    def freeze_step(self) -> int:
-        """The last full-precision step."""
-        return self._schedule.freeze_step
-
-    def compression_started(self, step: Optional[int] = None) -> bool:
-        """Whether step `step` (default: the next one) is in the compression stage."""
-        return self._schedule.compressed(self.counters["step"] + 1 if step is None else step)
-
-    def _exchange_input_(self, index, params, grads, out, positions) -> None:
-        """The new momentum beta1 * m + (1 - beta1) * g, into `out`: m itself
-        changes only when step() commits it."""
-        m = self._params.tensors(params, "exp_avg")
-        F.momentum_into(out, m, grads, self.param_groups[index]["betas"][0])

@@ -325,3 +325,25 @@ def lamb_frozen_factor(denom_ratio_max: float, update_prelim_norm: float,
         factor = factor * ratio + (1.0 - ratio)
     factor = min(max(factor, factor_min), factor_max)
     return min(max(factor, last_factor * (1.0 - threshold)), last_factor * (1.0 + threshold))
+
+
+def clipped(grads: Tensors, max_norm: float, whole_norms) -> Tensors:
+    """`grads` clipped to the global norm `max_norm` (0: as they are).
+    `whole_norms` completes per-tensor norms of shards into whole params'
+    (ShardedParams.whole_norms; the identity on whole params). Clipped
+    copies: `grads` may be the params' own `.grad`, which torch's
+    optimizers never write."""
+    if max_norm > 0 and grads:
+        total = float(torch.linalg.vector_norm(whole_norms(tensor_norms(grads))))
+        if not math.isfinite(total):
+            # Finite gradients whose squares sum beyond fp32 (the
+            # non-finite check let them through: no element's square
+            # overflows, or no single tensor's on the CPU): the norm in
+            # float64, not a coefficient of 0 that would zero the step.
+            # (Every rank of a shard group takes this branch alike.)
+            total = float(torch.linalg.vector_norm(whole_norms(torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            return list(torch._foreach_mul(grads, coef))
+    return grads

@@ -10,7 +10,7 @@ from . import functional as F
 from .caches import apply_mask_
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
-from .base import FreezeStepOptimizer
+from .freeze_step import FreezeStepOptimizer
 from ..checks import check_number
 from ..multi_tensor import lamb_ratio_norms
 from .defaults import adam_defaults

@@ -16,11 +16,21 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..feedback.agreement import nonfinite_flag
+from ..feedback.agreement import group_settings, nonfinite_flag
 from ..feedback.exchange import GroupKey
+from .checkpoints import COUNTERS_KEY
 from .late import LATE_KEY
 from .stage import Stage
 from .untouched import UntouchedParams
+
+
+def step_settings(counters: dict, param_groups) -> dict:
+    """What every rank must hold alike at each step, named for the message:
+    the counters that decide the stage (a rank resumed from another
+    checkpoint would run another stage's collectives) and each group's
+    hyper-parameters (a scheduler stepped on one rank only)."""
+    return {"the step counters": sorted(counters.items()),
+            "hyper-parameters": group_settings(param_groups, leave_out=(COUNTERS_KEY,))}
 
 
 @dataclass
