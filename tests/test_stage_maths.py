@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from onebit.optim.adam import onebit_adam
+from onebit.optim.functional import adam_moments_
 from onebit.optim.lamb import onebit_lamb_fresh_step_
 from onebit.optim.zoadam import sync_local_steps_, sync_single_
 
@@ -58,10 +59,11 @@ def test_onebit_adam_matches_a_float64_adam_step(compressed):
     P, G, M, V = f64(params), f64(grads), f64(m), f64(v)
     b1, b2, lr, wd, bc1, bc2 = 0.9, 0.99, 0.1, 0.01, 0.5, 0.25
     exchange = HalvingExchange() if compressed else None
-    onebit_adam(params, grads, m, v, exchange=exchange,
-                zero_variance=lambda v: ([True] * len(v), [None] * len(v)),
-                denominators=lambda v: denominators(v, bc2), mask_=lambda ms: None,
-                beta1=b1, beta2=b2, lr=lr, weight_decay=wd, bc1=bc1)
+    if not compressed:  # the warmup's moments first: the denominators are the new v's
+        adam_moments_(grads, m, v, beta1=b1, beta2=b2)
+    onebit_adam(params, grads, m, denominators(v, bc2), seen=[True] * len(v),
+                masks=[None] * len(v), exchange=exchange, exp_avg_mask=None,
+                beta1=b1, lr=lr, weight_decay=wd, bc1=bc1)
     for p, g, mm, vv, p_t, m_t, v_t in zip(P, G, M, V, params, m, v):
         new_m = b1 * mm + (1 - b1) * g
         if compressed:  # v frozen; m is the exchanged average of the new momentum
@@ -78,10 +80,9 @@ def test_onebit_adam_moves_nothing_v_never_saw():
     params, grads, m = tensors(0, (4,), (3,)), tensors(1, (4,), (3,)), tensors(2, (4,), (3,))
     v = tensors(3, (4,), (3,), positive=True)
     before = [p.clone() for p in params]
-    onebit_adam(params, grads, m, v, exchange=HalvingExchange(),
-                zero_variance=lambda v: ([True, False], [None, None]),
-                denominators=lambda v: denominators(v, 1.0), mask_=lambda ms: None,
-                beta1=0.9, beta2=0.99, lr=0.1, weight_decay=0.1, bc1=1.0)
+    onebit_adam(params, grads, m, denominators(v, 1.0), seen=[True, False], masks=[None, None],
+                exchange=HalvingExchange(), exp_avg_mask=None,
+                beta1=0.9, lr=0.1, weight_decay=0.1, bc1=1.0)
     assert torch.equal(params[1], before[1]) and not torch.equal(params[0], before[0])
     assert torch.equal(m[1], torch.zeros(3))  # its exchanged momentum landed as 0
 
@@ -110,7 +111,7 @@ def test_zero_one_sync_lands_every_rank_on_anchor_plus_the_mean_direction():
     A, U, D = f64(anchors), f64(u), f64(d)
     bc1, lrs = 0.3, 0.07
     sync_local_steps_(params, anchors, m, u, d, exchange=HalvingExchange(),
-                      seen=[True, True], masks=[None, None], mask_=lambda ts: None,
+                      seen=[True, True], masks=[None, None], exp_avg_mask=None,
                       bc1=bc1, lrs=lrs)
     for a, uu, dd, p_t, m_t, u_t in zip(A, U, D, params, m, u):
         avg = 0.5 * uu * dd / lrs  # the mean direction, "averaged"
@@ -125,7 +126,7 @@ def test_zero_one_sync_after_a_sync_exchanges_this_steps_direction():
     P, G, M, D = f64(params), f64(grads), f64(m), f64(d)
     b1, lr, wd, bc1 = 0.9, 0.02, 0.1, 0.4
     sync_single_(params, grads, m, d, exchange=HalvingExchange(), seen=[True], masks=[None],
-                 mask_=lambda ts: None, beta1=b1, lr=lr, weight_decay=wd, bc1=bc1)
+                 exp_avg_mask=None, beta1=b1, lr=lr, weight_decay=wd, bc1=bc1)
     direction = -((b1 * M[0] + (1 - b1) * G[0]) / bc1 + wd * P[0] * D[0])
     avg = 0.5 * direction
     np.testing.assert_allclose(params[0].numpy(), P[0] + lr * avg / D[0], rtol=1e-5, atol=1e-6)

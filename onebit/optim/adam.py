@@ -1,14 +1,15 @@
 """1-bit Adam (Tang et al., 2021, arXiv 2102.02888)."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 
 from . import functional as F
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
-from .base import FreezeStepOptimizer
+from .freeze_step import FreezeStepOptimizer
+from .caches import apply_mask_
 from .defaults import adam_defaults
 from .options import CommOptions, documents_comm_options
 from .stage_schedules import FreezeStepSchedule
@@ -78,46 +79,38 @@ class OnebitAdam(FreezeStepOptimizer):
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
                 continue
-            m, v = self._moments(params)
-            bc1, bc2 = self._bias_corrections(group, t, stage.variance_updates)
+            m, v = self._params.moments(params)
+            beta1, beta2 = group["betas"]
+            if not stage.compressed:  # warmup: m and v learn from the averaged gradients
+                F.adam_moments_(gs, m, v, beta1=beta1, beta2=beta2)
+            bc1, bc2 = F.bias_corrections(group, t, stage.variance_updates)
+            seen, masks = self._caches.seen(i, group, v, version)
             onebit_adam(
-                params, gs, m, v,
+                params, gs, m, self._caches.denominators(i, group, v, bc2, version),
+                seen=seen, masks=masks,
                 exchange=self._exchanges.group(i) if stage.compressed else None,
-                zero_variance=lambda v, i=i, group=group: self._seen(i, group, v, version),
-                denominators=lambda v, i=i, group=group, bc2=bc2: self._denominators(
-                    i, group, v, bc2, version),
-                mask_=lambda ms, group=group: self._mask_(group, ms),
-                beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
-                weight_decay=group["weight_decay"], bc1=bc1)
+                exp_avg_mask=self._caches.mask(group, params) if stage.compressed else None,
+                beta1=beta1, lr=group["lr"], weight_decay=group["weight_decay"], bc1=bc1)
 
 
-def onebit_adam(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *,
-                exchange: Optional[GroupExchange],
-                zero_variance: Callable[[Tensors], Tuple[List[bool], list]],
-                denominators: Callable[[Tensors], Tensors],
-                mask_: Callable[[Tensors], None],
-                beta1: float, beta2: float, lr: float, weight_decay: float, bc1: float) -> None:
-    """One step of 1-bit Adam on one param group, in place.
+def onebit_adam(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Tensors, *,
+                seen: Sequence[bool], masks: Sequence[Optional[torch.Tensor]],
+                exchange: Optional[GroupExchange], exp_avg_mask: Optional[torch.Tensor],
+                beta1: float, lr: float, weight_decay: float, bc1: float) -> None:
+    """One step of 1-bit Adam on one param group, in place: the 1-bit step.
 
-    Warmup (`exchange` None): `grads` are already averaged across ranks,
-    and this is Adam: m and v learn from them. Compression: v is frozen and
+    Warmup (`exchange` None): m already learned from the averaged gradients
+    (functional.adam_moments_), and this is Adam's step. Compression: v is frozen and
     m becomes the 1-bit average of every rank's new momentum beta1 * m +
     (1 - beta1) * g, written straight into the buffer that travels
     (`exchange`, step_exchange.py) and landing in parts: each part's params
-    step while the later parts are still on the wire (overlap_backward).
+    step while the later parts are still on the wire (overlap_backward);
+    `exp_avg_mask` (the group's, or None) is applied to each landed part.
 
-    Then p <- p - lr * (m / bc1 / denom + weight_decay * p). What the
-    optimizer keeps between steps comes in as functions of v:
-    `zero_variance(v)` gives the guard's (seen, masks) (elements v never saw
-    do not move, guards.py), `denominators(v)` sqrt(v / bc2) + eps (cached
-    while v is frozen), and `mask_(m)` applies the group's exp_avg_mask to
-    an exchanged momentum.
+    Then p <- p - lr * (m / bc1 / denom + weight_decay * p), with `denoms`
+    sqrt(v / bc2) + eps. `seen` and `masks` are the zero-variance guard's
+    (guards.py): the tensors and elements v never saw do not move.
     """
-    if exchange is None:
-        F.update_momentum_(exp_avgs, grads, beta1)
-        F.update_variance_(exp_avg_sqs, grads, beta2)
-    seen, masks = zero_variance(exp_avg_sqs)
-    denoms = denominators(exp_avg_sqs)
     parts: Iterable[Sequence[int]] = [range(len(params))]
     if exchange is not None:
         inputs = exchange.inputs(exp_avgs)
@@ -128,5 +121,5 @@ def onebit_adam(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs:
         ps, ms, ds, ss = ((params, exp_avgs, denoms, seen) if len(part) == len(params) else
                           ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen)))
         if exchange is not None:
-            mask_(ms)
+            apply_mask_(ms, exp_avg_mask)
         F.adam_step_(*only_seen(ss, ps, ms, ds), lr, weight_decay, bc1)

@@ -1,84 +1,51 @@
 """What the three 1-bit optimizers share: the step that orchestrates them.
 
-`OnebitOptimizer.step()` gathers fp32 gradients, asks the ranks to agree
-(on the params that train, on skipping a non-finite step), averages in full
-precision where the stage says so, and hands the maths of the step to the
-subclass's `_update`. Each concern around that is an object it holds, built
-from explicit inputs and testable without an optimizer.
+Where the 1-bit step happens: `step()` -> `_take_step` -> the subclass's
+`_update` -> its stage maths, a function with explicit inputs beside its
+class, as torch.optim.adam's `adam()` (adam.py `onebit_adam`; lamb.py
+`onebit_lamb_fresh_step_`, `onebit_lamb_frozen_step_`; zoadam.py
+`sync_local_steps_`, `sync_single_`), which exchanges through
+`StepExchange` (step_exchange.py).
 
-Shared with DiLoCo (onebit/feedback/):
-
-- `ErrorFeedbackChannel`: the backend, the fused buffers and their error
-  feedback, the traffic and `comm_stats()`, the saved errors and the
-  notice when a resume lost them;
-- `RankAgreement`: the construction fingerprint, the per-step verdict,
-  the replica divergence guard;
-- `ShardedParams` (onebit/shards.py): FSDP2 shards seen as local tensors.
-
-The optimizers' own (onebit/optim/):
-
-- `StepExchange` (step_exchange.py): a stage's 1-bit exchange, whichever
-  path it takes (one fused buffer, or the buckets of `BackwardOverlap`,
-  overlap.py, started during backward);
-- `LateJoiners` (late.py): params that start training after v froze;
-- `StaticBuffers` (capture.py): scratch buffers kept from step to step;
-- `ZeroVarianceGuard` (guards.py): what an exchange must not move;
-- `UntouchedParams` (untouched.py): params no rank has a gradient for.
-
-Hyper-parameter defaults live in defaults.py, the checkpoint formats in
-checkpoints.py, the maths in functional.py, the stage schedules in
-stage_schedules.py, and each optimizer's stage maths as functions with
-explicit inputs beside its class, as torch.optim.adam's `adam()` (adam.py:
-`onebit_adam`; lamb.py: `lamb_warmup_step_`, `onebit_lamb_fresh_step_`,
-`onebit_lamb_frozen_step_`; zoadam.py: `accumulate_`, `sync_local_steps_`,
-`sync_single_`). The classes gather the state and call them.
+`step()` is five verbs over a `StepPlan` (step_plan.py): gather the fp32
+gradients, agree across ranks (`StepGate`), average in full precision
+where the stage says so (`FullPrecisionAveraging`, averaging.py), update,
+finish. The objects it holds, each built from explicit inputs:
+`Communication` (communication.py: the group, the backend, the rank
+agreements), `ParamState` and `TrainedSet` (param_state.py: per-param
+state over FSDP2 shards, who trains), `GroupCaches` (caches.py: v's
+denominators and masks), `BackwardOverlap` (overlap.py), the shared
+`ErrorFeedbackChannel` (onebit/feedback/), and the checkpoint bodies in
+checkpoints.py.
 """
 from __future__ import annotations
 
 import abc
 import contextlib
-import copy
-import math
-import time
-import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .. import collectives
 from ..amp import AGREEING_SCALER_ATTRIBUTE
-from ..backends import backend_name
 from ..backends.stats import TrafficStats
 from ..checks import check_each_parameter_once
-from ..feedback.agreement import (RankAgreement, check_params_served, group_settings,
-                                  nonfinite_flag)
-from ..feedback.channel import ErrorFeedbackChannel, agreed_backend_name, open_backend
-from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
-from ..feedback.handoff import exchange_group
-from ..half_precision import check_fp16_mean, share
-from ..multi_tensor import tensor_norms
+from ..feedback.channel import ErrorFeedbackChannel
+from ..feedback.exchange import GroupKey, LateKey
 from ..shards import ShardedParams
 from . import checkpoints
 from . import functional as F
-from .capture import StaticBuffers
+from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
-from .guards import Variances, ZeroVarianceGuard, resolved
-from .late import FROZEN, LATE, LATE_KEY, TRAINED, LateJoiners, codes_fit
+from .late import LATE, TRAINED, LateJoiners, late_adam_step_
+from .averaging import FullPrecisionAveraging
+from .communication import Communication, agreed_settings
 from .options import CommOptions
-from .overlap import BackwardOverlap, OverlapCallbacks
+from .overlap import BackwardOverlap, OverlapCallbacks, check_overlap_group
+from .param_state import ParamState, TrainedSet
 from .step_exchange import StepExchange
+from .step_plan import (StepGate, StepPlan, keep_untouched, start_late, step_settings,
+                        unseen_trained)
 from .stage import Stage
-from .untouched import UntouchedParams
-
-
-def step_settings(counters: dict, param_groups) -> dict:
-    """What every rank must hold alike at each step, named for the message:
-    the counters that decide the stage (a rank resumed from another
-    checkpoint would run another stage's collectives) and each group's
-    hyper-parameters (a scheduler stepped on one rank only)."""
-    return {"the step counters": sorted(counters.items()),
-            "hyper-parameters": group_settings(param_groups, leave_out=(COUNTERS_KEY,))}
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
@@ -115,95 +82,48 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     rank_agreed_settings: Tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, schedule, options: CommOptions) -> None:
-        comm_backend_name, cuda_aware = options.comm_backend_name, options.cuda_aware
-        process_group, timeout_s = options.process_group, options.timeout_s
-        overlap_backward, bucket_cap_mb = options.overlap_backward, options.bucket_cap_mb
-        block_size = self.block_size = options.block_size
-        self.scale_dtype = options.wire_scale_dtype
-        self.averaging_dtype = options.averaging_dtype
-        # What every rank must share besides the param groups: the stage
-        # schedule's and the subclass's settings; the wire format; and what
-        # decides the bucket plan.
+        name = type(self).__name__
         self._schedule = schedule
-        self._settings = {**schedule.settings(),
-                          **{name: getattr(self, name) for name in self.rank_agreed_settings}}
-        self._settings.update(block_size=block_size,
-                              scale_dtype=str(self.scale_dtype), overlap_backward=overlap_backward,
-                              bucket_cap_mb=bucket_cap_mb,
-                              communication_data_type=str(self.averaging_dtype),
-                              # its checks are collectives of their own
-                              check_replicas_every=options.check_replicas_every)
-        self._constructed = False
+        settings = agreed_settings(schedule, {n: getattr(self, n) for n in self.rank_agreed_settings},
+                                   options)
+        self._comm: Optional[Communication] = None  # (torch's __init__ adds the first groups)
         super().__init__(params, defaults)
-        self.timeout_s = timeout_s
-        self.check_replicas_every = options.check_replicas_every
-        self.process_group = process_group
-        self.distributed = collectives.is_distributed(type(self).__name__)
-        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
-        self.cuda_aware = cuda_aware
-        self._shards = ShardedParams(type(self).__name__, self.param_groups, process_group)
-        if self._shards.sharded and overlap_backward:
-            raise ValueError(f"{type(self).__name__}: overlap_backward is not supported with "
-                             "FSDP2-sharded params yet; leave it False")
-        chosen = self._shards.comm_backend(comm_backend_name)
-        self.comm_backend_name = backend_name(chosen)  # a default: agreed below
-        self.backend = None
-        # Where this optimizer's own collectives (averaging, agreement) take tensors.
-        self.comm_device = collectives.communication_device(process_group, self._device()) \
-            if self.distributed else torch.device("cpu")
-        # The decisions every rank must share (skipping a step, which params
-        # have no gradient) span the shard group too: a shard that skipped
-        # while its neighbour stepped would leave half a parameter behind.
-        # The replicas' checksums, though, compare only copies of one shard.
-        self._agreement = RankAgreement(type(self).__name__, self._shards.mesh_group
-                                        if self._shards.sharded else process_group, timeout_s)
-        self._replicas = RankAgreement(type(self).__name__, process_group, timeout_s)
-        self._agreeing = self.world_size > 1 or (self._shards.sharded and dist.get_world_size() > 1)
-        if self._agreeing and self.world_size == 1:  # one replica of shards: agree, no exchange
-            self._agreement.check_construction(self._settings, self.param_groups,
-                                               self.comm_backend_name)
-        if self.world_size > 1:
-            check_params_served(type(self).__name__, self.param_groups, process_group)
-            # (a default: each rank read it from its own launcher's variables)
-            self.comm_backend_name = agreed_backend_name(chosen, process_group, timeout_s,
-                                                         self.comm_device)
-            # Before any group or backend is made: those are collectives that
-            # ranks built differently (another backend, the overlap on one
-            # rank only) would not all join, hanging or aborting instead.
-            self._agreement.check_construction(self._settings, self.param_groups,
-                                               self.comm_backend_name)
-            group = process_group
-            if overlap_backward and not self.comm_backend_name.startswith("mpi"):
-                group = exchange_group(process_group)  # the communication thread's own (overlap.py)
-            self.backend = open_backend(self.comm_backend_name, group, timeout_s=timeout_s,
-                                        cuda_aware=cuda_aware, block_size=block_size,
-                                        scale_dtype=self.scale_dtype)
-            if self._shards.sharded:  # replicas of one shard, not of different ones
-                self._replicas.check_fields(self._shards.replica_fields())
-            self._broadcast_parameters()
-        self._constructed = True
+        self._shards = ShardedParams(name, self.param_groups, options.process_group)
+        self._params = ParamState(self, self._shards,
+                                  LateJoiners(schedule.warmup_length, schedule.warmup_option))
+        comm = Communication(name, options, settings, self._shards, self._params.device())
+        comm.open(self.param_groups, self._shards)
+        self._comm = comm
         self._channel = ErrorFeedbackChannel(
-            type(self).__name__, self.backend, self.world_size,
-            dist.get_rank(process_group) if self.world_size > 1 else 0, block_size,
+            name, comm.backend, comm.world_size, comm.rank, options.block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
-        self._late = LateJoiners(schedule.warmup_length, schedule.warmup_option)
-        self._static = StaticBuffers()
-        self._warned_scales_drift = False
         self._momentum_restart = checkpoints.MomentumRestart()
-        self._zero_variance = ZeroVarianceGuard(self._shards.whole_sums
-                                                if self._shards.sharded else None)
-        self._denoms: Dict[object, tuple] = {}  # group index or LateKey -> (key, denominators)
-        self._hook_averaged: set = set()  # ids of params the DDP hook averaged, for one step
-        self._trainable_signature = None  # see _notice_trainable_changes
-        self._stopped_training: List[torch.Tensor] = []  # ... and _params_stopped_training
-        self._trainable_digest = 0
+        self._caches = GroupCaches(self._shards)  # v's denominators and masks, scratch
+        self._averaging = FullPrecisionAveraging(
+            name, comm.process_group, comm.world_size, comm.timeout_s, options.averaging_dtype,
+            self._channel.exchange, self._channel.traffic)
+        self._trained = TrainedSet()  # see _notice_trainable_changes
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
         self._share_counters(self._initial_counters())
-        self._overlap: Optional[BackwardOverlap] = None
         self._step_in_progress: Optional[int] = None  # set by step() once it agreed to go on
-        self._setup_overlap(overlap_backward, bucket_cap_mb)
+        self._overlap = self._setup_overlap(options.overlap_backward, options.bucket_cap_mb)
         # What a stage's maths calls to exchange (step_exchange.py).
         self._exchanges = StepExchange(self._channel.exchange, self._overlap, self.world_size)
+        self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, self._overlap)
+
+    # The communication's settings (communication.py), read-only.
+    process_group = property(lambda self: self._comm.process_group)
+    distributed = property(lambda self: self._comm.distributed)
+    world_size = property(lambda self: self._comm.world_size)
+    timeout_s = property(lambda self: self._comm.timeout_s)
+    cuda_aware = property(lambda self: self._comm.options.cuda_aware)
+    comm_backend_name = property(lambda self: self._comm.comm_backend_name)
+    backend = property(lambda self: self._comm.backend)
+    comm_device = property(lambda self: self._comm.comm_device)
+    block_size = property(lambda self: self._comm.options.block_size)
+    scale_dtype = property(lambda self: self._comm.options.wire_scale_dtype)
+    averaging_dtype = property(lambda self: self._comm.options.averaging_dtype)
+    check_replicas_every = property(lambda self: self._comm.options.check_replicas_every)
 
     # -------------------------------------------------------------- copies --
     # torch's hooks, which torch's own copies leave behind too (its
@@ -262,16 +182,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _late_update(self, key: LateKey, group, params, grads) -> None:
         """A late joiner's own warmup step: Adam, with bias corrections
         counted per param from its first step (late.py)."""
-        beta1, beta2 = group["betas"]
         grads = self._clipped(grads, group["max_grad_norm"])
-        for p, g in zip(params, grads):
-            k = LateJoiners.steps_done(self._local_state(), p) + 1
-            m, v = self._state_tensor(p, "exp_avg"), self._state_tensor(p, "exp_avg_sq")
-            F.update_momentum_([m], [g], beta1)
-            F.update_variance_([v], [g], beta2)
-            bc1, bc2 = self._bias_corrections(group, k, k)
-            denom = F.denominators([v], group["eps"], group["eps_inside_sqrt"], bc2)
-            F.adam_step_([p], [m], denom, group["lr"], group["weight_decay"], bc1)
+        steps = [LateJoiners.steps_done(self._params.local_state(), p) + 1 for p in params]
+        late_adam_step_(params, grads, self._params.tensors(params, "exp_avg"),
+                        self._params.tensors(params, "exp_avg_sq"), steps, group)
 
     # ------------------------------------------------------------ counters --
     @property
@@ -335,139 +249,131 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._channel.restart_notice.before_step()
-        if self._momentum_restart.due():
-            self._restart_momentum()
-        self._shards.forget_views()
-        stage = self.stage_at(self.counters["step"] + 1)
-        t = stage.step
-        # One pass over the params decides who trains and who is late: a
-        # step pays it per tensor.
-        codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
-        self._notice_trainable_changes(codes)
-        groups = [(self._with_float_lr(g), ps)
-                  for g, ps in zip(self.param_groups, self._coded(codes, TRAINED))]
-        late = [(g, ps) for (g, _), ps in zip(groups, self._coded(codes, LATE))]
-        if self._overlap is not None:  # before _gradients, which unscales in place
-            self._overlap.notice_changed_gradients()
-        grads = [self._gradients(ps) for _, ps in groups]
-        late_grads = [self._gradients(ps) for _, ps in late]
+        plan = self._gather()
         try:
-            if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
-                self._overlap.launch_rest([ps for _, ps in groups], grads)
-            unseen = (self._unseen_trained(stage, groups, grads)
-                      if stage.variance_frozen and self._late.warmup_length else [])
-            skip, gradless, first_used = self._agree_before_step(t, grads + late_grads, unseen)
-            if self._stopped_training:  # (the ranks agree on them: the step goes on)
-                self._params_stopped_training(self._stopped_training)
-                self._stopped_training = []
-            if skip:
-                self._end_overlap()
-                self._channel.telemetry.end_step(t, stage.name, skipped=True)
-                return loss
-            if not self._leaves_gradless_params(stage):
-                # (0/1 Adam's syncs:) a late joiner is averaged in full
-                # precision every step, so its replicas need no common point.
-                late_ids = {id(p) for _, ps in late for p in ps}
-                gradless = [p for p in gradless if id(p) in late_ids]
-            untouched = (self._keep_untouched(gradless, [ps for _, ps in groups])
-                         if gradless else None)
-            exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
-            if stage.full_precision:
-                for i, ((_, ps), gs) in enumerate(zip(groups, grads)):
-                    self._average_unhooked_(GroupKey(i), ps, gs)
-            for i, ((_, ps), gs) in enumerate(zip(late, late_grads)):  # full precision (late.py)
-                self._average_unhooked_(LateKey(i), ps, gs)
+            go_on = self._agree(plan)
+            if go_on:
+                self._average(plan)
         except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
             self._end_overlap()  # step t never began; undo what backward exchanged (overlap.py)
             raise
         finally:
-            self._hook_averaged = set()  # the DDP hook's promise covers one step
-        self.counters["step"] = t
-        self._step_in_progress = t  # what an exchange input written from here on is for
+            self._averaging.forget_marks()  # the DDP hook's promise covers one step
+        if not go_on:
+            self._end_overlap()
+            self._channel.telemetry.end_step(plan.stage.step, plan.stage.name, skipped=True)
+            return loss
+        self._take_step(plan)  # the maths: the subclass's _update
+        self._finish(plan)
+        return loss
+
+    def _gather(self) -> StepPlan:
+        """The coming step's stage, who trains and who is late (one pass over
+        the params: a step pays it per tensor), and their fp32 gradients."""
+        self._channel.restart_notice.before_step()
+        if self._momentum_restart.due():
+            checkpoints.zero_momentum_(self.state)
+        self._shards.forget_views()
+        stage = self.stage_at(self.counters["step"] + 1)
+        codes = self._params.codes(stage.variance_frozen)
+        self._notice_trainable_changes(codes)
+        groups = [(self._with_float_lr(g), ps)
+                  for g, ps in zip(self.param_groups, self._params.coded(codes, TRAINED))]
+        late = [(g, ps) for (g, _), ps in zip(groups, self._params.coded(codes, LATE))]
+        if self._overlap is not None:  # before _gradients, which unscales in place
+            self._overlap.notice_changed_gradients()
+        return StepPlan(stage, groups, [self._gradients(ps) for _, ps in groups],
+                        late, [self._gradients(ps) for _, ps in late])
+
+    def _agree(self, plan: StepPlan) -> bool:
+        """Whether the step goes on, as every rank agreed (step_plan.StepGate);
+        then `plan` learns the params no rank has a gradient for, what to put
+        back for them (untouched.py) and who is used first since v froze."""
+        if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
+            self._overlap.launch_rest(plan.trained, plan.grads)
+        stage = plan.stage
+        unseen = (unseen_trained(plan, self._caches, self._params)
+                  if stage.variance_frozen and self._params.late.warmup_length else [])
+        skip, gradless, plan.first_used = self._gate.before_step(
+            stage.step, plan.grads + plan.late_grads, unseen, self.param_groups,
+            step_settings(self.counters, self.param_groups), self._trained.digest,
+            getattr(self, "found_inf", None),
+            agreeing_scaler=getattr(self, AGREEING_SCALER_ATTRIBUTE, False),
+            fp16_hint=bool(self._averaging.hooked) and self.averaging_dtype == torch.float16)
+        gradless = self._shards.locals(gradless)
+        if self._trained.stopped:  # (the ranks agree on them: the step goes on)
+            self._params_stopped_training(self._trained.take_stopped())
+        if skip:
+            return False
+        if not self._leaves_gradless_params(stage):
+            # (0/1 Adam's syncs:) a late joiner is averaged in full
+            # precision every step, so its replicas need no common point.
+            late_ids = {id(p) for _, ps in plan.late for p in ps}
+            gradless = [p for p in gradless if id(p) in late_ids]
+        plan.gradless = gradless
+        plan.untouched = (keep_untouched(gradless, plan.trained, self._params, self._overlap,
+                                         self._channel.exchange, self.STATE_OF_THE_RUN)
+                          if gradless else None)
+        plan.exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
+        return True
+
+    def _average(self, plan: StepPlan) -> None:
+        """Full-precision averages: the trained params' where the stage says
+        so, the late joiners' at every step (late.py)."""
+        if plan.stage.full_precision:
+            for i, ((_, ps), gs) in enumerate(zip(plan.groups, plan.grads)):
+                self._averaging.average_unhooked_(GroupKey(i), ps, gs)
+        for i, ((_, ps), gs) in enumerate(zip(plan.late, plan.late_grads)):
+            self._averaging.average_unhooked_(LateKey(i), ps, gs)
+
+    def _take_step(self, plan: StepPlan) -> None:
+        """Step t's maths: the subclass's `_update` (the 1-bit step), on the
+        gradients clipped (warmup: the average; else the local one)."""
+        stage = plan.stage
+        self.counters["step"] = stage.step
+        self._step_in_progress = stage.step  # what an exchange input written from here on is for
         try:
-            if exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
+            if plan.exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
                 # Backward's gradients were scaled whether step() unscales
                 # them (grad_scale) or the user did (unscale_, which leaves
                 # grad_scale None and found_inf set, and no mark on .grad).
-                self._overlap.settle([ps for _, ps in groups], grads,
+                self._overlap.settle(plan.trained, plan.grads,
                                      relaunch=getattr(self, "found_inf", None) is not None)
-            # warmup: the average; else the local one
-            grads = [self._clipped(gs, group["max_grad_norm"]) for (group, _), gs in zip(groups, grads)]
-            self._update(stage, groups, grads)
+            grads = [self._clipped(gs, group["max_grad_norm"])
+                     for (group, _), gs in zip(plan.groups, plan.grads)]
+            self._update(stage, plan.groups, grads)
             self._schedule.advance(self.counters, stage)
         finally:
             self._step_in_progress = None
             self._end_overlap()
-        for i, ((group, params), gs) in enumerate(zip(late, late_grads)):
+
+    def _finish(self, plan: StepPlan) -> None:
+        """Late joiners' own steps, untouched params put back, first-used
+        params made late joiners, the replicas' check, the telemetry."""
+        stage, t = plan.stage, plan.stage.step
+        for i, ((group, params), gs) in enumerate(zip(plan.late, plan.late_grads)):
             if params:
                 self._late_update(LateKey(i), group, params, gs)
-                LateJoiners.advance(self._local_state(), params)
-        if untouched is not None:
-            untouched.restore()
+                LateJoiners.advance(self._params.local_state(), params)
+        if plan.untouched is not None:
+            plan.untouched.restore()
             if stage.full_precision:  # v moved in this step, and was just put back for some:
                 # what the step derived from it (its square roots, the
                 # zero-variance masks) is derived again from the v put back.
-                self._zero_variance.clear()
-                self._denoms.clear()
-        if first_used:
-            self._start_late(first_used)
+                self._caches.clear()
+        if plan.first_used:
+            start_late(plan.first_used, self._params)
+            # What was laid out for the old trained set goes now, as the next
+            # step would forget it: a checkpoint taken now holds the error
+            # buffers the run goes on with.
+            self._forget_layouts()
         self.last_stage = stage
         if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
                 and stage.replicas_match):
-            self._replicas.check_replicas(
+            self._comm.replicas.check_replicas(
                 t, [{"params": self._shards.locals(g["params"])} for g in self.param_groups],
-                self._local_state())
+                self._params.local_state())
         self._channel.telemetry.end_step(t, stage.name, skipped=False)
-        return loss
-
-    def _agree_before_step(self, t: int, grads_by_group: List[List[torch.Tensor]],
-                           unseen: list = ()) -> Tuple[bool, List[torch.Tensor], list]:
-        """Whether step t must be skipped: a GradScaler saw inf/NaN, or a
-        gradient is not finite, on any rank. Without a GradScaler, non-finite
-        gradients raise on every rank before anything changes. Before any
-        collective that depends on them, the same all-gather checks that the
-        ranks train the same params, finds the trained params no rank has
-        a gradient for (returned second), and which of `unseen`
-        (_unseen_trained) some rank has a nonzero gradient for (returned
-        third: first used since v froze): one host sync in all."""
-        found_inf = getattr(self, "found_inf", None)
-        flag = nonfinite_flag(grads_by_group, self.comm_device, found_inf)
-        every = [p for g in self.param_groups for p in g["params"]]
-        no_grad = [p.grad is None for p in every]
-        # (on the device: the flags join the gather, no host read of their own)
-        used = torch.stack([g.ne(0).any() for _, g in unseen]) if unseen else None
-        if self._agreeing:
-            stale = self._overlap is not None and self._overlap.stale
-            settings = step_settings(self.counters, self.param_groups)
-            verdict = self._in_order(lambda: self._agreement.before_step(
-                t, flag, self._trainable_digest, stale, self.param_groups, no_grad, settings,
-                used))
-            if self._overlap is not None:  # every rank redoes its buckets, or none
-                self._overlap.stale = verdict.redo_buckets
-            bad, no_grad, used = verdict.nonfinite, verdict.gradless, verdict.used
-            if bad and found_inf is not None and not verdict.nonfinite_everywhere:
-                self._warn_scales_drift(t)
-        else:
-            bad, used = bool(flag), used.tolist() if used is not None else ()
-        if bad and found_inf is None:
-            hint = (" With communication_data_type='fp16' the DDP hook's mean arrives as inf "
-                    "when a rank's share or the sum is beyond 65504: use 'bf16'."
-                    if self._hook_averaged and self.averaging_dtype == torch.float16 else "")
-            raise ValueError(f"{type(self).__name__}: NaN or Inf gradient at step {t} on at "
-                             "least one rank; nothing was updated (use torch.amp.GradScaler to "
-                             f"skip such steps).{hint}")
-        return bad, self._shards.locals(
-            [p for p, none in zip(every, no_grad) if none and p.requires_grad]), \
-            [p for (p, _), first in zip(unseen, used) if first]
-
-    def _in_order(self, collective):
-        """A collective of step() on this optimizer's group: behind the
-        exchanges that backward queued, on their thread (overlap.in_order),
-        so that every rank issues the two groups' collectives in one order."""
-        if self._overlap is None:
-            return collective()
-        return self._overlap.in_order(collective)
 
     # State a step sets whether a param had a gradient or not: left as the
     # step made it when the step puts an untouched param back.
@@ -480,70 +386,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         as they were (untouched.py): every step does, but 0/1 Adam's syncs."""
         return True
 
-    def _keep_untouched(self, gradless: List[torch.Tensor],
-                        trained: List[List[torch.Tensor]]) -> UntouchedParams:
-        """What this step must put back for the params no rank has a gradient
-        for (untouched.py): their values and state, and this rank's slices
-        of every error buffer they sit in, as they were before this step's
-        exchanges (those launched during backward included)."""
-        keep = UntouchedParams()
-        ids = {id(p) for p in gradless}
-        for p in gradless:
-            keep.keep_param(p, self._state_of(p), leave=self.STATE_OF_THE_RUN)
-        for i, ps in enumerate(trained):
-            places = [(GroupKey(i), ps, j) for j, p in enumerate(ps) if id(p) in ids]
-            if self._overlap is not None:
-                places += self._overlap.places(trained, i, ids)
-            for key, like, index in places:
-                keep.keep(self._channel.exchange.keep_tensor_errors(key, like, index))
-        return keep
-
-    def _unseen_trained(self, stage: Stage, groups, grads) -> list:
-        """(param, its fp32 gradient) for each trained param whose v is 0
-        everywhere, the zero-variance guard's answer (cached while v is
-        frozen): once v froze, the params a nonzero gradient on some rank
-        uses for the first time (late.py). Nothing per param where every
-        trained tensor has seen a gradient."""
-        out = []
-        for i, ((group, ps), gs) in enumerate(zip(groups, grads)):
-            if not ps:
-                continue
-            seen, _ = self._seen(i, group, lambda ps=ps: self._state_tensors(ps, "exp_avg_sq"),
-                                 stage.variance_version)
-            if not all(seen):
-                out += [(p, g) for p, g, ok in zip(ps, gs, seen) if not ok]
-        return out
-
-    def _start_late(self, params: List[torch.Tensor]) -> None:
-        """`params` (local shards) were used for the first time since v froze,
-        in the step just taken: v of 0 held them still, so that gradient is
-        spent. From the next step they are late joiners (late.py): their
-        state is that of a late joiner's first step (zeros), kept whole so
-        that a checkpoint taken now has every key (DCP loads only into
-        those); and what was laid out for the old trained set goes now, as
-        the next step would forget it, so that such a checkpoint's error
-        buffers are those the run goes on with."""
-        for p in params:
-            st = self._state_of(p)
-            st.clear()
-            st[LATE_KEY] = 0
-            self._state_tensor(p, "exp_avg")
-            self._state_tensor(p, "exp_avg_sq")
-        self._forget_layouts()
-
-    def _warn_scales_drift(self, t: int) -> None:
-        """Some ranks' GradScaler found an inf and others not: every rank
-        skips this step, but torch's GradScaler backs off only where it
-        found one, so the ranks' scales now differ (onebit.amp's does not)."""
-        if getattr(self, AGREEING_SCALER_ATTRIBUTE, False) or self._warned_scales_drift:
-            return
-        self._warned_scales_drift = True
-        warnings.warn(f"{type(self).__name__}: at step {t} only some ranks found an inf or NaN; "
-                      "every rank skipped the step, but torch.amp.GradScaler backs off only on "
-                      "those ranks, so the ranks' loss scales now differ (under DDP the replicas "
-                      "then drift apart). Use onebit.amp.GradScaler, which agrees across ranks",
-                      RuntimeWarning, stacklevel=3)
-
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's add_param_group, made safe for data parallelism: every
         rank must add the same group at the same step (checked, like the
@@ -554,27 +396,24 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             params = param_group["params"] = list(params)
         listed = [params] if isinstance(params, torch.Tensor) else params
         check_each_parameter_once(type(self).__name__, listed)
-        if getattr(self, "_constructed", False):  # sharded like the rest, or whole like the rest
+        if self._comm is not None:  # sharded like the rest, or whole like the rest
             self._shards.check_added([*self.param_groups, {**param_group, "params": listed}])
         super().add_param_group(param_group)
-        if not getattr(self, "_constructed", False):  # torch's __init__ adding the first groups
+        if self._comm is None:  # torch's __init__ adding the first groups
             return
         # A refused group leaves: it would train unchecked, and 0/1 Adam's
         # per-group counters would miss it. The checks come before the
         # broadcast, so a refusal leaves its params as they were, too.
         try:
-            if self.world_size > 1:
-                check_params_served(type(self).__name__, self.param_groups, self.process_group)
-                self._agreement.check_construction(self._settings, self.param_groups,
-                                                   self.comm_backend_name)
+            self._comm.check_added(self.param_groups)
             if self._overlap is not None:
-                self._check_overlap_group(self.param_groups[-1])
+                check_overlap_group(self.param_groups[-1])
         except BaseException:
             self.param_groups.pop()
             raise
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
-            self._broadcast_parameters(groups=self.param_groups[-1:])
+            self._comm.broadcast(self.param_groups[-1:], self._shards)
         if self._overlap is not None:  # its params get hooks too
             self._overlap.watch(self.param_groups[-1]["params"])
         self._schedule.group_added(self.counters)
@@ -594,19 +433,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         averages the others itself (a head outside the DDP model, added with
         add_param_group). It covers one step."""
         every = [p for g in self.param_groups for p in g["params"]] if params is None else params
-        self._hook_averaged.update(id(p) for p in every)
-
-    def _average_unhooked_(self, key, params: List[torch.Tensor],
-                           grads: List[torch.Tensor]) -> None:
-        """Average the gradients of `params` the DDP hook did not average:
-        all of them without the hook; with it, those outside the DDP model
-        (through a buffer of their own, UnhookedKey)."""
-        if not self._hook_averaged:
-            self._average_(key, grads)
-            return
-        rest = [g for p, g in zip(params, grads) if id(p) not in self._hook_averaged]
-        if rest:
-            self._average_(UnhookedKey(key), rest)
+        self._averaging.mark(every)
 
     @property
     def traffic(self) -> TrafficStats:
@@ -631,26 +458,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._channel.report(self.counters["step"])
 
     # ------------------------------------------------------------- tensors --
-    def _trainable(self, group) -> List[torch.Tensor]:
-        """The params this optimizer trains with its own stages: those that
-        require grad, less late joiners in their own warmup (late.py). A param
-        whose .grad is None at a step counts as a zero gradient, so every rank
-        flattens the same layout."""
-        return self._shards.locals([p for p in group["params"]
-                                    if p.requires_grad and not self._late.is_late(self.state, p)])
-
-    def _trained_lists(self) -> List[List[torch.Tensor]]:
-        return [self._trainable(g) for g in self.param_groups]
-
-    def _last_trained_lists(self) -> List[List[torch.Tensor]]:
-        """The params the last step trained with its stages (loaded: the
-        saved step), which the error buffers are laid out for; before any
-        step, or where groups were added since, those that train now."""
-        signature = self._trainable_signature
-        if signature is None or not codes_fit(signature, self.param_groups):
-            return self._trained_lists()
-        return self._coded(signature, TRAINED)
-
     def _coming_trained_lists(self) -> List[List[torch.Tensor]]:
         """The params the coming step trains with its stages, as step() will
         find them (the overlap plans its buckets by them during backward):
@@ -658,47 +465,24 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         marked a late joiner first, as step() marks it. Else backward's
         exchange inputs made its state, v = 0 included, and step() then took
         it for a trained param that never saw a gradient: it never moved.
-        One pass over the params, as step()'s (the codes say who trains).
         A change is noticed here, as step() would: backward's exchange
         inputs must not read what was cached for the old params (0/1
         Adam's denominators and masks, by group)."""
-        stage = self.stage_at(self.counters["step"] + 1)
-        codes = self._late.codes(self.state, self.param_groups, stage.variance_frozen)
+        codes = self._params.codes(self.stage_at(self.counters["step"] + 1).variance_frozen)
         self._notice_trainable_changes(codes)
-        return self._coded(codes, TRAINED)
-
-    def _coded(self, codes: List[List[int]], code: int) -> List[List[torch.Tensor]]:
-        """Each group's params whose code (`codes`: LateJoiners.codes's, one
-        row per group) is `code`, as local shards."""
-        return [self._shards.locals([p for p, c in zip(g["params"], row) if c == code])
-                for g, row in zip(self.param_groups, codes)]
+        return self._params.coded(codes, TRAINED)
 
     def _notice_trainable_changes(self, signature: List[List[int]]) -> None:
-        """Keep the digest of which params train current (`signature`: each
-        group's codes from LateJoiners.codes); when it changes (layers
-        frozen or unfrozen, a param group added, a late joiner joining),
-        forget everything laid out for the old set: flat buffers,
-        error-feedback buffers (they restart from zero), cached denominators
-        and guards, scratch buffers."""
-        if signature != self._trainable_signature:
-            if self._trainable_signature is not None:
-                self._stopped_training = [
-                    p for group, old, new in zip(self.param_groups, self._trainable_signature,
-                                                 signature) if len(old) == len(new)
-                    for p, was, now in zip(group["params"], old, new)
-                    if was != FROZEN and now == FROZEN]
-                if self._overlap is not None and self._overlap.launched:
-                    # Exchanges backward queued over the old buffers (a group
-                    # added mid-run, its params planned in): undone first,
-                    # while their buffers exist; step() exchanges again.
-                    self._overlap.abandon()
-                self._forget_layouts()
-            self._hold_signature(signature)
-
-    def _hold_signature(self, signature: Optional[List[List[int]]]) -> None:
-        """Who trains, as the agreement compares it (by digest; 0: none yet)."""
-        self._trainable_signature = signature
-        self._trainable_digest = collectives.stable_digest(signature) if signature else 0
+        """When who trains changes, forget everything laid out for the old
+        set: flat buffers, error-feedback buffers (they restart from zero),
+        cached denominators and guards, scratch buffers."""
+        if self._trained.notice(signature, self.param_groups):
+            if self._overlap is not None and self._overlap.launched:
+                # Exchanges backward queued over the old buffers (a group
+                # added mid-run, its params planned in): undone first,
+                # while their buffers exist; step() exchanges again.
+                self._overlap.abandon()
+            self._forget_layouts()
 
     def _params_stopped_training(self, params: List[torch.Tensor]) -> None:
         """`params` were trained in the last step and are frozen from this
@@ -706,145 +490,23 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         where the replicas are equal after every step (0/1 Adam's local
         steps are not)."""
 
-    def _local_state(self):
-        """`self.state`, which a sharded param's local shard (what the maths
-        holds, see `_trainable`) indexes as the param itself."""
-        return self._shards.state_view(self.state)
-
-    def _state_of(self, p: torch.Tensor) -> dict:
-        """The state of param `p`, or of the param whose local shard `p` is."""
-        return self.state[self._shards.owner(p)]
-
-    def _state_tensor(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        st = self._state_of(p)
-        t = st.get(name)
-        if t is None:
-            t = st[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        return t
-
-    def _states(self, params: List[torch.Tensor]) -> List[dict]:
-        """The state of each of `params` (as _state_of), one lookup each: a
-        step over thousands of small tensors pays per lookup (a tensor's
-        hash is a Python call), so a step takes its params' states once and
-        hands them to _moments and _state_tensors."""
-        state = self.state
-        return [state[p] for p in self._shards.owners(params)]
-
-    def _state_tensors(self, params: List[torch.Tensor], name: str,
-                       states: Optional[List[dict]] = None) -> List[torch.Tensor]:
-        """Each param's fp32 state tensor `name`, created on first use.
-        `states`: the params' _states, where the caller has them."""
-        out = [st.get(name) for st in (self._states(params) if states is None else states)]
-        for i, t in enumerate(out):
-            if t is None:
-                out[i] = self._state_tensor(params[i], name)
-        return out
-
-    def _moments(self, params: List[torch.Tensor], states: Optional[List[dict]] = None):
-        """The params' fp32 (exp_avg, exp_avg_sq) state tensors, created on
-        first use. `states`: as for _state_tensors."""
-        states = self._states(params) if states is None else states
-        return (self._state_tensors(params, "exp_avg", states),
-                self._state_tensors(params, "exp_avg_sq", states))
-
     def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
         """fp32 gradients, unscaled when a GradScaler handed us its scale."""
-        grads = self._shards.grads(params)
-        # The usual case (every gradient there, dense fp32, outside autograd)
-        # in one pass: a step over thousands of small tensors pays per tensor.
-        if not all(g is not None and g.dtype is torch.float32 and not g.requires_grad
-                   and not g.is_sparse for g in grads):
-            grads = [self._fp32_gradient(p, g) for p, g in zip(params, grads)]
-        scale = getattr(self, "grad_scale", None)
-        if scale is not None and grads:
-            torch._foreach_mul_(grads, (1.0 / scale.double()).float().item())
-        return grads
-
-    def _fp32_gradient(self, p: torch.Tensor, g: Optional[torch.Tensor]) -> torch.Tensor:
-        """`p`'s gradient `g` as a dense fp32 tensor outside autograd (zeros
-        where it has none)."""
-        if g is None:
-            return torch.zeros_like(p, dtype=torch.float32)
-        if g.is_sparse:
-            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-        g = g.detach()
-        return g.float() if g.dtype != torch.float32 else g
-
-    def _device(self) -> torch.device:
-        for g in self.param_groups:
-            for p in g["params"]:
-                return p.device
-        return torch.device("cpu")
+        return self._params.gradients(params, getattr(self, "grad_scale", None))
 
     def _forget_layouts(self) -> None:
         self._channel.exchange.forget_layouts()
-        self._zero_variance.clear()
-        self._denoms.clear()
-        self._static.clear()
+        self._caches.clear()
+        self._caches.static.clear()
 
     def _clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
-        """`grads` clipped to the global norm `max_norm` (0: as they are).
-        Clipped copies: `grads` may be the params' own `.grad`, which
-        torch's optimizers never write."""
-        if max_norm > 0 and grads:
-            total = float(torch.linalg.vector_norm(
-                self._shards.whole_norms(tensor_norms(grads))))
-            if not math.isfinite(total):
-                # Finite gradients whose squares sum beyond fp32 (the
-                # non-finite check let them through: no element's square
-                # overflows, or no single tensor's on the CPU): the norm in
-                # float64, not a coefficient of 0 that would zero the step.
-                # (Every rank of a shard group takes this branch alike.)
-                total = float(torch.linalg.vector_norm(self._shards.whole_norms(torch.stack(
-                    [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))))
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                return list(torch._foreach_mul(grads, coef))
-        return grads
+        """`grads` clipped to the global norm `max_norm` (functional.clipped)."""
+        return F.clipped(grads, max_norm, self._shards.whole_norms)
 
     # -------------------------------------------------------- communication --
-    def _collective(self, phase: str, start) -> None:
-        collectives.run(f"{type(self).__name__}: {phase}", start, self.timeout_s, self.process_group)
-
-    def _average_(self, key, tensors: List[torch.Tensor]) -> None:
-        """Full-precision mean across ranks, as one collective on fused buffer
-        `key` (a GroupKey, or a LateKey for late joiners), in
-        `averaging_dtype` (communication_data_type)."""
-        if self.world_size == 1 or not tensors:
-            return
-        dtype, world = self.averaging_dtype, self.world_size
-
-        def mean_(flat: torch.Tensor) -> None:
-            started = time.perf_counter()
-            # fp32 sums, then divides (the bits every release had); half
-            # precision divides first, so the sum stays as small as the mean.
-            wire = flat if dtype == torch.float32 else share(flat, world, dtype)
-            self._collective("gradient averaging (full-precision all-reduce)",
-                             lambda: dist.all_reduce(wire, group=self.process_group, async_op=True))
-            # The buffer is in the compression layout, every tensor padded to
-            # whole blocks: the pads go over the wire too, so they count as
-            # sent, though not in the fp32 baseline of the params' bytes.
-            self.traffic.add_allreduce(wire.numel(), world, dtype.itemsize,
-                                       time.perf_counter() - started,
-                                       payload=sum(t.numel() for t in tensors))
-            if wire is flat:
-                flat.div_(world)
-            else:
-                check_fp16_mean(type(self).__name__, wire)
-                flat.copy_(wire)
-
-        self._channel.exchange.average_(key, tensors, mean_)
-
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._channel.exchange.reset()
-
-    def _broadcast_parameters(self, groups=None) -> None:
-        """Start every rank from rank 0's parameters (one collective per group)."""
-        for group in self.param_groups if groups is None else groups:
-            collectives.broadcast_from_first_rank(
-                f"{type(self).__name__}: broadcast of rank 0's initial parameters",
-                self._shards.locals(list(group["params"])), self.process_group, self.timeout_s)
 
     # ------------------------------------------------- overlap with backward --
     def _coming_step(self) -> int:
@@ -852,9 +514,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         backward, the current one inside step()."""
         return self._step_in_progress or self.counters["step"] + 1
 
-    def _setup_overlap(self, overlap_backward: bool, bucket_cap_mb: float) -> None:
+    def _setup_overlap(self, overlap_backward: bool,
+                       bucket_cap_mb: float) -> Optional[BackwardOverlap]:
         if not overlap_backward or self.world_size == 1:
-            return
+            return None
         # Late-bound: a subclass (or a test) may replace these methods.
         callbacks = OverlapCallbacks(
             active=lambda: self._exchange_during_backward(),
@@ -862,17 +525,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             gradients=lambda params: self._gradients(params),
             write_input=lambda *args: self._exchange_input_(*args),
             input_key=lambda index: self._exchange_input_key(index))
-        self._overlap = BackwardOverlap(self._channel.exchange, callbacks, bucket_cap_mb)
+        overlap = BackwardOverlap(self._channel.exchange, callbacks, bucket_cap_mb)
         for group in self.param_groups:
-            self._check_overlap_group(group)
-            self._overlap.watch(group["params"])
-
-    def _check_overlap_group(self, group: dict) -> None:
-        if self._overlap is not None and group["max_grad_norm"] > 0:
-            raise ValueError("overlap_backward=True needs max_grad_norm=0: clipping needs the norm "
-                             "of every gradient, which exists only after backward. Clipping "
-                             "before step() yourself works, but exchanges every bucket again "
-                             "in step(): turn the overlap off to clip")
+            check_overlap_group(group)
+            overlap.watch(group["params"])
+        return overlap
 
     def no_overlap(self):
         """Context manager: the backward passes inside it start no exchange
@@ -893,32 +550,19 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     # --------------------------------------------------------- checkpoints --
     def state_dict(self) -> dict:
-        """torch's state_dict, with the counters copied (the saved dict must
-        not follow training) and a placeholder for each per-param state a
-        later stage creates, so a fresh optimizer's state_dict has every key
-        a trained one has: DCP loads only into keys the target already has."""
+        """torch's state_dict, with the counters copied and a placeholder for
+        each per-param state a later stage creates (checkpoints.annotate):
+        a fresh optimizer's state_dict has every key a trained one has."""
         sd = super().state_dict()
-        compressed = self._momentum_restart.pending or (
-            self.world_size > 1
-            and self._schedule.had_error_feedback(self.counters, self.counters["step"]))
         step = self.counters["step"]
-        placeholders = sorted(name for name, (_, real) in self._staged_state().items()
-                              if not real(step))
-        for g in sd["param_groups"]:
-            g[COUNTERS_KEY] = {**copy.deepcopy(g[COUNTERS_KEY]),
-                               checkpoints.MOMENTUM_KEY: compressed,
-                               checkpoints.PLACEHOLDERS_KEY: placeholders,
-                               checkpoints.TRAINED_KEY:
-                                   checkpoints.trained_codes(self._trainable_signature)}
         params = [p for g in self.param_groups for p in g["params"]]
-        checkpoints.add_placeholders(sd, params, self._all_staged_state())
+        checkpoints.annotate(sd, params, step=step, staged=self._staged_state(),
+                             momentum_compressed=self._momentum_restart.pending or (
+                                 self.world_size > 1
+                                 and self._schedule.had_error_feedback(self.counters, step)),
+                             late_warmup=self._params.late.warmup_length, trained=self._trained.signature)
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
         return sd
-
-    def _all_staged_state(self) -> Dict[str, tuple]:
-        # A late joiner's own warmup count (late.py); "done" for everyone else.
-        warm = self._late.warmup_length
-        return {LATE_KEY: (lambda p: warm, lambda step: True), **self._staged_state()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint, from any world size: this optimizer's own, or a
@@ -941,37 +585,30 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_post_hooks = post_hooks
+        self._load_own_part(state_dict)
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _load_own_part(self, state_dict: dict) -> None:
         checkpoints.state_in_fp32(self.state, self.param_groups, state_dict,
                                   keep=self.STATE_IN_PARAM_DTYPE)
         self._shards.from_dtensors(self.state)
-        counters = {**self._initial_counters(), **self.param_groups[0].get(COUNTERS_KEY, {})}
-        had_error_feedback = self._schedule.had_error_feedback(counters, counters["step"])
-        # Absent from checkpoints written before it: the stage decides.
-        compressed = counters.pop(checkpoints.MOMENTUM_KEY, had_error_feedback)
-        placeholders = counters.pop(checkpoints.PLACEHOLDERS_KEY, None)
-        trained = checkpoints.signature_from_codes(counters.pop(checkpoints.TRAINED_KEY, None),
-                                                   self.param_groups)
-        self._share_counters(counters)
-        checkpoints.drop_placeholders(self.state, self._staged_state(), counters["step"],
-                                      placeholders)
-        # A late joiner (or a param about to be one: no v) never held what the
-        # run's local steps keep (0/1 Adam's synced point): the checkpoint's
-        # entry is a placeholder, which would pass for real after its warmup.
-        for p, st in checkpoints.param_states(self.state):
-            if "exp_avg_sq" not in st or self._late.is_late(self.state, p):
-                for name in self.STATE_OF_THE_RUN:
-                    st.pop(name, None)
+        saved = checkpoints.SavedCounters(self.param_groups, self._initial_counters(),
+                                          self._schedule.had_error_feedback)
+        self._share_counters(saved.counters)
+        checkpoints.drop_placeholders(self.state, self._staged_state(), saved.step,
+                                      saved.placeholders)
+        checkpoints.drop_state_of_the_run(self.state, lambda p: self._params.late.is_late(self.state, p),
+                                          self.STATE_OF_THE_RUN)
         self._forget_layouts()
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load
         # as laid out for it (_error_layouts).
-        self._hold_signature(trained)
-        self._stopped_training = []
-        self._channel.owner_loaded(self.world_size > 1 and had_error_feedback)
-        self._momentum_restart.loaded(compressed)
+        self._trained.hold(saved.trained)
+        self._trained.stopped = []
+        self._channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
+        self._momentum_restart.loaded(saved.momentum_compressed)
         self._after_load()
-        for hook in post_hooks.values():
-            hook(self)
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers: what `state_dict()` leaves out,
@@ -981,7 +618,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         identical to not stopping. Groups that have not exchanged yet get
         zeros of the right size, so a fresh optimizer's dict is a target DCP
         can load into."""
-        return self._channel.state_dict(self._error_layouts(), self._device(),
+        return self._channel.state_dict(self._error_layouts(), self._params.device(),
                                         {"step": self.counters["step"]})
 
     def error_feedback_key(self) -> str:
@@ -1014,19 +651,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def momentum_restart(self, enabled: bool) -> None:
         self._momentum_restart.enabled = bool(enabled)
 
-    def _restart_momentum(self) -> None:
-        for _, state in checkpoints.param_states(self.state):
-            m = state.get("exp_avg")
-            if isinstance(m, torch.Tensor):
-                m.zero_()
-
     def _error_layouts(self) -> dict:
         """Error-buffer key -> layout of every fused buffer this optimizer
         exchanges: each group's, and with overlap_backward each bucket's too
         (where every compressed exchange then goes)."""
         if self.world_size == 1:
             return {}
-        trained = self._last_trained_lists()
+        trained = self._trained.last_lists(self._params, self.param_groups)
         buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
         return self._channel.exchange.layouts(trained, buckets)
 
@@ -1036,87 +667,3 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         from ..ddp import OnebitHookState
 
         return OnebitHookState(self)
-
-    # ------------------------------------------------- maths the stages share --
-    def _seen(self, index, group, exp_avg_sqs: Variances, version: Optional[int]):
-        """The zero-variance guard's (seen, masks) for group `index` (see
-        guards.py); `version` names v (a stage's `variance_version`: None
-        while it changes every step). Where v changes every step and there
-        is no weight decay, nothing can move an unseen element (its m is 0
-        too), so nothing is checked. `exp_avg_sqs`: as for _denominators."""
-        if version is None and not group["weight_decay"]:
-            n = len(resolved(exp_avg_sqs))
-            return [True] * n, [None] * n
-        return self._zero_variance.check(index, exp_avg_sqs, version)
-
-    def _mask_(self, group, tensors: List[torch.Tensor]) -> None:
-        """Multiply each tensor by the group's exp_avg_mask (DeepSpeed semantics:
-        1-bit signs cannot represent exact zeros, so positions known to stay 0
-        are forced back to 0 after every compressed exchange)."""
-        for t in tensors:
-            mask = self._group_mask(group, t.device)
-            if mask is None:
-                return
-            t.mul_(mask)
-
-    def _group_mask(self, group, device: torch.device) -> Optional[torch.Tensor]:
-        """The group's exp_avg_mask on `device` (moved there once), or None;
-        on sharded params, the part of it this rank's shards take."""
-        mask = group.get("exp_avg_mask")
-        if mask is None:
-            return None
-        if mask.device != device:
-            mask = group["exp_avg_mask"] = mask.to(device)
-        return self._shards.local_mask(mask, group["params"])
-
-    def _denominators(self, index, group, exp_avg_sqs: Variances, bc2: float,
-                      version: Optional[int]) -> List[torch.Tensor]:
-        """sqrt(v / bc2) + eps, cached while v is frozen.
-
-        `version` names the current v (a stage's `variance_version`; None: v
-        changes every step, no cache). Once v stops changing the square root
-        need not be recomputed each step: this buffer (one fp32 copy of the
-        group) is what makes the compression stage cheaper than an Adam step.
-        `exp_avg_sqs`: the group's v, or a function giving it, called only
-        when there is no cache to use (a bucket's input written during
-        backward then costs in proportion to the bucket, not the group).
-        """
-        if version is None:
-            self._denoms.pop(index, None)
-            v = resolved(exp_avg_sqs)
-            return F.denominators(v, group["eps"], group["eps_inside_sqrt"], bc2,
-                                  out=self._static.scratch("denominators", index, v))
-        key = (version, group["eps"], group["eps_inside_sqrt"], bc2)
-        cached = self._denoms.get(index)
-        if cached is None or cached[0] != key:
-            cached = self._denoms[index] = (key, F.denominators(
-                resolved(exp_avg_sqs), group["eps"], group["eps_inside_sqrt"], bc2))
-        return cached[1]
-
-    @staticmethod
-    def _bias_corrections(group, step: int, variance_updates: int):
-        if not group["bias_correction"]:
-            return 1.0, 1.0
-        b1, b2 = group["betas"]
-        return 1.0 - b1 ** step, (1.0 - b2 ** max(variance_updates, 1))
-
-
-class FreezeStepOptimizer(OnebitOptimizer):
-    """1-bit Adam and 1-bit LAMB: full precision up to `freeze_step`, 1-bit
-    after (stage_schedules.FreezeStepSchedule); the compression stage
-    exchanges the new momentum."""
-
-    @property
-    def freeze_step(self) -> int:
-        """The last full-precision step."""
-        return self._schedule.freeze_step
-
-    def compression_started(self, step: Optional[int] = None) -> bool:
-        """Whether step `step` (default: the next one) is in the compression stage."""
-        return self._schedule.compressed(self.counters["step"] + 1 if step is None else step)
-
-    def _exchange_input_(self, index, params, grads, out, positions) -> None:
-        """The new momentum beta1 * m + (1 - beta1) * g, into `out`: m itself
-        changes only when step() commits it."""
-        m = self._state_tensors(params, "exp_avg")
-        F.momentum_into(out, m, grads, self.param_groups[index]["betas"][0])

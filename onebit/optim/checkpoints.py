@@ -20,11 +20,12 @@ refused checkpoint changes nothing):
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .late import codes_fit
+from .late import LATE_KEY, codes_fit
 
 
 COUNTERS_KEY = "onebit"  # param_group[COUNTERS_KEY]: the counters that decide the stage
@@ -209,6 +210,61 @@ def signature_from_codes(saved, param_groups) -> Optional[List[List[int]]]:
         return None
     signature = [[int(code) for code in row] for row in saved.split("|")]
     return signature if codes_fit(signature, param_groups) else None
+
+
+def annotate(state_dict: dict, params, *, step: int, momentum_compressed: bool,
+             staged: Dict[str, tuple], late_warmup: int,
+             trained: Optional[List[List[int]]]) -> None:
+    """What an optimizer's state_dict adds to torch's, in place: each
+    group's counters copied (the saved dict must not follow training), with
+    whether the momentum came through compressed exchanges (MomentumRestart),
+    the staged state saved as placeholders and who the step trained
+    (trained_codes); and a placeholder for each per-param state a later
+    stage creates (`staged`, the subclass's; a late joiner's warmup count,
+    LATE_KEY, for everyone), so a fresh optimizer's state_dict has every key
+    a trained one has: DCP loads only into keys the target already has."""
+    placeholders = sorted(name for name, (_, real) in staged.items() if not real(step))
+    for g in state_dict["param_groups"]:
+        g[COUNTERS_KEY] = {**copy.deepcopy(g[COUNTERS_KEY]), MOMENTUM_KEY: momentum_compressed,
+                           PLACEHOLDERS_KEY: placeholders, TRAINED_KEY: trained_codes(trained)}
+    add_placeholders(state_dict, params,
+                     {LATE_KEY: (lambda p: late_warmup, lambda step: True), **staged})
+
+
+class SavedCounters:
+    """The counters a loaded checkpoint holds, apart from what the save
+    added to them (see `annotate`). `initial`: the optimizer's initial
+    counters (keys a checkpoint written before them lacks);
+    `had_error_feedback(counters, step)`: the schedule's."""
+
+    def __init__(self, param_groups, initial: dict, had_error_feedback) -> None:
+        counters = {**initial, **param_groups[0].get(COUNTERS_KEY, {})}
+        self.step = counters["step"]
+        self.had_error_feedback = had_error_feedback(counters, self.step)
+        # Absent from checkpoints written before them: the stage decides.
+        self.momentum_compressed = counters.pop(MOMENTUM_KEY, self.had_error_feedback)
+        self.placeholders = counters.pop(PLACEHOLDERS_KEY, None)
+        self.trained = signature_from_codes(counters.pop(TRAINED_KEY, None), param_groups)
+        self.counters = counters
+
+
+def drop_state_of_the_run(state: dict, is_late, names: tuple) -> None:
+    """A late joiner (`is_late(param)`, or a param about to be one: no v)
+    never held what the run's local steps keep (`names`: 0/1 Adam's synced
+    point): the checkpoint's entry is a placeholder, which would pass for
+    real after its warmup."""
+    for p, st in param_states(state):
+        if "exp_avg_sq" not in st or is_late(p):
+            for name in names:
+                st.pop(name, None)
+
+
+def zero_momentum_(state: dict) -> None:
+    """Restart every param's momentum from zero (MomentumRestart)."""
+    for _, st in param_states(state):
+        m = st.get("exp_avg")
+        if isinstance(m, torch.Tensor):
+            m.zero_()
 
 
 class MomentumRestart:

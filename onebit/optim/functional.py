@@ -136,6 +136,23 @@ def _into(out: Optional[Tensors], src: Tensors) -> Tensors:
     return out
 
 
+def adam_moments_(grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *, beta1: float,
+                  beta2: float) -> None:
+    """A warmup's moments, in place: m and v learn from `grads` (averaged
+    across ranks), before the denominators and masks of the new v are read."""
+    update_momentum_(exp_avgs, grads, beta1)
+    update_variance_(exp_avg_sqs, grads, beta2)
+
+
+def bias_corrections(group: dict, step: int, variance_updates: int):
+    """(1 - beta1^step, 1 - beta2^variance_updates) for a param group; (1, 1)
+    without bias_correction. v's count stops when v freezes."""
+    if not group["bias_correction"]:
+        return 1.0, 1.0
+    b1, b2 = group["betas"]
+    return 1.0 - b1 ** step, (1.0 - b2 ** max(variance_updates, 1))
+
+
 def denominators(exp_avg_sqs: Tensors, eps: float, eps_inside_sqrt: bool, bc2: float,
                  out: Optional[Tensors] = None) -> Tensors:
     """sqrt(v / bc2) + eps, or sqrt(v / bc2 + eps) when eps_inside_sqrt.
@@ -308,3 +325,25 @@ def lamb_frozen_factor(denom_ratio_max: float, update_prelim_norm: float,
         factor = factor * ratio + (1.0 - ratio)
     factor = min(max(factor, factor_min), factor_max)
     return min(max(factor, last_factor * (1.0 - threshold)), last_factor * (1.0 + threshold))
+
+
+def clipped(grads: Tensors, max_norm: float, whole_norms) -> Tensors:
+    """`grads` clipped to the global norm `max_norm` (0: as they are).
+    `whole_norms` completes per-tensor norms of shards into whole params'
+    (ShardedParams.whole_norms; the identity on whole params). Clipped
+    copies: `grads` may be the params' own `.grad`, which torch's
+    optimizers never write."""
+    if max_norm > 0 and grads:
+        total = float(torch.linalg.vector_norm(whole_norms(tensor_norms(grads))))
+        if not math.isfinite(total):
+            # Finite gradients whose squares sum beyond fp32 (the
+            # non-finite check let them through: no element's square
+            # overflows, or no single tensor's on the CPU): the norm in
+            # float64, not a coefficient of 0 that would zero the step.
+            # (Every rank of a shard group takes this branch alike.)
+            total = float(torch.linalg.vector_norm(whole_norms(torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            return list(torch._foreach_mul(grads, coef))
+    return grads

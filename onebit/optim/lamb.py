@@ -1,15 +1,16 @@
 """1-bit LAMB (Li et al., 2021, arXiv 2104.06069)."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from . import checkpoints
 from . import functional as F
+from .caches import apply_mask_
 from .guards import only_seen
 from ..wire import DEFAULT_BLOCK_SIZE
-from .base import FreezeStepOptimizer
+from .freeze_step import FreezeStepOptimizer
 from ..checks import check_number
 from ..multi_tensor import lamb_ratio_norms
 from .defaults import adam_defaults
@@ -151,22 +152,23 @@ class OnebitLamb(FreezeStepOptimizer):
         param at a time, counted from its first step; its last step keeps its
         variance as the fresh one, as freeze_step does for the rest."""
         for p, g in zip(params, grads):
-            done = LateJoiners.steps_done(self._local_state(), p)
+            done = LateJoiners.steps_done(self._params.local_state(), p)
             [g] = self._clipped([g], group["max_grad_norm"])  # (its own norm: step() clips the rest)
             self._warmup_step(key, group, [p], [g], done + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:
-        states = self._states(params)
-        m, v = self._moments(params, states)
+        states = self._params.states(params)
+        m, v = self._params.moments(params, states)
+        F.adam_moments_(gs, m, v, beta1=group["betas"][0], beta2=group["betas"][1])
+        seen = self._caches.seen(i, group, v, None)[0]
+        bc1, bc2 = F.bias_corrections(group, t, t)
+        denoms = (self._caches.denominators(i, group, only_seen(seen, v)[0], bc2, None)
+                  if any(seen) else [])
         coeffs = lamb_warmup_step_(
-            params, gs, m, v,
-            zero_variance=lambda v: self._seen(i, group, v, None)[0],
-            denominators=lambda v, bc2: self._denominators(i, group, v, bc2, None),
-            scratch=lambda like: self._static.scratch("update", i, like),
-            whole_norms=self._whole_norms(), beta1=group["betas"][0], beta2=group["betas"][1],
-            lr=group["lr"], weight_decay=group["weight_decay"],
-            bias_corrections=self._bias_corrections(group, t, t),
-            min_coeff=group["min_coeff"], max_coeff=group["max_coeff"])
+            params, m, denoms, seen=seen,
+            scratch=lambda like: self._caches.static.scratch("update", i, like),
+            whole_norms=self._whole_norms(), lr=group["lr"], weight_decay=group["weight_decay"],
+            bc1=bc1, min_coeff=group["min_coeff"], max_coeff=group["max_coeff"])
         self.lamb_coeffs.extend(c for c in coeffs if c is not None)
         for st, mi, vi, coeff in zip(states, m, v, coeffs):
             if coeff is None:  # never seen: stays as it is
@@ -190,22 +192,22 @@ class OnebitLamb(FreezeStepOptimizer):
     def _compressed_step(self, i, group, params, gs, t, variance_updates: int) -> None:
         """`variance_updates`: how many updates the frozen v had (freeze_step,
         unless a checkpoint from a run with another freeze_step was loaded)."""
-        states = self._states(params)
-        m, v = self._moments(params, states)
+        states = self._params.states(params)
+        m, v = self._params.moments(params, states)
         frozen = self.trust_ratio == "frozen"
         if frozen:
-            m_last = self._static.scratch("momentum before this step", i, m)
+            m_last = self._caches.static.scratch("momentum before this step", i, m)
             torch._foreach_copy_(m_last, m)
         # m <- the 1-bit average of the new momentum: one fused exchange for
         # the whole group (see the class doc for why it is not rescaled).
-        seen, masks = self._seen(i, group, v, variance_updates)
+        seen, masks = self._caches.seen(i, group, v, variance_updates)
         exchange = self._exchanges.group(i)
         inputs = exchange.inputs(m)
         if inputs is not None:  # (else backward wrote them: the same expression)
             F.momentum_into(inputs, m, gs, group["betas"][0])
         exchange.average_(m, seen, masks)
-        self._mask_(group, m)
-        bc1, bc2 = self._bias_corrections(group, t, variance_updates)
+        apply_mask_(m, self._caches.mask(group, params))
+        bc1, bc2 = F.bias_corrections(group, t, variance_updates)
         # freeze_step = 0 or a restored warmup: the ratio's state starts here
         start, name = (v, "exp_avg_sq_fresh") if frozen else (m, "exp_avg_smoothed")
         for st, x in zip(states, start):
@@ -214,8 +216,8 @@ class OnebitLamb(FreezeStepOptimizer):
         params, m, v, states = only_seen(seen, params, m, v, states)
         if not params:
             return
-        denom = self._denominators(i, group, v, bc2, variance_updates)
-        common = dict(scratch=lambda like: self._static.scratch("update", i, like),
+        denom = self._caches.denominators(i, group, v, bc2, variance_updates)
+        common = dict(scratch=lambda like: self._caches.static.scratch("update", i, like),
                       whole_norms=self._whole_norms(), lr=group["lr"],
                       weight_decay=group["weight_decay"], bc1=bc1,
                       min_coeff=group["min_coeff"], max_coeff=group["max_coeff"])
@@ -231,7 +233,7 @@ class OnebitLamb(FreezeStepOptimizer):
                 [st.get("last_factor", 1.0) for st in states],
                 fresh_denominators=lambda fresh: F.denominators(
                     fresh, group["eps"], group["eps_inside_sqrt"], bc2,
-                    out=self._static.scratch("fresh denominators", i, fresh)),
+                    out=self._caches.static.scratch("fresh denominators", i, fresh)),
                 whole_maxima=self._shards.whole_maxima if self._shards.sharded else None,
                 beta1=group["betas"][0], beta2=group["betas"][1], factor_min=self.factor_min,
                 factor_max=self.factor_max, factor_threshold=self.factor_threshold, **common)
@@ -257,23 +259,18 @@ def lamb_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, *, scratch, 
     return coeffs
 
 
-def lamb_warmup_step_(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
-                      *, zero_variance: Callable[[Tensors], List[bool]],
-                      denominators: Callable[[Tensors, float], Tensors], scratch, whole_norms,
-                      beta1: float, beta2: float, lr: float, weight_decay: float,
-                      bias_corrections: Tuple[float, float], min_coeff: float,
-                      max_coeff: float) -> List[Optional[float]]:
-    """One warmup step of 1-bit LAMB on one group (`grads` averaged across
-    ranks): LAMB itself. Returns each tensor's trust ratio, None for the
-    tensors v never saw (they do not move)."""
-    F.update_momentum_(exp_avgs, grads, beta1)
-    F.update_variance_(exp_avg_sqs, grads, beta2)
-    seen = zero_variance(exp_avg_sqs)
-    ps, ms, vs = only_seen(seen, params, exp_avgs, exp_avg_sqs)
+def lamb_warmup_step_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, *,
+                      seen: List[bool], scratch, whole_norms, lr: float, weight_decay: float,
+                      bc1: float, min_coeff: float, max_coeff: float) -> List[Optional[float]]:
+    """One warmup step of 1-bit LAMB on one group, once m and v learned from
+    the averaged gradients (functional.adam_moments_): LAMB itself.
+    `denoms`: sqrt(v / bc2) + eps of the tensors v saw (`seen`, the
+    zero-variance guard's), the others do not move. Returns each tensor's
+    trust ratio, None for the tensors v never saw."""
+    ps, ms = only_seen(seen, params, exp_avgs)
     if not ps:
         return [None] * len(params)
-    bc1, bc2 = bias_corrections
-    coeffs = iter(lamb_step_(ps, ms, denominators(vs, bc2), scratch=scratch,
+    coeffs = iter(lamb_step_(ps, ms, denoms, scratch=scratch,
                              whole_norms=whole_norms, lr=lr, weight_decay=weight_decay, bc1=bc1,
                              min_coeff=min_coeff, max_coeff=max_coeff))
     return [next(coeffs) if ok else None for ok in seen]

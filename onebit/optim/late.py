@@ -26,6 +26,8 @@ from typing import List
 
 import torch
 
+from . import functional as F
+
 
 LATE_KEY = "late_steps"  # state[p][LATE_KEY]: its own warmup steps so far
 FROZEN, TRAINED, LATE = 0, 1, 2  # a param's code in a step (LateJoiners.codes)
@@ -106,3 +108,18 @@ class LateJoiners:
         for p in params:
             state[p][LATE_KEY] += 1
 
+
+
+def late_adam_step_(params: List[torch.Tensor], grads: List[torch.Tensor],
+                    exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor],
+                    steps: List[int], group: dict) -> None:
+    """Late joiners' own warmup: Adam, one param at a time, its bias
+    corrections counted from its own first step (`steps`, this one
+    included), on `grads` averaged across ranks in full precision."""
+    beta1, beta2 = group["betas"]
+    for p, g, m, v, k in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        F.update_momentum_([m], [g], beta1)
+        F.update_variance_([v], [g], beta2)
+        bc1, bc2 = F.bias_corrections(group, k, k)
+        denom = F.denominators([v], group["eps"], group["eps_inside_sqrt"], bc2)
+        F.adam_step_([p], [m], denom, group["lr"], group["weight_decay"], bc1)

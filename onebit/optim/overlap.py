@@ -129,6 +129,14 @@ class OverlapCallbacks:
     input_key: Callable[[int], object]  # what a group's input depends on besides gradients
 
 
+def check_overlap_group(group: dict) -> None:
+    """A param group the overlap can serve: no clipping (max_grad_norm 0)."""
+    if group["max_grad_norm"] > 0:
+        raise ValueError("overlap_backward=True needs max_grad_norm=0: clipping needs the norm "
+                         "of every gradient, which exists only after backward. Clipping "
+                         "before step() yourself works, but exchanges every bucket again "
+                         "in step(): turn the overlap off to clip")
+
 class BackwardOverlap:
     """The hooks, the bucket plan and the communication thread of one
     optimizer: its buckets' buffers and errors live in `exchange`."""

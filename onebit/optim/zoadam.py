@@ -6,6 +6,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from . import functional as F
+from .caches import apply_mask_
 from .guards import mask_unseen_, only_seen, only_unseen
 from ..multi_tensor import zero_one_land, zero_one_local_step, zero_one_step, zero_one_sync_input
 from ..wire import DEFAULT_BLOCK_SIZE
@@ -123,17 +124,17 @@ class ZeroOneAdam(OnebitOptimizer):
             return
         group = self._with_float_lr(self.param_groups[index])
         version = self.counters["var_updates"]
-        bc1, bc2 = self._bias_corrections(group, t, version)
+        bc1, bc2 = F.bias_corrections(group, t, version)
 
         def group_variances() -> List[torch.Tensor]:
             # Only where the caches of the frozen v miss (once per v): a
             # lookup of every trained param per bucket made backward's host
             # time grow with buckets x params.
-            return self._state_tensors(self._trainable(group), "exp_avg_sq")
+            return self._params.tensors(self._params.trainable(group), "exp_avg_sq")
 
-        denom = self._denominators(index, group, group_variances, bc2, version)
-        seen, masks = self._seen(index, group, group_variances, version)
-        m = self._state_tensors(params, "exp_avg")  # (`params` are trained[j] for j in positions)
+        denom = self._caches.denominators(index, group, group_variances, bc2, version)
+        seen, masks = self._caches.seen(index, group, group_variances, version)
+        m = self._params.tensors(params, "exp_avg")  # (`params` are trained[j] for j in positions)
         single_sync_input_into(out, params, m, grads, [denom[j] for j in positions], bc1,
                                [seen[j] for j in positions], [masks[j] for j in positions],
                                beta1=group["betas"][0], weight_decay=group["weight_decay"])
@@ -157,14 +158,14 @@ class ZeroOneAdam(OnebitOptimizer):
             # the accumulator would hold this step's displacement alone.
             single = sync and c["lrs"][i] == 0.0
             beta1, beta2 = group["betas"]
-            states = self._states(params)
-            m, v = self._moments(params, states)
+            states = self._params.states(params)
+            m, v = self._params.moments(params, states)
             if single:  # (lrs stays 0: the next interval starts here)
                 self._sync_single_(i, t, version, group, params, gs, m, v, states)
                 continue
             if full:
                 F.update_variance_(v, gs, beta2)
-            seen, masks = self._seen(i, group, v, version)
+            seen, masks = self._caches.seen(i, group, v, version)
             # The exchanged or local gradient moves nothing v never saw.
             if not full and not frozen:  # the 1-bit average of the gradients
                 exchange = self._exchanges.group(i)
@@ -172,13 +173,13 @@ class ZeroOneAdam(OnebitOptimizer):
                 if inputs is not None:  # (else backward wrote them: the same copy)
                     F.copy_unless_same_(inputs, gs)
                 exchange.average_(gs, seen, masks)
-                self._mask_(group, gs)
+                apply_mask_(gs, self._caches.mask(group, params))
             elif not full:
                 mask_unseen_(gs, masks, seen)
-            bc1, bc2 = self._bias_corrections(group, t, version)
-            denom = self._denominators(i, group, v, bc2, version)  # (v's, not m's)
+            bc1, bc2 = F.bias_corrections(group, t, version)
+            denom = self._caches.denominators(i, group, v, bc2, version)  # (v's, not m's)
             if frozen:
-                u = self._state_tensors(params, "momentum_accumulator", states)
+                u = self._params.tensors(params, "momentum_accumulator", states)
                 anchors = self._anchors(params, states, c["lrs"][i] == 0.0)
                 # A local step: the momentum and the step in one pass where
                 # the device has the kernel (the tensors that move; the
@@ -204,14 +205,14 @@ class ZeroOneAdam(OnebitOptimizer):
                     F.update_momentum_(m, gs, beta1)
                     ps, ms, ds = only_seen(seen, params, m, denom)
                     upd = F.adam_updates(ms, ds, F.as_fp32(ps), group["weight_decay"], bc1,
-                                         out=self._static.scratch("update", i, ms))
+                                         out=self._caches.static.scratch("update", i, ms))
                     if upd:  # (empty when no tensor of the group has seen a gradient)
                         torch._foreach_mul_(upd, -group["lr"])  # upd is now the displacement
                     F.add_updates_(ps, upd)
             if sync:
                 sync_local_steps_(params, anchors, m, u, denom, exchange=self._exchanges.group(i),
                                   seen=seen, masks=masks,
-                                  mask_=lambda ts, group=group: self._mask_(group, ts),
+                                  exp_avg_mask=self._caches.mask(group, params),
                                   bc1=bc1, lrs=c["lrs"][i])
                 c["lrs"][i] = 0.0
 
@@ -225,7 +226,7 @@ class ZeroOneAdam(OnebitOptimizer):
         in_interval = {id(p) for g, lrs in zip(self.param_groups, self.counters["lrs"])
                        if lrs != 0.0 for p in g["params"]}
         for p in self._shards.locals([p for p in params if id(p) in in_interval]):
-            st = self._state_of(p)
+            st = self._params.of(p)
             if "sync_point" in st:
                 p.copy_(st["sync_point"])
                 if "momentum_accumulator" in st:
@@ -249,12 +250,12 @@ class ZeroOneAdam(OnebitOptimizer):
     def _sync_single_(self, i, t, version, group, params, grads, m, v, states) -> None:
         """A sync with no lr since the last sync (see sync_single_)."""
         # The accumulators stay 0, but exist for the local steps.
-        self._state_tensors(params, "momentum_accumulator", states)
-        bc1, bc2 = self._bias_corrections(group, t, version)
-        denom = self._denominators(i, group, v, bc2, version)
-        seen, masks = self._seen(i, group, v, version)
+        self._params.tensors(params, "momentum_accumulator", states)
+        bc1, bc2 = F.bias_corrections(group, t, version)
+        denom = self._caches.denominators(i, group, v, bc2, version)
+        seen, masks = self._caches.seen(i, group, v, version)
         sync_single_(params, grads, m, denom, exchange=self._exchanges.group(i), seen=seen,
-                     masks=masks, mask_=lambda ts: self._mask_(group, ts),
+                     masks=masks, exp_avg_mask=self._caches.mask(group, params),
                      beta1=group["betas"][0], lr=group["lr"],
                      weight_decay=group["weight_decay"], bc1=bc1)
 
@@ -293,7 +294,7 @@ def accumulate_(params: Tensors, exp_avgs: Tensors, denoms: Tensors, accumulator
 
 def sync_local_steps_(params: Tensors, anchors: Tensors, exp_avgs: Tensors,
                       accumulators: Tensors, denoms: Tensors, *, exchange: GroupExchange,
-                      seen, masks, mask_: Callable[[Tensors], None], bc1: float,
+                      seen, masks, exp_avg_mask: Optional[torch.Tensor], bc1: float,
                       lrs: float) -> None:
     """Replace the local steps since the last sync with their 1-bit average.
 
@@ -321,7 +322,7 @@ def sync_local_steps_(params: Tensors, anchors: Tensors, exp_avgs: Tensors,
     F.mul_into(avg, accumulators, denoms)
     torch._foreach_div_(avg, lrs)
     exchange.average_(None, seen, masks)  # the average stays where the input was
-    mask_(avg)
+    apply_mask_(avg, exp_avg_mask)
     mask_unseen_(avg, masks, seen)
     F.mul_into(exp_avgs, avg, -bc1)
     land_(params, anchors, avg, denoms, seen, lrs)
@@ -341,7 +342,7 @@ def land_(params: Tensors, starts: Tensors, avg: Tensors, denoms: Tensors, seen,
 
 
 def sync_single_(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Tensors, *,
-                 exchange: GroupExchange, seen, masks, mask_: Callable[[Tensors], None],
+                 exchange: GroupExchange, seen, masks, exp_avg_mask: Optional[torch.Tensor],
                  beta1: float, lr: float, weight_decay: float, bc1: float) -> None:
     """A sync with no lr since the last sync (a sync that follows a sync:
     interval 1, the default for the first local_step_scaler steps after
@@ -361,7 +362,7 @@ def sync_single_(params: Tensors, grads: Tensors, exp_avgs: Tensors, denoms: Ten
     # m <- the average direction, zeroed where v == 0, bucket by bucket
     for part in exchange.parts(exp_avgs, seen, masks):
         ps, ms, ds, ss = ([xs[j] for j in part] for xs in (params, exp_avgs, denoms, seen))
-        mask_(ms)
+        apply_mask_(ms, exp_avg_mask)
         if any(ss) and zero_one_land(*only_seen(ss, ps, ms, ds), lr=lr, bc1=bc1):  # (a GPU)
             if not all(ss):  # (they do not move)
                 torch._foreach_mul_(only_unseen(ss, ms)[0], -bc1)
