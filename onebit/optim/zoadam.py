@@ -149,7 +149,7 @@ class ZeroOneAdam(OnebitOptimizer):
             self.reset_compression_errors()
             warn_if_unsettled("ZeroOneAdam", "var_freeze_step", t - 1,
                               [v for _, params in groups if params
-                               for v in self._moments(params)[1]])
+                               for v in self._params.moments(params)[1]])
         sync = frozen and stage.compressed
         for i, ((group, params), gs) in enumerate(zip(groups, grads)):
             if not params:
