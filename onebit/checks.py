@@ -43,6 +43,19 @@ def check_positive_int(name: str, value, minimum: int = 1) -> None:
           f"an integer >= {minimum}")
 
 
+def check_real(name: str, params) -> None:
+    """A ValueError for a complex parameter.
+    The state is fp32 and the 1-bit wire carries real signs: a complex
+    parameter would lose its imaginary part at the first step with nothing
+    but a cast warning (torch's optimizers step its view_as_real)."""
+    for i, p in enumerate(params):
+        if p.is_complex():
+            raise ValueError(
+                f"{name}: param {i} {tuple(p.shape)} has dtype {p.dtype}; onebit trains real "
+                "params only (for a complex one, register "
+                "torch.view_as_real(p) as the parameter and view it back in forward)")
+
+
 def check_each_parameter_once(name: str, params) -> None:
     """A ValueError for a parameter listed twice in one group. torch.optim
     only warns and then updates it twice per step; here the two entries

@@ -190,3 +190,16 @@ def test_a_copy_across_ranks_is_refused_with_what_to_do_instead():
     from tests.distributed import run_workers
 
     assert run_workers(_copy_across_ranks, 2, timeout=60) == [1, 1]
+
+
+def test_a_complex_param_is_refused_at_construction(cls):
+    """torch's conformance suite (test_complex) found a complex param
+    accepted and its imaginary part wiped at the first step (the fp32 cast
+    of the gradient). The optimizers and DiLoCo refuse it, naming it."""
+    import onebit
+
+    z = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"param 1 \(3,\) has dtype torch.complex64"):
+        cls([torch.nn.Parameter(torch.zeros(2)), z], lr=1e-2)
+    with pytest.raises(ValueError, match=r"DiLoCo: param 0 \(3,\) has dtype torch.complex64"):
+        onebit.DiLoCo([z], torch.optim.SGD([z], lr=0.1), sync_every=4)

@@ -14,7 +14,8 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 
 from .. import collectives
-from ..checks import check_each_parameter_once, check_flag, check_number, check_positive_int
+from ..checks import (check_each_parameter_once, check_flag, check_number, check_positive_int,
+                      check_real)
 from ..wire import DEFAULT_BLOCK_SIZE, check_block_size, scale_dtype_from
 from .misuse import DDP_MISUSE
 
@@ -99,5 +100,6 @@ def synced_params(model) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[t
     # A tensor listed twice would get two anchors and, in two fragments,
     # two outer steps a round.
     check_each_parameter_once("DiLoCo", synced)
+    check_real("DiLoCo", synced)
     return params, synced, [p for p in params if not p.requires_grad]
 

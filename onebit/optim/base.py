@@ -28,7 +28,7 @@ import torch
 
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends.stats import TrafficStats
-from ..checks import check_each_parameter_once
+from ..checks import check_each_parameter_once, check_real
 from ..feedback.channel import ErrorFeedbackChannel
 from ..feedback.exchange import GroupKey, LateKey
 from ..shards import ShardedParams
@@ -396,6 +396,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             params = param_group["params"] = list(params)
         listed = [params] if isinstance(params, torch.Tensor) else params
         check_each_parameter_once(type(self).__name__, listed)
+        check_real(type(self).__name__, listed)
         if self._comm is not None:  # sharded like the rest, or whole like the rest
             self._shards.check_added([*self.param_groups, {**param_group, "params": listed}])
         super().add_param_group(param_group)
