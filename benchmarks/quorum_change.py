@@ -103,14 +103,23 @@ def train(rank: int, world: int, variant: str, seed: int, a: dict) -> dict:
     return {"variant": variant, "seed": seed, "held_out": held_out_loss(model, held, vocab)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--changes", type=int, nargs="+", default=None,
                    help="steps at which the last rank leaves, then rejoins, alternately")
-    a = vars(p.parse_args())
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    if args.nproc < 3:
+        raise ValueError("--nproc must be at least 3: a rank leaves, and two must remain")
+    if args.changes is not None and (len(args.changes) % 2 or sorted(args.changes) != args.changes):
+        raise ValueError("--changes: an even number of increasing steps (leave, rejoin, ...)")
+
+
+def run(args: argparse.Namespace) -> bool:
+    a = vars(args)
     steps = a["steps"]
     a.update(lr=2e-3, freeze=int(0.2 * steps), vocab=4096, context=32, batch=16)
     if a["changes"] is None:  # four leaves and four joins in the compression stage
@@ -129,7 +138,12 @@ def main() -> None:
         paired = " ".join(f"{(x / y - 1) * 100:+.2f}%" for x, y in zip(runs, results["none"]))
         print(f"{variant:>9} {mean:>16.4f} {min(runs):>7.4f} {max(runs):>7.4f}  "
               f"{(mean / base - 1) * 100:+.2f}%   {paired}", flush=True)
+    return True
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from onebit.bench.command import main
+
+    sys.exit(main(sys.modules[__name__]))
