@@ -203,3 +203,20 @@ def test_a_complex_param_is_refused_at_construction(cls):
         cls([torch.nn.Parameter(torch.zeros(2)), z], lr=1e-2)
     with pytest.raises(ValueError, match=r"DiLoCo: param 0 \(3,\) has dtype torch.complex64"):
         onebit.DiLoCo([z], torch.optim.SGD([z], lr=0.1), sync_every=4)
+
+
+def test_named_params_train_as_the_unnamed_and_are_checked(cls):
+    """torch takes (name, tensor) pairs (named_parameters()); the
+    construction checks read the tensors of those pairs (the complex check
+    broke on the pairs, which torch's conformance suite caught)."""
+    model, opt = build(cls)
+    named_model, _ = build(cls)
+    named = cls(named_model.named_parameters(), lr=1e-2, weight_decay=1e-3,
+                **({"var_freeze_step": 3, "local_step_scaler": 2, "local_step_clipper": 2}
+                   if cls is ZeroOneAdam else {"freeze_step": 3}))
+    train(model, opt, range(1, 6))
+    train(named_model, named, range(1, 6))
+    assert torch.equal(flat(model), flat(named_model))
+    w = named_model[0].weight
+    with pytest.raises(ValueError, match="same tensor"):
+        cls([("a", w), ("b", w)], lr=1e-2)

@@ -395,8 +395,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if not isinstance(params, (torch.Tensor, set)):  # a generator is read once
             params = param_group["params"] = list(params)
         listed = [params] if isinstance(params, torch.Tensor) else params
-        check_each_parameter_once(type(self).__name__, listed)
-        check_real(type(self).__name__, listed)
+        # torch takes named params too: (name, tensor) pairs
+        tensors = [p[1] if isinstance(p, tuple) else p for p in listed]
+        check_each_parameter_once(type(self).__name__, tensors)
+        check_real(type(self).__name__, tensors)
         if self._comm is not None:  # sharded like the rest, or whole like the rest
             self._shards.check_added([*self.param_groups, {**param_group, "params": listed}])
         super().add_param_group(param_group)
