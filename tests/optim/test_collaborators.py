@@ -16,7 +16,7 @@ from onebit.optim.late import FROZEN, LATE, LATE_KEY, TRAINED, LateJoiners
 from onebit.optim.stage import Stage
 from onebit.feedback.telemetry import StepTelemetry
 
-from .distributed import run_workers
+from tests.distributed import run_workers
 
 CPU = torch.device("cpu")
 

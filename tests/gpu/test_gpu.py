@@ -201,7 +201,7 @@ def test_cuda_rows_in_one_launch_are_bit_exact_against_cpu(block, scale_dtype, r
     chunk in one launch, the last row cut short) give the CPU kernel's
     errors, codes, scales and values; rows are strided and the last row's
     buf ends inside the piece."""
-    from tests.test_packbits import strided_rows_case
+    from tests.kernels.test_packbits import strided_rows_case
 
     gpu, cpu = CUDAPackbitsBuilder().load(), CPUPackbitsBuilder().load()
     assert hasattr(gpu, "compress_rows") and hasattr(gpu, "decode_rows")
