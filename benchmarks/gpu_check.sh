@@ -32,7 +32,7 @@ if [ "${PROFILES:-0}" = 1 ]; then
   step 60 "step profile, 20M params in 2000 tensors" python -m benchmarks.step_profile --params 20971520 --tensors 2000 --top 4
   step 60 "host time: the step's ops one by one, and its Python profile" python -m benchmarks.host_time --top 8
 fi
-RANKS="tests/test_gpu_ranks.py tests/test_sharded.py"  # the multi-rank GPU tests
+RANKS="tests/gpu/test_gpu_ranks.py tests/optim/test_sharded.py"  # the multi-rank GPU tests
 step 90 "pytest -m gpu, one process" python -m pytest -q -rs -m gpu tests -p no:cacheprovider \
   --tb=short --durations=8 $(for f in $RANKS; do echo "--ignore=$f"; done)
 # NCCL_DEBUG=WARN: a failing rank's output (which the test prints) carries NCCL's reason.

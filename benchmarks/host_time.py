@@ -22,7 +22,7 @@ import torch
 
 from onebit.accelerator import get_accelerator
 from onebit.bench.optim import _params
-from onebit.feedback.agreement import nonfinite_flag
+from onebit.agreement import nonfinite_flag
 from onebit.multi_tensor import tensor_norms
 
 REPEATS = 30

@@ -10,6 +10,6 @@ from .optim import OnebitAdam, OnebitLamb, ZeroOneAdam  # noqa: E402,F401
 from .ddp import OnebitHookState, ddp_comm_hook  # noqa: E402,F401
 from .config import build_optimizer, build_scheduler  # noqa: E402,F401
 from .collectives import CommunicationError  # noqa: E402,F401
-from .feedback.agreement import ReplicaDivergenceError  # noqa: E402,F401
+from .agreement import ReplicaDivergenceError  # noqa: E402,F401
 from .diloco import DiLoCo, SteppedOuterLR  # noqa: E402,F401
 from . import amp  # noqa: E402,F401

@@ -6,7 +6,7 @@ import sys
 import torch
 
 from .config import build_optimizer, build_scheduler, read_config
-from .schedules import SCHEDULES
+from .lr_schedules import SCHEDULES
 
 
 def main(argv=None) -> int:

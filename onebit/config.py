@@ -16,7 +16,7 @@ optimizers' full-precision exchanges (their warmup); `zero_optimization`
 with a stage above 0 is an error (the 1-bit optimizers keep whole states
 on every rank, as DeepSpeed's did);
 `scheduler` becomes a torch lr scheduler with DeepSpeed's formulas
-(`build_scheduler`, onebit/schedules.py); `fp16`/`bf16` are reported with
+(`build_scheduler`, onebit/lr_schedules.py); `fp16`/`bf16` are reported with
 how to get them in plain torch; the batch sizes and the rest are the
 training script's own business. `python -m onebit CONFIG.json` prints all
 of it.
@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Union
 import torch
 
 from .half_precision import communication_dtype_from
-from .schedules import SCHEDULES, DeepSpeedLR, schedule_from
+from .lr_schedules import SCHEDULES, DeepSpeedLR, schedule_from
 
 def _lamb(params, **kw):
     # Plain LAMB: the same code as OnebitLamb, kept in its warmup forever.
@@ -232,7 +232,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config) -> DeepSpeedLR:
     """The torch lr scheduler a DeepSpeed config's "scheduler" section
     describes ({"type": "WarmupLR", "params": {...}}; the whole config, that
     section alone, or a JSON file path), with DeepSpeed's formulas and
-    parameter names (onebit/schedules.py). Call its step() after each
+    parameter names (onebit/lr_schedules.py). Call its step() after each
     optimizer.step(), as with any torch scheduler."""
     config = _open(config)
     section = config.get("scheduler", config)

@@ -12,7 +12,7 @@ call, no host sync), else None or torch's ops.
   GPU tests hold them to a few ulps of torch's).
 
 `list_kernel` says which kernel a list takes (the optimizer's non-finite
-check asks it too, feedback/agreement.py). The kernels take contiguous
+check asks it too, agreement.py). The kernels take contiguous
 fp32 tensors off the CPU. Elsewhere (the CPU,
 other layouts and dtypes) torch's ops stay, and with them every bit the CPU
 has computed so far.

@@ -1,4 +1,4 @@
-# tests/mpi/ only makes sense under mpirun; test_mpirun.py launches it there.
+# tests/mpi/ only makes sense under mpirun; backends/test_mpirun.py launches it there.
 from onebit.launch import under_mpirun
 
 _UNDER_MPI = under_mpirun()

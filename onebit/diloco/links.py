@@ -19,9 +19,9 @@ import torch
 
 from .. import collectives
 from ..backends.codecs import CODECS
-from ..feedback.agreement import RankAgreement
+from ..agreement import RankAgreement
 from ..feedback.channel import open_backend, wire_backend_name
-from ..feedback.handoff import exchange_group
+from ..handoff import exchange_group
 from ..shards import ShardedParams, local
 from ..wire import WIRE_FORMAT_VERSION
 from .options import DiLoCoOptions

@@ -35,7 +35,7 @@ from .. import collectives
 from ..backends.stats import TrafficStats
 from ..checks import check_flag
 from ..feedback.channel import ErrorFeedbackChannel
-from ..feedback.handoff import StreamHandoff
+from ..handoff import StreamHandoff
 from ..shards import ShardedParams, local
 from ..wire import DEFAULT_BLOCK_SIZE
 from . import checkpoint

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from .. import collectives
 from ..checks import check_number
-from ..feedback.agreement import group_settings
+from ..agreement import group_settings
 from .fragments import FragmentPlan
 
 

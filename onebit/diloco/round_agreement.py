@@ -15,7 +15,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from .. import collectives
-from ..feedback.agreement import nonfinite_flag
+from ..agreement import nonfinite_flag
 
 
 class RoundAgreement:

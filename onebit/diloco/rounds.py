@@ -26,7 +26,7 @@ import torch
 
 from ..feedback.channel import ErrorFeedbackChannel
 from ..feedback.exchange import GroupKey
-from ..feedback.handoff import StreamHandoff
+from ..handoff import StreamHandoff
 from ..shards import local
 from .misuse import ParamWriteWatch
 from .options import DiLoCoOptions

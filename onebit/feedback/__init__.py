@@ -5,11 +5,10 @@ a process group, and everything those carry between calls.
   with the backend, the exchange, the traffic, the telemetry, the restart
   notice and this rank's saved errors;
 - `ErrorFeedbackExchange` (exchange.py): the fused buffers and their errors;
-- `RankAgreement` (agreement.py): what the ranks must agree on, with the
-  flag packing of its all-gathers;
 - `StepTelemetry` (telemetry.py): `comm_stats()`;
-- the saved errors and the restart notice (state.py);
-- the communication thread's group and stream handoff (handoff.py).
+- the saved errors and the restart notice (state.py).
 
-Nothing here imports `onebit.optim` or `onebit.diloco`.
+What the ranks must agree on (onebit/agreement.py) and the communication
+thread's handoff (onebit/handoff.py) are not error feedback: they sit
+beside this package. Nothing here imports `onebit.optim` or `onebit.diloco`.
 """

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..backends import backend_name
-from ..feedback.agreement import RankAgreement, check_params_served
+from ..agreement import RankAgreement, check_params_served
 from ..feedback.channel import agreed_backend_name, open_backend
-from ..feedback.handoff import exchange_group
+from ..handoff import exchange_group
 from .options import CommOptions
 
 

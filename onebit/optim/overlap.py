@@ -55,7 +55,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..feedback.exchange import BucketKey, ErrorFeedbackExchange
-from ..feedback.handoff import StreamHandoff
+from ..handoff import StreamHandoff
 from .guards import copy_masked_
 
 # Where backward's end-of-pass callbacks are queued (as DDP queues its own).

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..feedback.agreement import group_settings, nonfinite_flag
+from ..agreement import group_settings, nonfinite_flag
 from ..feedback.exchange import GroupKey
 from .checkpoints import COUNTERS_KEY
 from .late import LATE_KEY

@@ -1,4 +1,4 @@
-"""Run by tests/test_mpirun.py as `mpiexec -n 2 python tests/mpi/peer_stops.py`
+"""Run by tests/backends/test_mpirun.py as `mpiexec -n 2 python tests/mpi/peer_stops.py`
 (not collected by the suite: what it leaves behind is an unusable
 communicator). Rank 1 misses a collective by more than the deadline; the
 other ranks' MPI waits must end in CommunicationError naming the phase,

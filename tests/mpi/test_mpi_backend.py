@@ -1,4 +1,4 @@
-"""MpiBackend under mpirun (launched by tests/test_mpirun.py with -n 2, 3, 4).
+"""MpiBackend under mpirun (launched by tests/backends/test_mpirun.py with -n 2, 3, 4).
 
 Every rank runs these tests; a failure on any rank fails mpirun."""
 import pytest

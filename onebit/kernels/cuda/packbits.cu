@@ -570,7 +570,7 @@ __global__ void compress_tiled_kernel(const float* __restrict__ buf, int64_t n_b
   }
 }
 
-// The optimizer's non-finite check (feedback/agreement.py) over a list of
+// The optimizer's non-finite check (agreement.py) over a list of
 // fp32 tensors in one launch: flag <- 1 where some element's square
 // overflows fp32 (NaN, +-inf, or |x| beyond sqrt(FLT_MAX) ~ 1.8e19, whose
 // square an Adam variance could not hold). torch's _foreach_norm did the

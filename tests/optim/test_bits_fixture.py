@@ -20,7 +20,7 @@ version, the CPU kernel in use (native C++ or the pure-torch fallback), and
 the instruction set torch's own CPU kernels dispatch to (with FMA or
 without, its elementwise ops round differently). `ATEN_CPU_CAPABILITY`
 lowers the latter, so one machine can write every entry:
-`ATEN_CPU_CAPABILITY=avx2 ONEBIT_WRITE_FIXTURE=1 pytest tests/test_bits_fixture.py`.
+`ATEN_CPU_CAPABILITY=avx2 ONEBIT_WRITE_FIXTURE=1 pytest tests/optim/test_bits_fixture.py`.
 Elsewhere the test skips and says so. A change that alters bits on purpose
 regenerates the fixture (ONEBIT_WRITE_FIXTURE=1) and commits its diff with
 the reason; a change that keeps the maths must leave it as it is.
@@ -35,7 +35,7 @@ import torch
 
 from tests.distributed import run_workers
 
-FIXTURE = Path(__file__).parent / "fixtures" / "bits.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "bits.json"
 STEPS = 40
 OPTIMIZERS = {
     "OnebitAdam": dict(freeze_step=10),

@@ -1,8 +1,8 @@
-"""One torchft replica for tests/test_fault_tolerance.py: a small model with
-an embedding (rows absent from a batch) and a head, trained by a onebit
-optimizer through `onebit.fault_tolerance`, writing one JSON line per step
-(committed or not) with a digest of its params, so the test can compare
-replicas bitwise.
+"""One torchft replica for tests/integrations/test_fault_tolerance.py: a
+small model with an embedding (rows absent from a batch) and a head,
+trained by a onebit optimizer through `onebit.fault_tolerance`, writing one
+JSON line per step (committed or not) with a digest of its params, so the
+test can compare replicas bitwise.
 
 Faults it injects in itself, at committed step `--fault-step` (an event
 injector, as torchft's own tests fail at step k):

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from .distributed import run_workers
+from tests.distributed import run_workers
 
 WIRE = {("feedback/exchange.py", "allreduce")}
 INPUT_WRITERS = {("optim/functional.py", name)

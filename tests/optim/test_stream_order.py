@@ -12,7 +12,7 @@ import threading
 import torch
 
 from tests.distributed import run_workers
-from tests.test_overlap import Model, batch
+from tests.optim.test_overlap import Model, batch
 
 
 def _recording_accelerator():

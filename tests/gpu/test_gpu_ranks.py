@@ -330,7 +330,7 @@ def _half_on_both(rank, world, name):
     import torch.distributed as dist
 
     import onebit
-    from tests.test_communication_dtype import SHAPES as HALF_SHAPES, _hooked_mean, local_grad
+    from tests.optim.test_communication_dtype import SHAPES as HALF_SHAPES, _hooked_mean, local_grad
 
     host_group = dist.new_group(backend="gloo")
     moments = {}

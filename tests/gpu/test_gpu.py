@@ -201,7 +201,7 @@ def test_cuda_rows_in_one_launch_are_bit_exact_against_cpu(block, scale_dtype, r
     chunk in one launch, the last row cut short) give the CPU kernel's
     errors, codes, scales and values; rows are strided and the last row's
     buf ends inside the piece."""
-    from tests.test_packbits import strided_rows_case
+    from tests.kernels.test_packbits import strided_rows_case
 
     gpu, cpu = CUDAPackbitsBuilder().load(), CPUPackbitsBuilder().load()
     assert hasattr(gpu, "compress_rows") and hasattr(gpu, "decode_rows")
@@ -260,7 +260,7 @@ PLACES = [(0, 0), (1500, 8191), (1500, 8192), (1500, -1), (2222, -1), (-1, 0), (
                                    1.8e19, -1.8e19, 1e6])
 def test_cuda_one_launch_nonfinite_check_follows_the_elementwise_rule(value):
     import onebit.ops as ops
-    from onebit.feedback.agreement import nonfinite_flag
+    from onebit.agreement import nonfinite_flag
 
     kernels = ops.kernels_for(torch.device("cuda"))
     assert kernels.name == "cuda" and hasattr(kernels, "any_nonfinite")
@@ -287,7 +287,7 @@ def test_cuda_one_launch_nonfinite_check_follows_the_elementwise_rule(value):
 @needs_cuda
 @pytest.mark.gpu
 def test_cuda_nonfinite_flag_takes_the_norms_for_a_tensor_that_is_not_contiguous():
-    from onebit.feedback.agreement import nonfinite_flag
+    from onebit.agreement import nonfinite_flag
     from onebit.multi_tensor import list_kernel
 
     cuda = torch.device("cuda")
@@ -558,7 +558,7 @@ def test_gradients_spread_over_the_gpu_and_the_host_get_one_verdict_per_device()
     """A model with some params left on the host: the check takes each
     device's gradients on their own (the kernel for the GPU's, torch's
     norms for the host's) and the list kernels refuse the mixed list."""
-    from onebit.feedback.agreement import nonfinite_flag
+    from onebit.agreement import nonfinite_flag
     from onebit.multi_tensor import list_kernel
 
     cuda = torch.device("cuda")

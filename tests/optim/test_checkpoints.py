@@ -12,10 +12,10 @@ import torch
 
 from onebit import OnebitAdam, ZeroOneAdam
 from tests.distributed import run_workers
-from tests.test_optim_dist import CONFIGS, loss_and_grads, make, make_params
-from tests.test_overlap import STEPS, batch, build, flat_params
-from tests.test_optim_local import OPTIMIZERS, model_and_data, train
-from tests.test_training_loops import dcp_resume, dcp_save, flat, small_model
+from tests.optim.test_optim_dist import CONFIGS, loss_and_grads, make, make_params
+from tests.optim.test_overlap import STEPS, batch, build, flat_params
+from tests.optim.test_optim_local import OPTIMIZERS, model_and_data, train
+from tests.optim.test_training_loops import dcp_resume, dcp_save, flat, small_model
 
 pytestmark = pytest.mark.slow  # multi-process resumes at several world sizes; the fast tier (-m "not slow") leaves these out
 
@@ -839,7 +839,7 @@ def _two_load_resume(rank, world, name, path, save_at, steps, resume):
     whether the buffers came back and the warnings of the first step."""
     import torch.distributed as dist
 
-    from tests.test_training_loops import _make
+    from tests.optim.test_training_loops import _make
 
     model = small_model(0 if not resume else 99)  # resumed: every value from the checkpoint
     opt = _make(name, model.parameters(), freeze=10)

@@ -11,9 +11,9 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import collectives
-from ..multi_tensor import list_kernel
-from ..wire import WIRE_FORMAT_VERSION
+from . import collectives
+from .multi_tensor import list_kernel
+from .wire import WIRE_FORMAT_VERSION
 
 
 BITS_PER_WORD = 62  # flags per int64 of the all-gather, clear of the sign bit

@@ -1,7 +1,7 @@
 """Training that survives a replica failing: onebit on torchft
 (onebit.fault_tolerance). Three replicas of one process each, a Lighthouse
 on loopback, gloo; faults injected by the replicas themselves
-(tests/ft_replica.py) at a committed step, as torchft's own tests do.
+(tests/integrations/ft_replica.py) at a committed step, as torchft's own tests do.
 
 What must hold for every fault: no hang; the survivors go on; a step that
 failed is applied nowhere (params as before it); every committed step
@@ -26,7 +26,7 @@ from torchft.coordination import LighthouseServer  # noqa: E402
 slow = pytest.mark.slow  # each run starts 3-4 interpreters and waits out deadlines
 
 REPLICA = str(Path(__file__).with_name("ft_replica.py"))
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(Path(__file__).resolve().parents[2])
 STEPS, FREEZE, FAULT_STEP = 14, 5, 8
 DEADLINE_S = 150
 

@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONFIGS = ROOT / "examples" / "configs"
 

@@ -4,7 +4,7 @@ its contract written in torch (what its docstring and the CUDA source
 promise), and a run that takes them must follow the run that does not,
 with tensors never seen, rows masked and every stage of 0/1 Adam. The
 kernels themselves are checked against torch's ops on a GPU
-(tests/test_gpu.py)."""
+(tests/gpu/test_gpu.py)."""
 import pytest
 import torch
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import collectives
-from ..accelerator import accelerator_for
+from . import collectives
+from .accelerator import accelerator_for
 
 
 class StreamHandoff:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from . import reference
-from .distributed import run_workers
+from tests import reference
+from tests.distributed import run_workers
 
 SIZES = [(37, 5), (300,), (3,)]  # 488 elements: no multiple of 8 * 3 * 64
 BLOCK, H, ROUNDS, INNER_LR = 64, 3, 4, 0.05

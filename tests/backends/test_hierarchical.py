@@ -187,7 +187,7 @@ SWITCH = 36
 
 
 def _adam_on_hierarchical(rank, world, steps, freeze):
-    from tests.test_optim_dist import make, make_params, synthetic_grad
+    from tests.optim.test_optim_dist import make, make_params, synthetic_grad
 
     params = make_params(seed=0)
     opt = make("OnebitAdam", params, freeze_step=freeze, lr=1e-2, comm_backend_name="hierarchical")
@@ -206,7 +206,7 @@ def test_onebit_adam_on_2x2_matches_simulation_with_the_hierarchical_exchange():
     import numpy as np
 
     from tests.reference import hierarchical_round, placement
-    from tests.test_optim_dist import BLOCK, make_params, simulate_onebit_adam
+    from tests.optim.test_optim_dist import BLOCK, make_params, simulate_onebit_adam
 
     nodes = [[0, 1], [2, 3]]
     sizes = [p.numel() for p in make_params(0)]
@@ -234,7 +234,8 @@ def _train_then_switch(rank, world, cls_name, prefix, first, second):
     optimizer built on `second`'s that loads it: the replicas stay identical
     (check_replicas_every=1 compares them wherever they should match) and
     the loss keeps falling."""
-    from tests.test_optim_dist import CONFIGS, assert_identical, loss_and_grads, make, make_params
+    from tests.optim.test_optim_dist import (CONFIGS, assert_identical, loss_and_grads, make,
+                                             make_params)
 
     params = make_params(seed=0)
     kw = {**CONFIGS[cls_name], "check_replicas_every": 1}  # the variance freezes at step 30

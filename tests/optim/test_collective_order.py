@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
-from tests.test_overlap import STAGES, Model, batch
+from tests.optim.test_overlap import STAGES, Model, batch
 
 RECORDED = ("all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce",
             "broadcast", "barrier", "reduce_scatter_tensor")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_contains_only_the_onebit_package(tmp_path):

@@ -128,7 +128,7 @@ def test_backend_names_the_phase_when_a_peer_dies(agree_every_call):
 
 def _disagree(rank, world, what):
     import onebit
-    import onebit.feedback.agreement as agreement
+    import onebit.agreement as agreement
 
     params = _params()
     kw = {}

@@ -173,7 +173,7 @@ def _host_group_in_a_device_world(rank, world):
     import torch.distributed as dist
 
     import onebit
-    from onebit.feedback.handoff import exchange_group
+    from onebit.handoff import exchange_group
 
     host = dist.new_group(backend="gloo")
     x = torch.ones(4)

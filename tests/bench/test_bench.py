@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.slow  # each runs the bench's own ranks or a fresh interpreter; the fast tier (-m "not slow") leaves these out
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = {"size", "count", "type", "backend", "time", "algbw", "busbw", "wire", "speedup", "wrong"}
 
 

@@ -8,7 +8,7 @@ from onebit.backends import get_backend, register_backend
 from onebit.backends.contract import MEMBERS, CompressedAllreduce, missing_members
 from onebit.backends.layout import BlockLayout
 
-from .distributed import run_workers
+from tests.distributed import run_workers
 
 
 def _built_backends(rank, world):

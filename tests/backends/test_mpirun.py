@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where mpi/ lives
 
 
 def mpiexec() -> str:
@@ -27,7 +27,7 @@ def run_under_mpiexec(ranks: int, args: list, timeout_s: int) -> subprocess.Comp
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, *args]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
-                              cwd=HERE.parent)
+                              cwd=TESTS.parent)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"mpirun -n {ranks} hung past {timeout_s} s:\n{(exc.stdout or b'')[-3000:]}")
 
@@ -36,7 +36,7 @@ def run_under_mpiexec(ranks: int, args: list, timeout_s: int) -> subprocess.Comp
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_mpi_suite_under_mpirun(ranks):
     proc = run_under_mpiexec(ranks, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                     "--timeout=240", str(HERE / "mpi")], 420)
+                                     "--timeout=240", str(TESTS / "mpi")], 420)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert out.count(" passed") == ranks, out[-3000:]  # every rank reports its pass line
@@ -50,7 +50,7 @@ def test_a_peer_that_misses_an_mpi_collective_ends_in_a_timely_error():
     within the deadline, in the flat backend and in the hierarchical one
     (the peer_stops.py script also runs the agreed-once backends an owner
     builds, whose first collectives are phase 1 and the node's stage 1)."""
-    proc = run_under_mpiexec(2, [str(HERE / "mpi" / "peer_stops.py")], 120)
+    proc = run_under_mpiexec(2, [str(TESTS / "mpi" / "peer_stops.py")], 120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]

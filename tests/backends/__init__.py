@@ -1,0 +1,1 @@
+"""The compressed backends, collectives and wire: their outputs, devices, faults and MPI runs."""

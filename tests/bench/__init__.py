@@ -1,0 +1,1 @@
+"""python -m onebit.bench and short versions of the benchmarks/ harness."""

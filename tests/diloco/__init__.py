@@ -1,0 +1,1 @@
+"""DiLoCo's outer loop and its streaming fragments."""

@@ -1,0 +1,2 @@
+"""The optimizers: their maths, collaborators, exchanges, checkpoints and
+bits, with and without ranks."""
