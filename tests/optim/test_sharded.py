@@ -849,3 +849,50 @@ def test_state_dict_leaves_the_live_state_as_it_was():
     sd = opt.state_dict()
     assert set(opt.state[p[0]]) == before
     assert "sync_point" in sd["state"][0]  # the placeholder is in the saved dict only
+
+
+def _dcp_two_loads_other_mesh(rank, world, nodes, path):
+    """docs/checkpoints.md's two-load resume of the 2x2 checkpoint of
+    _dcp_save_or_resume (step 6) on a `nodes` x (world / nodes) mesh, with
+    docs/sharding.md's allow_partial_load: the second load finds no error
+    entry for this mesh, and must say so."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, mesh = sharded(world, nodes)
+    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
+               freeze_step=4, lr=1e-2)
+
+    def planner():
+        return dcp.DefaultLoadPlanner(allow_partial_load=True)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path, planner=planner())
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    errors = {opt.error_feedback_key(): opt.error_feedback_state_dict()}
+    dcp.load(errors, checkpoint_id=path, planner=planner())
+    restored = opt.load_error_feedback_state_dict(errors[opt.error_feedback_key()])
+    step = opt.counters["step"]
+    for t in range(step + 1, 11):
+        model(weights(rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_replicas_identical(model, mesh.get_group("replicate"), "after resuming")
+    finite = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    return restored, step, finite
+
+
+@pytest.mark.slow
+def test_the_two_load_dcp_resume_on_another_mesh_says_the_errors_restarted(tmp_path):
+    """Issue 70: a 2x2 checkpoint resumed on a 2x1 mesh through the two
+    loads: the error entry of this mesh is absent, the load returns False
+    (it took the untouched dict for the saved buffers before), and the run
+    trains on from step 6 with identical replicas."""
+    path = str(tmp_path / "dcp")
+    run_workers(_dcp_save_or_resume, 4, 2, path, False, timeout=120)
+    for restored, step, finite in run_workers(_dcp_two_loads_other_mesh, 2, 2, path,
+                                              timeout=180):
+        assert restored is False and step == 6 and finite
