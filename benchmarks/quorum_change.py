@@ -109,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--changes", type=int, nargs="+", default=None,
                    help="steps at which the last rank leaves, then rejoins, alternately")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="which to run (none, the reference, always runs first)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> bool:
     print(f"{'variant':>9} {'held-out (mean)':>16} {'min':>7} {'max':>7}  vs none  "
           f"per seed (vs none, the same seed)")
     results = {}
-    for variant in VARIANTS:
+    for variant in ["none"] + [v for v in a["variants"] if v != "none"]:
         runs = [launch.spawn_local(train, a["nproc"], variant, s, a, threads=1)[0]["held_out"]
                 for s in a["seeds"]]
         results[variant] = runs
