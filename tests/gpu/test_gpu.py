@@ -13,12 +13,14 @@ from onebit.builders import CPUPackbitsBuilder, CUDAPackbitsBuilder, OpBuilderEr
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
 
+@pytest.mark.slow  # nvcc takes 10-30 s on 2 cores: the full suite compiles, the fast tier not
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_cuda_kernel_compiles_with_the_builders_own_step(tmp_path):
     obj = CUDAPackbitsBuilder().compile_check(tmp_path / "packbits.o")
     assert obj.stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_cuda_shared_library_links_exports_the_launchers_and_carries_ptx(tmp_path, monkeypatch):
     """The library load() opens, built as the builder builds it: its
