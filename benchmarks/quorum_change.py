@@ -10,8 +10,9 @@ they could be kept. This measures, on the benchmark language model
 several times in the compression stage:
 
   none     no quorum change: the reference
-  restart  every error buffer restarts from zero (what onebit.fault_tolerance does)
-  keep     the worker errors are kept, the server errors restart
+  restart  every error buffer restarts from zero
+  keep     the worker errors are kept, the server errors restart (what
+           onebit.fault_tolerance does: feedback.state.carried_worker_errors)
   momentum as restart, and the momentum restarts too
 
 A leaving rank idles; a joining one takes rank 0's params and optimizer
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 import onebit
 from onebit import launch
-from onebit.feedback.state import UNRESTORED
+from onebit.feedback.state import carried_worker_errors
 
 from .lm import TinyGPT, held_out_loss, load_tokens, lr_factor, sample_batch
 
@@ -44,16 +45,9 @@ def _rebuilt(model, group, a, old, variant: str, joined: bool):
     state, errors = old
     opt.momentum_restart = variant == "momentum"
     opt.load_state_dict(state)
-    if variant == "keep" and errors is not None and not joined:
-        target = opt.error_feedback_state_dict()
-        for name, entry in target["groups"].items():
-            saved = errors["groups"].get(name)
-            entry["layout"] = entry["layout"].removeprefix(UNRESTORED)
-            if saved is not None:  # the same elements at the same offsets; the tail is padding
-                n = min(saved["worker"].numel(), entry["worker"].numel())
-                entry["worker"].zero_()[:n] = saved["worker"][:n]
-            entry["server"].zero_()
-        assert opt.load_error_feedback_state_dict(target)
+    if variant == "keep" and errors is not None and not joined:  # as onebit.fault_tolerance
+        carried = carried_worker_errors(errors, opt.error_feedback_state_dict())
+        assert carried is not None and opt.load_error_feedback_state_dict(carried)
     return opt
 
 

@@ -27,13 +27,14 @@ Semantics (docs/fault_tolerance.md):
   others rolled back is ahead, and the next quorum heals the others from it
   (torchft heals every replica behind the quorum's highest step).
 - A quorum change (a replica left or joined) reopens the exchange on the
-  new group. The server chunks are laid out by world size, so the error
-  buffers restart from zero on every replica, as when the trained set
-  changes; the momentum and the frozen variance are kept.
+  new group. Each survivor keeps its worker errors (one value per element
+  of the fused buffer, at the same offsets at any world size); the server
+  errors, chunks laid out by world size, restart from zero; the momentum
+  and the frozen variance are kept.
 - A joining replica gets params (through the model's state dict, which the
   script registers with the Manager), optimizer state and stage counters
-  from a peer, so it does not redo the warmup; its error buffers start at
-  zero, as every replica's do at that quorum change.
+  from a peer, so it does not redo the warmup; its own error buffers start
+  at zero.
 
 torchft's quorum must be synchronous (`use_async_quorum=False`): a healing
 replica then loads its peer's state before its forward pass and takes part
@@ -52,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import CommunicationError
+from .feedback.state import carried_worker_errors
 
 try:  # the [ft] extra
     from torchft.manager import Manager
@@ -161,6 +163,23 @@ class _Snapshot:
                 p.copy_(saved)
 
 
+def _restore_errors(owner, errors: Optional[dict], replicas_changed: bool) -> None:
+    """Put this rank's error buffers `errors` (None: a healed replica's own
+    start at zero) into `owner`, just rebuilt and loaded: as they were when
+    the replicas are the same (a rolled-back step); else the worker errors
+    where the fused buffers hold the same tensors, the server errors, laid
+    out by world size, from zero (measured better than restarting both:
+    docs/benchmarks/fault_tolerance.md)."""
+    if errors is None:
+        return
+    if not replicas_changed:
+        owner.load_error_feedback_state_dict(errors)
+        return
+    carried = carried_worker_errors(errors, owner.error_feedback_state_dict())
+    if carried is not None:
+        owner.load_error_feedback_state_dict(carried)
+
+
 class FaultTolerantOptimizer:
     """A onebit optimizer whose steps commit through torchft.
 
@@ -238,7 +257,7 @@ class FaultTolerantOptimizer:
         elif self._pending is not None:  # rolled back
             state, errors = self._pending.state, self._pending.errors
         else:
-            state, errors = self.optimizer.state_dict(), None
+            state, errors = self.optimizer.state_dict(), self.optimizer.error_feedback_state_dict()
         try:
             fresh = self._build()
         except CommunicationError as exc:  # a peer died during the rebuild's checks
@@ -247,13 +266,11 @@ class FaultTolerantOptimizer:
             return
         fresh.momentum_restart = False  # the momentum is a replica-wide value: keep it
         fresh.load_state_dict(state)
-        if errors is not None and not changed:
-            fresh.load_error_feedback_state_dict(errors)
+        _restore_errors(fresh, errors, changed)
         if changed:
             self.quorum_changes += 1
-            log.info("onebit: replicas now %d (rank %d): the exchange reopened, error buffers "
-                     "restart from zero", self._group.replica_world_size,
-                     self._group.replica_rank)
+            log.info("onebit: replicas now %d (rank %d): the exchange reopened",
+                     self._group.replica_world_size, self._group.replica_rank)
         self.optimizer, self._built_on = fresh, self._group.generation
         self._pending = self._pending_state = None
 
@@ -422,11 +439,13 @@ class FaultTolerantDiLoCo:
         if self._group.generation == self._built_on and self._healed is None:
             return
         old = self.diloco
+        errors = None  # a healed replica's own start at zero
         if self._healed is not None:  # start from the peer's last synced point
             state, inner_state = self._healed["diloco"], self._healed["inner"]
             mine = [a.detach().clone() for a in state["anchors"]]
         else:
             state, inner_state = _cloned(old.state_dict()), None
+            errors = _cloned(old.error_feedback_state_dict())
             mine = [p.detach().clone() for p in self.params]
         old.detach()
         try:
@@ -440,10 +459,12 @@ class FaultTolerantDiLoCo:
             for p, value in zip(self.params, mine):
                 p.copy_(value)
         fresh.load_state_dict(state)
+        changed = self._group.generation != self._built_on
+        _restore_errors(fresh, errors, changed)
         if inner_state is not None:
             self.inner.load_state_dict(inner_state)
-        self.quorum_changes += self._group.generation != self._built_on
-        log.info("onebit DiLoCo: replicas now %d (rank %d): error buffers restart from zero",
+        self.quorum_changes += changed
+        log.info("onebit DiLoCo: replicas now %d (rank %d)",
                  self._group.replica_world_size, self._group.replica_rank)
         self.diloco, self._built_on, self._healed = fresh, self._group.generation, None
 

@@ -8,7 +8,9 @@ so once (`ErrorFeedbackRestartNotice`).
 """
 from __future__ import annotations
 
+import ast
 import warnings
+from typing import Optional
 
 import torch
 
@@ -41,6 +43,40 @@ def restore_error_feedback(exchange, state: dict, layouts: dict, identity: dict)
     same = same and exchange.layouts_match(state["groups"], layouts)
     exchange.load_errors(state["groups"] if same else None)
     return same
+
+
+# What a world-size change leaves meaningful: each rank's worker error is one
+# value per element of the fused buffer, whose tensors start at the same
+# block-aligned offsets at any world size (only the tail padding differs);
+# its server error is the chunk it served, laid out by world size.
+_WORLD = ("rank", "world_size")
+
+
+def carried_worker_errors(saved: dict, target: dict) -> Optional[dict]:
+    """`target` (a fresh `error_feedback_state_dict()` of this rank at the
+    new world size) with the worker errors of `saved` (this rank's, at the
+    old one) where a fused buffer holds the same tensors in the same blocks;
+    server errors zero. None when nothing can carry over: another wire,
+    block size, code, shard or step, or no buffer in common. A replica
+    group that changed size keeps what is still meaningful
+    (onebit.fault_tolerance; measured in docs/benchmarks/fault_tolerance.md)."""
+    if any(saved.get(k) != v for k, v in target.items() if k != "groups" and k not in _WORLD):
+        return None
+    groups, carried = {}, 0
+    for name, entry in target["groups"].items():
+        layout = entry["layout"].removeprefix(UNRESTORED)
+        worker = torch.zeros_like(entry["worker"])
+        old = saved["groups"].get(name)
+        if old is not None and not old["layout"].startswith(UNRESTORED):
+            _, block, sizes = ast.literal_eval(old["layout"])
+            _, new_block, new_sizes = ast.literal_eval(layout)
+            if (block, sizes) == (new_block, new_sizes):
+                n = min(old["worker"].numel(), worker.numel())
+                worker[:n] = old["worker"][:n]
+                carried += 1
+        groups[name] = {"layout": layout, "worker": worker,
+                        "server": torch.zeros_like(entry["server"])}
+    return {**target, "groups": groups} if carried else None
 
 
 class ErrorFeedbackRestartNotice:

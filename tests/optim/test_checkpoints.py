@@ -963,3 +963,47 @@ def test_diloco_two_load_dcp_resume_at_another_world_size_restarts_the_errors(tm
         assert at_load == pytest.approx(at_save, rel=1e-6)
         # (3 ranks average more data a round than 2: below is fine, far above is not)
         assert end <= 1.10 * uninterrupted, (end, uninterrupted, at_save)
+
+
+def _saved_errors(world, rank, sizes=(300, 100), block=256, step=10, fill=True, layout_prefix=""):
+    """An error_feedback_state_dict() as a rank of `world` writes it, built
+    here from the layout rules (tensors at block boundaries, N a multiple of
+    block * world)."""
+    ends = np.cumsum([-(-s // block) * block for s in sizes])
+    offsets = [0, *ends[:-1].tolist()]
+    unit = block * world
+    padded = max(unit, -(-int(ends[-1]) // unit) * unit)
+    worker = torch.zeros(padded)
+    if fill:
+        for off, s in zip(offsets, sizes):
+            worker[off:off + s] = torch.arange(1, s + 1, dtype=torch.float32) + off
+    server = torch.full((padded // world,), 7.0 if fill else 0.0)
+    return {"rank": rank, "world_size": world, "wire_format": 2, "block_size": block,
+            "step": step, "groups": {"group0": {"layout": layout_prefix + repr(
+                (padded, block, tuple(sizes))), "worker": worker, "server": server}}}
+
+
+def test_worker_errors_carry_to_another_world_size_and_server_errors_restart():
+    """onebit.fault_tolerance at a quorum change: each element's worker
+    error keeps its place (tensors start on the same block boundaries at any
+    world size), the server chunks, laid out by world size, restart; the
+    result loads as the new rank's (its identity), and nothing carries
+    across another block size, another set of tensors or another step."""
+    from onebit.feedback.state import UNRESTORED, carried_worker_errors
+
+    old = _saved_errors(world=4, rank=3)
+    target = _saved_errors(world=3, rank=1, fill=False, layout_prefix=UNRESTORED)
+    carried = carried_worker_errors(old, target)
+    entry = carried["groups"]["group0"]
+    assert carried["rank"] == 1 and carried["world_size"] == 3
+    assert entry["layout"] == target["groups"]["group0"]["layout"].removeprefix(UNRESTORED)
+    want = torch.zeros_like(target["groups"]["group0"]["worker"])
+    want[0:300] = torch.arange(1, 301, dtype=torch.float32)
+    want[512:612] = torch.arange(1, 101, dtype=torch.float32) + 512
+    assert torch.equal(entry["worker"], want)
+    assert not entry["server"].any() and entry["server"].numel() == want.numel() // 3
+    assert carried_worker_errors(_saved_errors(4, 3, block=128), target) is None
+    assert carried_worker_errors(_saved_errors(4, 3, sizes=(300, 101)), target) is None
+    assert carried_worker_errors(_saved_errors(4, 3, step=11), target) is None
+    unrestored = _saved_errors(4, 3, layout_prefix=UNRESTORED)
+    assert carried_worker_errors(unrestored, target) is None  # zeros a load left, not errors
