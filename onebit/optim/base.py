@@ -7,16 +7,11 @@ class, as torch.optim.adam's `adam()` (adam.py `onebit_adam`; lamb.py
 `sync_local_steps_`, `sync_single_`), which exchanges through
 `StepExchange` (step_exchange.py).
 
-`step()` is five verbs over a `StepPlan` (step_plan.py): gather the fp32
-gradients, agree across ranks (`StepGate`), average in full precision
-where the stage says so (`FullPrecisionAveraging`, averaging.py), update,
-finish. The objects it holds, each built from explicit inputs:
-`Communication` (communication.py: the group, the backend, the rank
-agreements), `ParamState` and `TrainedSet` (param_state.py: per-param
-state over FSDP2 shards, who trains), `GroupCaches` (caches.py: v's
-denominators and masks), `BackwardOverlap` (overlap.py), the shared
-`ErrorFeedbackChannel` (onebit/feedback/), and the checkpoint bodies in
-checkpoints.py.
+`step()` is five verbs over a `StepPlan` (step_plan.py): gather, agree
+(`StepGate`), average in full precision (averaging.py), update, finish.
+The objects it holds are built from explicit inputs: `Communication`,
+`ParamState` and `TrainedSet`, `GroupCaches`, `BackwardOverlap`, the shared
+`ErrorFeedbackChannel` (onebit/feedback/); checkpoint bodies: checkpoints.py.
 """
 from __future__ import annotations
 
@@ -51,27 +46,14 @@ from .stage import Stage
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base class; see OnebitAdam for the user-facing documentation.
 
-    `process_group` is the data-parallel group (default: the world, or no
-    communication at all when torch.distributed is not initialised). With
-    FSDP2-sharded params it is the mesh's replicate dim, and the maths runs
-    on each rank's local shards (shards.py).
-
-    A subclass hands the constructor its stage schedule (stage_schedules.py:
-    when each step is warmup, compression, a sync or a local step, and how
-    the counters move) and its communication options (options.py). Its
-    contract:
-
-    - required: `_update(stage, groups, grads)`, the maths of one step of
-      that stage, written as a function with explicit inputs (as
-      `onebit_adam` in adam.py): it exchanges through `self._exchanges`
-      (step_exchange.py), writing the input itself, and comes back here
-      only when the step is done; `_exchange_input_(...)`, what its 1-bit
-      exchange sends when backward starts it (overlap.py);
-    - optional, with defaults here: `rank_agreed_settings`, the names of its
-      own attributes (set before calling this constructor) that every rank
-      must share besides the schedule's; `_exchange_input_key(index)`
-      (None), `_staged_state()` and `_after_load()` (checkpoints),
-      `_late_update(...)` (Adam for late joiners).
+    `process_group` is the data-parallel group (default: the world, or none
+    when torch.distributed is not initialised); with FSDP2-sharded params,
+    the mesh's replicate dim (the maths runs on local shards, shards.py).
+    A subclass hands the constructor its stage schedule (stage_schedules.py)
+    and its communication options (options.py), and fills in the subclass
+    contract below (`_update` and `_exchange_input_` required).
+    `rank_agreed_settings`: its own attributes, set before this constructor,
+    that every rank must share besides the schedule's.
     """
 
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
