@@ -10,13 +10,12 @@ class, as torch.optim.adam's `adam()` (adam.py `onebit_adam`; lamb.py
 `step()` is five verbs over a `StepPlan` (step_plan.py): gather, agree
 (`StepGate`), average in full precision (averaging.py), update, finish.
 The objects it holds are built from explicit inputs: `Communication`,
-`ParamState` and `TrainedSet`, `GroupCaches`, `BackwardOverlap`, the shared
+`ParamState` and `TrainedSet`, `GroupCaches`, `OverlapWiring`, the shared
 `ErrorFeedbackChannel` (onebit/feedback/); checkpoint bodies: checkpoints.py.
 """
 from __future__ import annotations
 
 import abc
-import contextlib
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -35,7 +34,8 @@ from .late import LATE, TRAINED, LateJoiners, late_adam_step_
 from .averaging import FullPrecisionAveraging
 from .communication import Communication, agreed_settings
 from .options import CommOptions
-from .overlap import BackwardOverlap, OverlapCallbacks, check_overlap_group
+from .overlap import OverlapCallbacks
+from .overlap_wiring import OverlapWiring
 from .param_state import ParamState, TrainedSet
 from .step_exchange import StepExchange
 from .step_plan import (StepGate, StepPlan, keep_untouched, start_late, step_settings,
@@ -84,14 +84,24 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._averaging = FullPrecisionAveraging(
             name, comm.process_group, comm.world_size, comm.timeout_s, options.averaging_dtype,
             self._channel.exchange, self._channel.traffic)
-        self._trained = TrainedSet()  # see _notice_trainable_changes
+        self._trained = TrainedSet()  # see _codes
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
         self._share_counters(self._initial_counters())
-        self._step_in_progress: Optional[int] = None  # set by step() once it agreed to go on
-        self._overlap = self._setup_overlap(options.overlap_backward, options.bucket_cap_mb)
+        # Late-bound: a subclass (or a test) may replace these methods.
+        callbacks = OverlapCallbacks(
+            active=lambda: self._exchange_during_backward(),
+            trained=lambda: self._params.coded(self._codes(self.stage_at(
+                self.counters["step"] + 1).variance_frozen), TRAINED),
+            gradients=lambda params: self._params.gradients(params, getattr(self, "grad_scale", None)),
+            write_input=lambda *args: self._exchange_input_(*args),
+            input_key=lambda index: self._exchange_input_key(index))
+        self._wiring = OverlapWiring(options.overlap_backward and self.world_size > 1,
+                                     self._channel.exchange, callbacks, options.bucket_cap_mb,
+                                     self.param_groups)
+        overlap = self._wiring.overlap
         # What a stage's maths calls to exchange (step_exchange.py).
-        self._exchanges = StepExchange(self._channel.exchange, self._overlap, self.world_size)
-        self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, self._overlap)
+        self._exchanges = StepExchange(self._channel.exchange, overlap, self.world_size)
+        self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, overlap)
 
     # The communication's settings (communication.py), read-only.
     process_group = property(lambda self: self._comm.process_group)
@@ -237,12 +247,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if go_on:
                 self._average(plan)
         except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
-            self._end_overlap()  # step t never began; undo what backward exchanged (overlap.py)
+            self._wiring.end_step()  # step t never began; undo what backward exchanged (overlap.py)
             raise
         finally:
             self._averaging.forget_marks()  # the DDP hook's promise covers one step
         if not go_on:
-            self._end_overlap()
+            self._wiring.end_step()
             self._channel.telemetry.end_step(plan.stage.step, plan.stage.name, skipped=True)
             return loss
         self._take_step(plan)  # the maths: the subclass's _update
@@ -257,22 +267,23 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             checkpoints.zero_momentum_(self.state)
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
-        codes = self._params.codes(stage.variance_frozen)
-        self._notice_trainable_changes(codes)
+        codes = self._codes(stage.variance_frozen)
         groups = [(self._with_float_lr(g), ps)
                   for g, ps in zip(self.param_groups, self._params.coded(codes, TRAINED))]
         late = [(g, ps) for (g, _), ps in zip(groups, self._params.coded(codes, LATE))]
-        if self._overlap is not None:  # before _gradients, which unscales in place
-            self._overlap.notice_changed_gradients()
-        return StepPlan(stage, groups, [self._gradients(ps) for _, ps in groups],
-                        late, [self._gradients(ps) for _, ps in late])
+        if self._wiring.overlap is not None:  # before the gradients, which it unscales in place
+            self._wiring.overlap.notice_changed_gradients()
+        scale = getattr(self, "grad_scale", None)
+        return StepPlan(stage, groups, [self._params.gradients(ps, scale) for _, ps in groups],
+                        late, [self._params.gradients(ps, scale) for _, ps in late])
 
     def _agree(self, plan: StepPlan) -> bool:
         """Whether the step goes on, as every rank agreed (step_plan.StepGate);
         then `plan` learns the params no rank has a gradient for, what to put
         back for them (untouched.py) and who is used first since v froze."""
-        if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
-            self._overlap.launch_rest(plan.trained, plan.grads)
+        overlap = self._wiring.overlap
+        if overlap is not None:  # every bucket queued before the agreement (overlap.py)
+            overlap.launch_rest(plan.trained, plan.grads)
         stage = plan.stage
         unseen = (unseen_trained(plan, self._caches, self._params)
                   if stage.variance_frozen and self._params.late.warmup_length else [])
@@ -293,10 +304,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             late_ids = {id(p) for _, ps in plan.late for p in ps}
             gradless = [p for p in gradless if id(p) in late_ids]
         plan.gradless = gradless
-        plan.untouched = (keep_untouched(gradless, plan.trained, self._params, self._overlap,
+        plan.untouched = (keep_untouched(gradless, plan.trained, self._params, overlap,
                                          self._channel.exchange, self.STATE_OF_THE_RUN)
                           if gradless else None)
-        plan.exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
+        plan.exchanged_in_buckets = overlap is not None and self._exchange_during_backward()
         return True
 
     def _average(self, plan: StepPlan) -> None:
@@ -313,21 +324,21 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         gradients clipped (warmup: the average; else the local one)."""
         stage = plan.stage
         self.counters["step"] = stage.step
-        self._step_in_progress = stage.step  # what an exchange input written from here on is for
+        self._wiring.step_in_progress = stage.step  # what an exchange input written from here on is for
         try:
             if plan.exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
                 # Backward's gradients were scaled whether step() unscales
                 # them (grad_scale) or the user did (unscale_, which leaves
                 # grad_scale None and found_inf set, and no mark on .grad).
-                self._overlap.settle(plan.trained, plan.grads,
+                self._wiring.overlap.settle(plan.trained, plan.grads,
                                      relaunch=getattr(self, "found_inf", None) is not None)
             grads = [self._clipped(gs, group["max_grad_norm"])
                      for (group, _), gs in zip(plan.groups, plan.grads)]
             self._update(stage, plan.groups, grads)
             self._schedule.advance(self.counters, stage)
         finally:
-            self._step_in_progress = None
-            self._end_overlap()
+            self._wiring.step_in_progress = None
+            self._wiring.end_step()
 
     def _finish(self, plan: StepPlan) -> None:
         """Late joiners' own steps, untouched params put back, first-used
@@ -389,16 +400,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # broadcast, so a refusal leaves its params as they were, too.
         try:
             self._comm.check_added(self.param_groups)
-            if self._overlap is not None:
-                check_overlap_group(self.param_groups[-1])
+            self._wiring.check(self.param_groups[-1])
         except BaseException:
             self.param_groups.pop()
             raise
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
             self._comm.broadcast(self.param_groups[-1:], self._shards)
-        if self._overlap is not None:  # its params get hooks too
-            self._overlap.watch(self.param_groups[-1]["params"])
+        self._wiring.watch(self.param_groups[-1])  # its params get hooks too
         self._schedule.group_added(self.counters)
 
     @staticmethod
@@ -441,41 +450,24 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._channel.report(self.counters["step"])
 
     # ------------------------------------------------------------- tensors --
-    def _coming_trained_lists(self) -> List[List[torch.Tensor]]:
-        """The params the coming step trains with its stages, as step() will
-        find them (the overlap plans its buckets by them during backward):
-        a param that starts training after v froze (a group added) is
-        marked a late joiner first, as step() marks it. Else backward's
-        exchange inputs made its state, v = 0 included, and step() then took
-        it for a trained param that never saw a gradient: it never moved.
-        A change is noticed here, as step() would: backward's exchange
-        inputs must not read what was cached for the old params (0/1
-        Adam's denominators and masks, by group)."""
-        codes = self._params.codes(self.stage_at(self.counters["step"] + 1).variance_frozen)
-        self._notice_trainable_changes(codes)
-        return self._params.coded(codes, TRAINED)
-
-    def _notice_trainable_changes(self, signature: List[List[int]]) -> None:
-        """When who trains changes, forget everything laid out for the old
-        set: flat buffers, error-feedback buffers (they restart from zero),
-        cached denominators and guards, scratch buffers."""
-        if self._trained.notice(signature, self.param_groups):
-            if self._overlap is not None and self._overlap.launched:
-                # Exchanges backward queued over the old buffers (a group
-                # added mid-run, its params planned in): undone first,
-                # while their buffers exist; step() exchanges again.
-                self._overlap.abandon()
+    def _codes(self, variance_frozen: bool) -> List[List[int]]:
+        """Who trains at the coming step (v frozen or not), who is late, who
+        is frozen (one pass over the params). A change of who trains is
+        noticed here: what was laid out for the old set is forgotten (flat
+        buffers, error-feedback buffers, which restart from zero, cached
+        denominators, scratch), after the exchanges backward queued over it
+        are undone (overlap_wiring.py)."""
+        codes = self._params.codes(variance_frozen)
+        if self._trained.notice(codes, self.param_groups):
+            self._wiring.abandon()
             self._forget_layouts()
+        return codes
 
     def _params_stopped_training(self, params: List[torch.Tensor]) -> None:
         """`params` were trained in the last step and are frozen from this
         one (requires_grad turned off), as every rank agreed: nothing to do
         where the replicas are equal after every step (0/1 Adam's local
         steps are not)."""
-
-    def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
-        """fp32 gradients, unscaled when a GradScaler handed us its scale."""
-        return self._params.gradients(params, getattr(self, "grad_scale", None))
 
     def _forget_layouts(self) -> None:
         self._channel.exchange.forget_layouts()
@@ -493,43 +485,20 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     # ------------------------------------------------- overlap with backward --
     def _coming_step(self) -> int:
-        """The step an exchange input is written for: the coming one during
-        backward, the current one inside step()."""
-        return self._step_in_progress or self.counters["step"] + 1
-
-    def _setup_overlap(self, overlap_backward: bool,
-                       bucket_cap_mb: float) -> Optional[BackwardOverlap]:
-        if not overlap_backward or self.world_size == 1:
-            return None
-        # Late-bound: a subclass (or a test) may replace these methods.
-        callbacks = OverlapCallbacks(
-            active=lambda: self._exchange_during_backward(),
-            trained=lambda: self._coming_trained_lists(),
-            gradients=lambda params: self._gradients(params),
-            write_input=lambda *args: self._exchange_input_(*args),
-            input_key=lambda index: self._exchange_input_key(index))
-        overlap = BackwardOverlap(self._channel.exchange, callbacks, bucket_cap_mb)
-        for group in self.param_groups:
-            check_overlap_group(group)
-            overlap.watch(group["params"])
-        return overlap
+        return self._wiring.coming_step(self.counters["step"])
 
     def no_overlap(self):
         """Context manager: the backward passes inside it start no exchange
         (gradient accumulation: every micro-batch but the last, as DDP's
         no_sync). Without overlap_backward it does nothing."""
-        return self._overlap.no_overlap() if self._overlap is not None else contextlib.nullcontext()
+        return self._wiring.no_overlap()
 
     def overlap_stats(self) -> Optional[dict]:
         """With overlap_backward: how many bucket exchanges started during
         backward and how many in step() (gradients that never arrived, or a
         GradScaler's step), how many were done again, and the seconds step()
         spent waiting for them; else None."""
-        return dict(self._overlap.stats) if self._overlap is not None else None
-
-    def _end_overlap(self) -> None:
-        if self._overlap is not None:
-            self._overlap.end_step()
+        return self._wiring.stats()
 
     # --------------------------------------------------------- checkpoints --
     def state_dict(self) -> dict:
@@ -641,8 +610,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if self.world_size == 1:
             return {}
         trained = self._trained.last_lists(self._params, self.param_groups)
-        buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
-        return self._channel.exchange.layouts(trained, buckets)
+        return self._channel.exchange.layouts(trained, self._wiring.bucket_sizes(trained))
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):
