@@ -542,16 +542,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             hook(self)
 
     def _load_own_part(self, state_dict: dict) -> None:
-        checkpoints.state_in_fp32(self.state, self.param_groups, state_dict,
-                                  keep=self.STATE_IN_PARAM_DTYPE)
-        self._shards.from_dtensors(self.state)
-        saved = checkpoints.SavedCounters(self.param_groups, self._initial_counters(),
-                                          self._schedule.had_error_feedback)
+        saved = checkpoints.settle_loaded(
+            self.state, self.param_groups, state_dict, keep=self.STATE_IN_PARAM_DTYPE,
+            shards=self._shards, initial=self._initial_counters(),
+            had_error_feedback=self._schedule.had_error_feedback, staged=self._staged_state(),
+            is_late=lambda p: self._params.late.is_late(self.state, p),
+            state_of_the_run=self.STATE_OF_THE_RUN)
         self._share_counters(saved.counters)
-        checkpoints.drop_placeholders(self.state, self._staged_state(), saved.step,
-                                      saved.placeholders)
-        checkpoints.drop_state_of_the_run(self.state, lambda p: self._params.late.is_late(self.state, p),
-                                          self.STATE_OF_THE_RUN)
         self._forget_layouts()
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load
@@ -604,13 +601,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._momentum_restart.enabled = bool(enabled)
 
     def _error_layouts(self) -> dict:
-        """Error-buffer key -> layout of every fused buffer this optimizer
-        exchanges: each group's, and with overlap_backward each bucket's too
-        (where every compressed exchange then goes)."""
-        if self.world_size == 1:
-            return {}
-        trained = self._trained.last_lists(self._params, self.param_groups)
-        return self._channel.exchange.layouts(trained, self._wiring.bucket_sizes(trained))
+        return checkpoints.error_layouts(
+            self.world_size, self._channel.exchange,
+            lambda: self._trained.last_lists(self._params, self.param_groups), self._wiring.bucket_sizes)
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):
