@@ -27,7 +27,6 @@ from ..feedback.channel import ErrorFeedbackChannel
 from ..feedback.exchange import GroupKey, LateKey
 from ..shards import ShardedParams
 from . import checkpoints
-from . import functional as F
 from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
 from .late import LATE, TRAINED, LateJoiners, late_adam_step_
@@ -38,8 +37,8 @@ from .overlap import OverlapCallbacks
 from .overlap_wiring import OverlapWiring
 from .param_state import ParamState, TrainedSet
 from .step_exchange import StepExchange
-from .step_plan import (StepGate, StepPlan, keep_untouched, start_late, step_settings,
-                        unseen_trained)
+from .step_plan import (StepGate, StepPlan, float_lr, plan_untouched, start_late,
+                        step_settings, unseen_trained)
 from .stage import Stage
 
 
@@ -174,7 +173,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _late_update(self, key: LateKey, group, params, grads) -> None:
         """A late joiner's own warmup step: Adam, with bias corrections
         counted per param from its first step (late.py)."""
-        grads = self._clipped(grads, group["max_grad_norm"])
+        grads = self._params.clipped(grads, group["max_grad_norm"])
         steps = [LateJoiners.steps_done(self._params.local_state(), p) + 1 for p in params]
         late_adam_step_(params, grads, self._params.tensors(params, "exp_avg"),
                         self._params.tensors(params, "exp_avg_sq"), steps, group)
@@ -268,7 +267,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
         codes = self._codes(stage.variance_frozen)
-        groups = [(self._with_float_lr(g), ps)
+        groups = [(float_lr(g), ps)
                   for g, ps in zip(self.param_groups, self._params.coded(codes, TRAINED))]
         late = [(g, ps) for (g, _), ps in zip(groups, self._params.coded(codes, LATE))]
         if self._wiring.overlap is not None:  # before the gradients, which it unscales in place
@@ -298,15 +297,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._params_stopped_training(self._trained.take_stopped())
         if skip:
             return False
-        if not self._leaves_gradless_params(stage):
-            # (0/1 Adam's syncs:) a late joiner is averaged in full
-            # precision every step, so its replicas need no common point.
-            late_ids = {id(p) for _, ps in plan.late for p in ps}
-            gradless = [p for p in gradless if id(p) in late_ids]
-        plan.gradless = gradless
-        plan.untouched = (keep_untouched(gradless, plan.trained, self._params, overlap,
-                                         self._channel.exchange, self.STATE_OF_THE_RUN)
-                          if gradless else None)
+        plan_untouched(plan, gradless, self._leaves_gradless_params(stage), self._params, overlap,
+                       self._channel.exchange, self.STATE_OF_THE_RUN)
         plan.exchanged_in_buckets = overlap is not None and self._exchange_during_backward()
         return True
 
@@ -332,7 +324,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 # grad_scale None and found_inf set, and no mark on .grad).
                 self._wiring.overlap.settle(plan.trained, plan.grads,
                                      relaunch=getattr(self, "found_inf", None) is not None)
-            grads = [self._clipped(gs, group["max_grad_norm"])
+            grads = [self._params.clipped(gs, group["max_grad_norm"])
                      for (group, _), gs in zip(plan.groups, plan.grads)]
             self._update(stage, plan.groups, grads)
             self._schedule.advance(self.counters, stage)
@@ -361,11 +353,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             # buffers the run goes on with.
             self._forget_layouts()
         self.last_stage = stage
-        if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
-                and stage.replicas_match):
-            self._comm.replicas.check_replicas(
-                t, [{"params": self._shards.locals(g["params"])} for g in self.param_groups],
-                self._params.local_state())
+        self._comm.check_replicas(stage, self.param_groups, self._params)
         self._channel.telemetry.end_step(t, stage.name, skipped=False)
 
     # State a step sets whether a param had a gradient or not: left as the
@@ -409,14 +397,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._comm.broadcast(self.param_groups[-1:], self._shards)
         self._wiring.watch(self.param_groups[-1])  # its params get hooks too
         self._schedule.group_added(self.counters)
-
-    @staticmethod
-    def _with_float_lr(group: dict) -> dict:
-        """The group as the maths reads it: a one-element tensor lr (torch.optim
-        accepts one) read once as a float; the group itself keeps the tensor,
-        which schedulers update in place."""
-        lr = group["lr"]
-        return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
 
     def mark_gradients_averaged(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
         """The DDP comm hook's promise: this step's gradients of `params`
@@ -473,10 +453,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._channel.exchange.forget_layouts()
         self._caches.clear()
         self._caches.static.clear()
-
-    def _clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
-        """`grads` clipped to the global norm `max_norm` (functional.clipped)."""
-        return F.clipped(grads, max_norm, self._shards.whole_norms)
 
     # -------------------------------------------------------- communication --
     def reset_compression_errors(self) -> None:

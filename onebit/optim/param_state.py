@@ -14,6 +14,7 @@ from typing import List, Optional
 import torch
 
 from .. import collectives
+from .functional import clipped
 from .late import FROZEN, TRAINED, LateJoiners, codes_fit
 
 
@@ -88,6 +89,11 @@ class ParamState:
             raise ValueError(f"{type(self.owner).__name__} does not support sparse gradients")
         g = g.detach()
         return g.float() if g.dtype != torch.float32 else g
+
+    def clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
+        """`grads` clipped to the global norm `max_norm`, the whole params'
+        norm over shards (functional.clipped)."""
+        return clipped(grads, max_norm, self.shards.whole_norms)
 
     def trainable(self, group) -> List[torch.Tensor]:
         """The params trained with the optimizer's own stages: those that
