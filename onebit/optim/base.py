@@ -32,6 +32,7 @@ from .checkpoints import COUNTERS_KEY
 from .late import LATE, TRAINED, LateJoiners, late_adam_step_
 from .averaging import FullPrecisionAveraging
 from .communication import Communication, agreed_settings
+from .copies import copied_attributes
 from .options import CommOptions
 from .overlap import OverlapCallbacks
 from .overlap_wiring import OverlapWiring
@@ -116,31 +117,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     averaging_dtype = property(lambda self: self._comm.options.averaging_dtype)
     check_replicas_every = property(lambda self: self._comm.options.check_replicas_every)
 
-    # -------------------------------------------------------------- copies --
-    # torch's hooks, which torch's own copies leave behind too (its
-    # __setstate__ starts them empty).
-    _HOOKS_NOT_COPIED = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                         "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                         "_optimizer_load_state_dict_pre_hooks",
-                         "_optimizer_load_state_dict_post_hooks")
-
     def __getstate__(self) -> dict:
-        """For copy.deepcopy and pickle (EMA/SWA utilities and some trainers
-        copy an optimizer). torch's keeps only defaults, state and
-        param_groups; this optimizer's machinery (the stage schedule, the
-        error buffers, the guards) lives beside them, so all of it goes. At
-        world size 1 none of it holds a process: the copy is independent and
-        steps as the original. Past one rank it holds the process group, the
-        compressed backend and its peers' agreement, which no copy can
-        share: refused, naming what to do instead."""
-        if self.world_size > 1 or self._shards.sharded:
-            raise TypeError(
-                f"{type(self).__name__} cannot be copied or pickled across {self.world_size} "
-                "ranks (or on sharded params): it holds the process group and the compressed "
-                "backend its peers exchange with. Save state_dict() and "
-                "error_feedback_state_dict() instead, and load them into a new optimizer")
-        # (torch's __setstate__ takes it back, with empty hooks)
-        return {k: v for k, v in self.__dict__.items() if k not in self._HOOKS_NOT_COPIED}
+        """For copy.deepcopy and pickle: at world size 1 the copy is
+        independent and steps as the original; past one rank, or on sharded
+        params, refused (copies.py)."""
+        return copied_attributes(type(self).__name__, self.world_size, self._shards.sharded,
+                                 self.__dict__)
 
     # ------------------------------------------------ the subclass contract --
     @abc.abstractmethod
@@ -215,15 +197,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # ---------------------------------------------------------------- step --
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step (see the class docs for what each stage does).
-
-        Shared by every onebit optimizer: gather fp32 gradients (a missing
-        .grad counts as zero), average them in full precision when this step
-        needs it, agree across ranks on skipping a non-finite step and on
-        the params no rank has a gradient for (left as they were,
-        untouched.py), clip each group's gradients (max_grad_norm), then
-        let the subclass's `_update` do the maths for step t.
-        """
+        """One optimizer step (see the class docs for what each stage does):
+        gather fp32 gradients (a missing .grad counts as zero), agree across
+        ranks on skipping a non-finite step and on the params no rank has a
+        gradient for (left as they were), average in full precision when the
+        stage says so, clip (max_grad_norm), then the subclass's maths."""
         try:
             return self._step(closure)
         except BaseException:
@@ -451,10 +429,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _forget_layouts(self) -> None:
         self._channel.exchange.forget_layouts()
-        self._caches.clear()
-        self._caches.static.clear()
+        self._caches.forget()
 
-    # -------------------------------------------------------- communication --
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._channel.exchange.reset()
@@ -481,13 +457,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """torch's state_dict, with the counters copied and a placeholder for
         each per-param state a later stage creates (checkpoints.annotate):
         a fresh optimizer's state_dict has every key a trained one has."""
-        sd = super().state_dict()
-        step = self.counters["step"]
+        sd, step = super().state_dict(), self.counters["step"]
         params = [p for g in self.param_groups for p in g["params"]]
+        compressed = self.world_size > 1 and self._schedule.had_error_feedback(self.counters, step)
         checkpoints.annotate(sd, params, step=step, staged=self._staged_state(),
-                             momentum_compressed=self._momentum_restart.pending or (
-                                 self.world_size > 1
-                                 and self._schedule.had_error_feedback(self.counters, step)),
+                             momentum_compressed=self._momentum_restart.pending or compressed,
                              late_warmup=self._params.late.warmup_length, trained=self._trained.signature)
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
         return sd
@@ -513,11 +487,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_post_hooks = post_hooks
-        self._load_own_part(state_dict)
-        for hook in post_hooks.values():
-            hook(self)
-
-    def _load_own_part(self, state_dict: dict) -> None:
         saved = checkpoints.settle_loaded(
             self.state, self.param_groups, state_dict, keep=self.STATE_IN_PARAM_DTYPE,
             shards=self._shards, initial=self._initial_counters(),
@@ -529,11 +498,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load
         # as laid out for it (_error_layouts).
-        self._trained.hold(saved.trained)
-        self._trained.stopped = []
+        self._trained.loaded(saved.trained)
         self._channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
         self._momentum_restart.loaded(saved.momentum_compressed)
         self._after_load()
+        for hook in post_hooks.values():
+            hook(self)
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers: what `state_dict()` leaves out,

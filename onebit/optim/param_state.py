@@ -149,6 +149,12 @@ class TrainedSet:
         self.hold(signature)
         return changed
 
+    def loaded(self, signature: Optional[List[List[int]]]) -> None:
+        """Hold a checkpoint's set (SavedCounters.trained), as the run that
+        did not stop holds it: nobody stopped training at its step."""
+        self.hold(signature)
+        self.stopped = []
+
     def take_stopped(self) -> List[torch.Tensor]:
         stopped, self.stopped = self.stopped, []
         return stopped
