@@ -22,7 +22,6 @@ import torch
 
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends.stats import TrafficStats
-from ..checks import check_each_parameter_once, check_real
 from ..feedback.channel import ErrorFeedbackChannel
 from ..feedback.exchange import GroupKey, LateKey
 from ..shards import ShardedParams
@@ -36,7 +35,7 @@ from .copies import copied_attributes
 from .options import CommOptions
 from .overlap import OverlapCallbacks
 from .overlap_wiring import OverlapWiring
-from .param_state import ParamState, TrainedSet
+from .param_state import ParamState, TrainedSet, check_new_group
 from .step_exchange import StepExchange
 from .step_plan import (StepGate, StepPlan, float_lr, plan_untouched, start_late,
                         step_settings, unseen_trained)
@@ -86,7 +85,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._channel.exchange, self._channel.traffic)
         self._trained = TrainedSet()  # see _codes
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
-        self._share_counters(self._initial_counters())
+        checkpoints.share_counters(self.param_groups, self._initial_counters())
         # Late-bound: a subclass (or a test) may replace these methods.
         callbacks = OverlapCallbacks(
             active=lambda: self._exchange_during_backward(),
@@ -170,10 +169,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _initial_counters(self) -> dict:
         return self._schedule.initial_counters(type(self).__name__, len(self.param_groups))
-
-    def _share_counters(self, counters: dict) -> None:
-        for g in self.param_groups:
-            g[COUNTERS_KEY] = counters
 
     def stage_at(self, step: int) -> Stage:
         """The stage of step `step` (from the counters as they are now)."""
@@ -350,14 +345,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         rank must add the same group at the same step (checked, like the
         construction), and its params start from rank 0's values. A group
         added after the variance froze gets its own warmup (late.py)."""
-        params = param_group["params"]
-        if not isinstance(params, (torch.Tensor, set)):  # a generator is read once
-            params = param_group["params"] = list(params)
-        listed = [params] if isinstance(params, torch.Tensor) else params
-        check_each_parameter_once(type(self).__name__, listed)
-        check_real(type(self).__name__, listed)
-        if self._comm is not None:  # sharded like the rest, or whole like the rest
-            self._shards.check_added([*self.param_groups, {**param_group, "params": listed}])
+        check_new_group(type(self).__name__, param_group, self.param_groups,
+                        self._shards if self._comm is not None else None)
         super().add_param_group(param_group)
         if self._comm is None:  # torch's __init__ adding the first groups
             return
@@ -393,9 +382,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def comm_stats(self) -> Dict[str, object]:
         """What the last step sent and what it cost, and the totals so far, as
-        a plain dict (cheap: call it every step and log it).
-
-        step and stage of the last step (`stage()`: the coming one's), world_size; for it:
+        a plain dict (cheap: call it every step and log it): step and stage of
+        the last step (`stage()`: the coming one's), world_size; for it
         bytes_sent, bytes_received, fp32_bytes (what an fp32 ring all-reduce
         of the same gradients would have sent), compression_ratio
         (fp32_bytes / bytes_sent), comm_s (in the transport) and compress_s
@@ -403,7 +391,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         total_*; worker_error_norm and server_error_norm (the error-feedback
         residual: a norm that keeps growing is the early sign of a bad freeze
         point); skipped_steps (non-finite gradients under a GradScaler).
-        Traffic of a DDP hook during backward counts toward the step after it.
+        A DDP hook's traffic during backward counts toward the next step.
         Bytes are each rank's share (see onebit.backends.stats)."""
         return self._channel.report(self.counters["step"])
 
@@ -493,7 +481,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             had_error_feedback=self._schedule.had_error_feedback, staged=self._staged_state(),
             is_late=lambda p: self._params.late.is_late(self.state, p),
             state_of_the_run=self.STATE_OF_THE_RUN)
-        self._share_counters(saved.counters)
+        checkpoints.share_counters(self.param_groups, saved.counters)
         self._forget_layouts()
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load

@@ -39,6 +39,12 @@ _TORCH_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable",
                "decoupled_weight_decay")
 
 
+def share_counters(param_groups, counters: dict) -> None:
+    """Put the one `counters` dict in every param group."""
+    for g in param_groups:
+        g[COUNTERS_KEY] = counters
+
+
 def param_states(state: dict) -> list:
     """The (key, per-param state) pairs of an optimizer's `state` (keyed by
     param) or of a state_dict's (keyed by index). torch keeps entries keyed

@@ -14,8 +14,24 @@ from typing import List, Optional
 import torch
 
 from .. import collectives
+from ..checks import check_each_parameter_once, check_real
 from .functional import clipped
 from .late import FROZEN, TRAINED, LateJoiners, codes_fit
+
+
+def check_new_group(name: str, param_group: dict, param_groups, shards=None) -> None:
+    """Refuse a param group about to be added to optimizer `name`'s
+    `param_groups` that lists a param twice or a complex one, or (`shards`,
+    once the optimizer is built) is not sharded like the rest. A generator
+    of params becomes a list first: it can be read only once."""
+    params = param_group["params"]
+    if not isinstance(params, (torch.Tensor, set)):
+        params = param_group["params"] = list(params)
+    listed = [params] if isinstance(params, torch.Tensor) else params
+    check_each_parameter_once(name, listed)
+    check_real(name, listed)
+    if shards is not None:
+        shards.check_added([*param_groups, {**param_group, "params": listed}])
 
 
 class ParamState:
