@@ -7,71 +7,52 @@ class, as torch.optim.adam's `adam()` (adam.py `onebit_adam`; lamb.py
 `sync_local_steps_`, `sync_single_`), which exchanges through
 `StepExchange` (step_exchange.py).
 
-`step()` is five verbs over a `StepPlan` (step_plan.py): gather the fp32
-gradients, agree across ranks (`StepGate`), average in full precision
-where the stage says so (`FullPrecisionAveraging`, averaging.py), update,
-finish. The objects it holds, each built from explicit inputs:
-`Communication` (communication.py: the group, the backend, the rank
-agreements), `ParamState` and `TrainedSet` (param_state.py: per-param
-state over FSDP2 shards, who trains), `GroupCaches` (caches.py: v's
-denominators and masks), `BackwardOverlap` (overlap.py), the shared
-`ErrorFeedbackChannel` (onebit/feedback/), and the checkpoint bodies in
-checkpoints.py.
+`step()` is five verbs over a `StepPlan` (step_plan.py): gather, agree
+(`StepGate`), average in full precision (averaging.py), update, finish.
+The objects it holds are built from explicit inputs: `Communication`,
+`ParamState` and `TrainedSet`, `GroupCaches`, `OverlapWiring`, the shared
+`ErrorFeedbackChannel` (onebit/feedback/); checkpoint bodies: checkpoints.py.
 """
 from __future__ import annotations
 
 import abc
-import contextlib
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends.stats import TrafficStats
-from ..checks import check_each_parameter_once, check_real
 from ..feedback.channel import ErrorFeedbackChannel
 from ..feedback.exchange import GroupKey, LateKey
 from ..shards import ShardedParams
 from . import checkpoints
-from . import functional as F
 from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
 from .late import LATE, TRAINED, LateJoiners, late_adam_step_
 from .averaging import FullPrecisionAveraging
 from .communication import Communication, agreed_settings
+from .copies import copied_attributes
 from .options import CommOptions
-from .overlap import BackwardOverlap, OverlapCallbacks, check_overlap_group
-from .param_state import ParamState, TrainedSet
+from .overlap import OverlapCallbacks
+from .overlap_wiring import OverlapWiring
+from .param_state import ParamState, TrainedSet, check_new_group
 from .step_exchange import StepExchange
-from .step_plan import (StepGate, StepPlan, keep_untouched, start_late, step_settings,
-                        unseen_trained)
+from .step_plan import (StepGate, StepPlan, float_lr, plan_untouched, start_late,
+                        step_settings, unseen_trained)
 from .stage import Stage
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base class; see OnebitAdam for the user-facing documentation.
 
-    `process_group` is the data-parallel group (default: the world, or no
-    communication at all when torch.distributed is not initialised). With
-    FSDP2-sharded params it is the mesh's replicate dim, and the maths runs
-    on each rank's local shards (shards.py).
-
-    A subclass hands the constructor its stage schedule (stage_schedules.py:
-    when each step is warmup, compression, a sync or a local step, and how
-    the counters move) and its communication options (options.py). Its
-    contract:
-
-    - required: `_update(stage, groups, grads)`, the maths of one step of
-      that stage, written as a function with explicit inputs (as
-      `onebit_adam` in adam.py): it exchanges through `self._exchanges`
-      (step_exchange.py), writing the input itself, and comes back here
-      only when the step is done; `_exchange_input_(...)`, what its 1-bit
-      exchange sends when backward starts it (overlap.py);
-    - optional, with defaults here: `rank_agreed_settings`, the names of its
-      own attributes (set before calling this constructor) that every rank
-      must share besides the schedule's; `_exchange_input_key(index)`
-      (None), `_staged_state()` and `_after_load()` (checkpoints),
-      `_late_update(...)` (Adam for late joiners).
+    `process_group` is the data-parallel group (default: the world, or none
+    when torch.distributed is not initialised); with FSDP2-sharded params,
+    the mesh's replicate dim (the maths runs on local shards, shards.py).
+    A subclass hands the constructor its stage schedule (stage_schedules.py)
+    and its communication options (options.py), and fills in the subclass
+    contract below (`_update` and `_exchange_input_` required).
+    `rank_agreed_settings`: its own attributes, set before this constructor,
+    that every rank must share besides the schedule's.
     """
 
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
@@ -102,14 +83,24 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._averaging = FullPrecisionAveraging(
             name, comm.process_group, comm.world_size, comm.timeout_s, options.averaging_dtype,
             self._channel.exchange, self._channel.traffic)
-        self._trained = TrainedSet()  # see _notice_trainable_changes
+        self._trained = TrainedSet()  # see _codes
         self.last_stage: Optional[Stage] = None  # the stage of the last step taken
-        self._share_counters(self._initial_counters())
-        self._step_in_progress: Optional[int] = None  # set by step() once it agreed to go on
-        self._overlap = self._setup_overlap(options.overlap_backward, options.bucket_cap_mb)
+        checkpoints.share_counters(self.param_groups, self._initial_counters())
+        # Late-bound: a subclass (or a test) may replace these methods.
+        callbacks = OverlapCallbacks(
+            active=lambda: self._exchange_during_backward(),
+            trained=lambda: self._params.coded(self._codes(self.stage_at(
+                self.counters["step"] + 1).variance_frozen), TRAINED),
+            gradients=lambda params: self._params.gradients(params, getattr(self, "grad_scale", None)),
+            write_input=lambda *args: self._exchange_input_(*args),
+            input_key=lambda index: self._exchange_input_key(index))
+        self._wiring = OverlapWiring(options.overlap_backward and self.world_size > 1,
+                                     self._channel.exchange, callbacks, options.bucket_cap_mb,
+                                     self.param_groups)
+        overlap = self._wiring.overlap
         # What a stage's maths calls to exchange (step_exchange.py).
-        self._exchanges = StepExchange(self._channel.exchange, self._overlap, self.world_size)
-        self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, self._overlap)
+        self._exchanges = StepExchange(self._channel.exchange, overlap, self.world_size)
+        self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, overlap)
 
     # The communication's settings (communication.py), read-only.
     process_group = property(lambda self: self._comm.process_group)
@@ -125,31 +116,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     averaging_dtype = property(lambda self: self._comm.options.averaging_dtype)
     check_replicas_every = property(lambda self: self._comm.options.check_replicas_every)
 
-    # -------------------------------------------------------------- copies --
-    # torch's hooks, which torch's own copies leave behind too (its
-    # __setstate__ starts them empty).
-    _HOOKS_NOT_COPIED = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                         "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                         "_optimizer_load_state_dict_pre_hooks",
-                         "_optimizer_load_state_dict_post_hooks")
-
     def __getstate__(self) -> dict:
-        """For copy.deepcopy and pickle (EMA/SWA utilities and some trainers
-        copy an optimizer). torch's keeps only defaults, state and
-        param_groups; this optimizer's machinery (the stage schedule, the
-        error buffers, the guards) lives beside them, so all of it goes. At
-        world size 1 none of it holds a process: the copy is independent and
-        steps as the original. Past one rank it holds the process group, the
-        compressed backend and its peers' agreement, which no copy can
-        share: refused, naming what to do instead."""
-        if self.world_size > 1 or self._shards.sharded:
-            raise TypeError(
-                f"{type(self).__name__} cannot be copied or pickled across {self.world_size} "
-                "ranks (or on sharded params): it holds the process group and the compressed "
-                "backend its peers exchange with. Save state_dict() and "
-                "error_feedback_state_dict() instead, and load them into a new optimizer")
-        # (torch's __setstate__ takes it back, with empty hooks)
-        return {k: v for k, v in self.__dict__.items() if k not in self._HOOKS_NOT_COPIED}
+        """For copy.deepcopy and pickle: at world size 1 the copy is
+        independent and steps as the original; past one rank, or on sharded
+        params, refused (copies.py)."""
+        return copied_attributes(type(self).__name__, self.world_size, self._shards.sharded,
+                                 self.__dict__)
 
     # ------------------------------------------------ the subclass contract --
     @abc.abstractmethod
@@ -182,7 +154,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _late_update(self, key: LateKey, group, params, grads) -> None:
         """A late joiner's own warmup step: Adam, with bias corrections
         counted per param from its first step (late.py)."""
-        grads = self._clipped(grads, group["max_grad_norm"])
+        grads = self._params.clipped(grads, group["max_grad_norm"])
         steps = [LateJoiners.steps_done(self._params.local_state(), p) + 1 for p in params]
         late_adam_step_(params, grads, self._params.tensors(params, "exp_avg"),
                         self._params.tensors(params, "exp_avg_sq"), steps, group)
@@ -197,10 +169,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _initial_counters(self) -> dict:
         return self._schedule.initial_counters(type(self).__name__, len(self.param_groups))
-
-    def _share_counters(self, counters: dict) -> None:
-        for g in self.param_groups:
-            g[COUNTERS_KEY] = counters
 
     def stage_at(self, step: int) -> Stage:
         """The stage of step `step` (from the counters as they are now)."""
@@ -224,15 +192,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # ---------------------------------------------------------------- step --
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step (see the class docs for what each stage does).
-
-        Shared by every onebit optimizer: gather fp32 gradients (a missing
-        .grad counts as zero), average them in full precision when this step
-        needs it, agree across ranks on skipping a non-finite step and on
-        the params no rank has a gradient for (left as they were,
-        untouched.py), clip each group's gradients (max_grad_norm), then
-        let the subclass's `_update` do the maths for step t.
-        """
+        """One optimizer step (see the class docs for what each stage does):
+        gather fp32 gradients (a missing .grad counts as zero), agree across
+        ranks on skipping a non-finite step and on the params no rank has a
+        gradient for (left as they were), average in full precision when the
+        stage says so, clip (max_grad_norm), then the subclass's maths."""
         try:
             return self._step(closure)
         except BaseException:
@@ -255,12 +219,12 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if go_on:
                 self._average(plan)
         except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
-            self._end_overlap()  # step t never began; undo what backward exchanged (overlap.py)
+            self._wiring.end_step()  # step t never began; undo what backward exchanged (overlap.py)
             raise
         finally:
             self._averaging.forget_marks()  # the DDP hook's promise covers one step
         if not go_on:
-            self._end_overlap()
+            self._wiring.end_step()
             self._channel.telemetry.end_step(plan.stage.step, plan.stage.name, skipped=True)
             return loss
         self._take_step(plan)  # the maths: the subclass's _update
@@ -275,22 +239,23 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             checkpoints.zero_momentum_(self.state)
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
-        codes = self._params.codes(stage.variance_frozen)
-        self._notice_trainable_changes(codes)
-        groups = [(self._with_float_lr(g), ps)
+        codes = self._codes(stage.variance_frozen)
+        groups = [(float_lr(g), ps)
                   for g, ps in zip(self.param_groups, self._params.coded(codes, TRAINED))]
         late = [(g, ps) for (g, _), ps in zip(groups, self._params.coded(codes, LATE))]
-        if self._overlap is not None:  # before _gradients, which unscales in place
-            self._overlap.notice_changed_gradients()
-        return StepPlan(stage, groups, [self._gradients(ps) for _, ps in groups],
-                        late, [self._gradients(ps) for _, ps in late])
+        if self._wiring.overlap is not None:  # before the gradients, which it unscales in place
+            self._wiring.overlap.notice_changed_gradients()
+        scale = getattr(self, "grad_scale", None)
+        return StepPlan(stage, groups, [self._params.gradients(ps, scale) for _, ps in groups],
+                        late, [self._params.gradients(ps, scale) for _, ps in late])
 
     def _agree(self, plan: StepPlan) -> bool:
         """Whether the step goes on, as every rank agreed (step_plan.StepGate);
         then `plan` learns the params no rank has a gradient for, what to put
         back for them (untouched.py) and who is used first since v froze."""
-        if self._overlap is not None:  # every bucket queued before the agreement (overlap.py)
-            self._overlap.launch_rest(plan.trained, plan.grads)
+        overlap = self._wiring.overlap
+        if overlap is not None:  # every bucket queued before the agreement (overlap.py)
+            overlap.launch_rest(plan.trained, plan.grads)
         stage = plan.stage
         unseen = (unseen_trained(plan, self._caches, self._params)
                   if stage.variance_frozen and self._params.late.warmup_length else [])
@@ -305,16 +270,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._params_stopped_training(self._trained.take_stopped())
         if skip:
             return False
-        if not self._leaves_gradless_params(stage):
-            # (0/1 Adam's syncs:) a late joiner is averaged in full
-            # precision every step, so its replicas need no common point.
-            late_ids = {id(p) for _, ps in plan.late for p in ps}
-            gradless = [p for p in gradless if id(p) in late_ids]
-        plan.gradless = gradless
-        plan.untouched = (keep_untouched(gradless, plan.trained, self._params, self._overlap,
-                                         self._channel.exchange, self.STATE_OF_THE_RUN)
-                          if gradless else None)
-        plan.exchanged_in_buckets = self._overlap is not None and self._exchange_during_backward()
+        plan_untouched(plan, gradless, self._leaves_gradless_params(stage), self._params, overlap,
+                       self._channel.exchange, self.STATE_OF_THE_RUN)
+        plan.exchanged_in_buckets = overlap is not None and self._exchange_during_backward()
         return True
 
     def _average(self, plan: StepPlan) -> None:
@@ -331,21 +289,21 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         gradients clipped (warmup: the average; else the local one)."""
         stage = plan.stage
         self.counters["step"] = stage.step
-        self._step_in_progress = stage.step  # what an exchange input written from here on is for
+        self._wiring.step_in_progress = stage.step  # what an exchange input written from here on is for
         try:
             if plan.exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
                 # Backward's gradients were scaled whether step() unscales
                 # them (grad_scale) or the user did (unscale_, which leaves
                 # grad_scale None and found_inf set, and no mark on .grad).
-                self._overlap.settle(plan.trained, plan.grads,
+                self._wiring.overlap.settle(plan.trained, plan.grads,
                                      relaunch=getattr(self, "found_inf", None) is not None)
-            grads = [self._clipped(gs, group["max_grad_norm"])
+            grads = [self._params.clipped(gs, group["max_grad_norm"])
                      for (group, _), gs in zip(plan.groups, plan.grads)]
             self._update(stage, plan.groups, grads)
             self._schedule.advance(self.counters, stage)
         finally:
-            self._step_in_progress = None
-            self._end_overlap()
+            self._wiring.step_in_progress = None
+            self._wiring.end_step()
 
     def _finish(self, plan: StepPlan) -> None:
         """Late joiners' own steps, untouched params put back, first-used
@@ -368,11 +326,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             # buffers the run goes on with.
             self._forget_layouts()
         self.last_stage = stage
-        if (self.check_replicas_every and self.world_size > 1 and t % self.check_replicas_every == 0
-                and stage.replicas_match):
-            self._comm.replicas.check_replicas(
-                t, [{"params": self._shards.locals(g["params"])} for g in self.param_groups],
-                self._params.local_state())
+        self._comm.check_replicas(stage, self.param_groups, self._params)
         self._channel.telemetry.end_step(t, stage.name, skipped=False)
 
     # State a step sets whether a param had a gradient or not: left as the
@@ -391,16 +345,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         rank must add the same group at the same step (checked, like the
         construction), and its params start from rank 0's values. A group
         added after the variance froze gets its own warmup (late.py)."""
-        params = param_group["params"]
-        if not isinstance(params, (torch.Tensor, set)):  # a generator is read once
-            params = param_group["params"] = list(params)
-        listed = [params] if isinstance(params, torch.Tensor) else params
-        # torch takes named params too: (name, tensor) pairs
-        tensors = [p[1] if isinstance(p, tuple) else p for p in listed]
-        check_each_parameter_once(type(self).__name__, tensors)
-        check_real(type(self).__name__, tensors)
-        if self._comm is not None:  # sharded like the rest, or whole like the rest
-            self._shards.check_added([*self.param_groups, {**param_group, "params": listed}])
+        check_new_group(type(self).__name__, param_group, self.param_groups,
+                        self._shards if self._comm is not None else None)
         super().add_param_group(param_group)
         if self._comm is None:  # torch's __init__ adding the first groups
             return
@@ -409,25 +355,15 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # broadcast, so a refusal leaves its params as they were, too.
         try:
             self._comm.check_added(self.param_groups)
-            if self._overlap is not None:
-                check_overlap_group(self.param_groups[-1])
+            self._wiring.check(self.param_groups[-1])
         except BaseException:
             self.param_groups.pop()
             raise
         self.param_groups[-1][COUNTERS_KEY] = self.counters
         if self.world_size > 1:
             self._comm.broadcast(self.param_groups[-1:], self._shards)
-        if self._overlap is not None:  # its params get hooks too
-            self._overlap.watch(self.param_groups[-1]["params"])
+        self._wiring.watch(self.param_groups[-1])  # its params get hooks too
         self._schedule.group_added(self.counters)
-
-    @staticmethod
-    def _with_float_lr(group: dict) -> dict:
-        """The group as the maths reads it: a one-element tensor lr (torch.optim
-        accepts one) read once as a float; the group itself keeps the tensor,
-        which schedulers update in place."""
-        lr = group["lr"]
-        return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
 
     def mark_gradients_averaged(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
         """The DDP comm hook's promise: this step's gradients of `params`
@@ -446,9 +382,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def comm_stats(self) -> Dict[str, object]:
         """What the last step sent and what it cost, and the totals so far, as
-        a plain dict (cheap: call it every step and log it).
-
-        step and stage of the last step (`stage()`: the coming one's), world_size; for it:
+        a plain dict (cheap: call it every step and log it): step and stage of
+        the last step (`stage()`: the coming one's), world_size; for it
         bytes_sent, bytes_received, fp32_bytes (what an fp32 ring all-reduce
         of the same gradients would have sent), compression_ratio
         (fp32_bytes / bytes_sent), comm_s (in the transport) and compress_s
@@ -456,36 +391,23 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         total_*; worker_error_norm and server_error_norm (the error-feedback
         residual: a norm that keeps growing is the early sign of a bad freeze
         point); skipped_steps (non-finite gradients under a GradScaler).
-        Traffic of a DDP hook during backward counts toward the step after it.
+        A DDP hook's traffic during backward counts toward the next step.
         Bytes are each rank's share (see onebit.backends.stats)."""
         return self._channel.report(self.counters["step"])
 
     # ------------------------------------------------------------- tensors --
-    def _coming_trained_lists(self) -> List[List[torch.Tensor]]:
-        """The params the coming step trains with its stages, as step() will
-        find them (the overlap plans its buckets by them during backward):
-        a param that starts training after v froze (a group added) is
-        marked a late joiner first, as step() marks it. Else backward's
-        exchange inputs made its state, v = 0 included, and step() then took
-        it for a trained param that never saw a gradient: it never moved.
-        A change is noticed here, as step() would: backward's exchange
-        inputs must not read what was cached for the old params (0/1
-        Adam's denominators and masks, by group)."""
-        codes = self._params.codes(self.stage_at(self.counters["step"] + 1).variance_frozen)
-        self._notice_trainable_changes(codes)
-        return self._params.coded(codes, TRAINED)
-
-    def _notice_trainable_changes(self, signature: List[List[int]]) -> None:
-        """When who trains changes, forget everything laid out for the old
-        set: flat buffers, error-feedback buffers (they restart from zero),
-        cached denominators and guards, scratch buffers."""
-        if self._trained.notice(signature, self.param_groups):
-            if self._overlap is not None and self._overlap.launched:
-                # Exchanges backward queued over the old buffers (a group
-                # added mid-run, its params planned in): undone first,
-                # while their buffers exist; step() exchanges again.
-                self._overlap.abandon()
+    def _codes(self, variance_frozen: bool) -> List[List[int]]:
+        """Who trains at the coming step (v frozen or not), who is late, who
+        is frozen (one pass over the params). A change of who trains is
+        noticed here: what was laid out for the old set is forgotten (flat
+        buffers, error-feedback buffers, which restart from zero, cached
+        denominators, scratch), after the exchanges backward queued over it
+        are undone (overlap_wiring.py)."""
+        codes = self._params.codes(variance_frozen)
+        if self._trained.notice(codes, self.param_groups):
+            self._wiring.abandon()
             self._forget_layouts()
+        return codes
 
     def _params_stopped_training(self, params: List[torch.Tensor]) -> None:
         """`params` were trained in the last step and are frozen from this
@@ -493,76 +415,41 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         where the replicas are equal after every step (0/1 Adam's local
         steps are not)."""
 
-    def _gradients(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
-        """fp32 gradients, unscaled when a GradScaler handed us its scale."""
-        return self._params.gradients(params, getattr(self, "grad_scale", None))
-
     def _forget_layouts(self) -> None:
         self._channel.exchange.forget_layouts()
-        self._caches.clear()
-        self._caches.static.clear()
+        self._caches.forget()
 
-    def _clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
-        """`grads` clipped to the global norm `max_norm` (functional.clipped)."""
-        return F.clipped(grads, max_norm, self._shards.whole_norms)
-
-    # -------------------------------------------------------- communication --
     def reset_compression_errors(self) -> None:
         """Forget the error-feedback buffers (they restart from zero)."""
         self._channel.exchange.reset()
 
     # ------------------------------------------------- overlap with backward --
     def _coming_step(self) -> int:
-        """The step an exchange input is written for: the coming one during
-        backward, the current one inside step()."""
-        return self._step_in_progress or self.counters["step"] + 1
-
-    def _setup_overlap(self, overlap_backward: bool,
-                       bucket_cap_mb: float) -> Optional[BackwardOverlap]:
-        if not overlap_backward or self.world_size == 1:
-            return None
-        # Late-bound: a subclass (or a test) may replace these methods.
-        callbacks = OverlapCallbacks(
-            active=lambda: self._exchange_during_backward(),
-            trained=lambda: self._coming_trained_lists(),
-            gradients=lambda params: self._gradients(params),
-            write_input=lambda *args: self._exchange_input_(*args),
-            input_key=lambda index: self._exchange_input_key(index))
-        overlap = BackwardOverlap(self._channel.exchange, callbacks, bucket_cap_mb)
-        for group in self.param_groups:
-            check_overlap_group(group)
-            overlap.watch(group["params"])
-        return overlap
+        return self._wiring.coming_step(self.counters["step"])
 
     def no_overlap(self):
         """Context manager: the backward passes inside it start no exchange
         (gradient accumulation: every micro-batch but the last, as DDP's
         no_sync). Without overlap_backward it does nothing."""
-        return self._overlap.no_overlap() if self._overlap is not None else contextlib.nullcontext()
+        return self._wiring.no_overlap()
 
     def overlap_stats(self) -> Optional[dict]:
         """With overlap_backward: how many bucket exchanges started during
         backward and how many in step() (gradients that never arrived, or a
         GradScaler's step), how many were done again, and the seconds step()
         spent waiting for them; else None."""
-        return dict(self._overlap.stats) if self._overlap is not None else None
-
-    def _end_overlap(self) -> None:
-        if self._overlap is not None:
-            self._overlap.end_step()
+        return self._wiring.stats()
 
     # --------------------------------------------------------- checkpoints --
     def state_dict(self) -> dict:
         """torch's state_dict, with the counters copied and a placeholder for
         each per-param state a later stage creates (checkpoints.annotate):
         a fresh optimizer's state_dict has every key a trained one has."""
-        sd = super().state_dict()
-        step = self.counters["step"]
+        sd, step = super().state_dict(), self.counters["step"]
         params = [p for g in self.param_groups for p in g["params"]]
+        compressed = self.world_size > 1 and self._schedule.had_error_feedback(self.counters, step)
         checkpoints.annotate(sd, params, step=step, staged=self._staged_state(),
-                             momentum_compressed=self._momentum_restart.pending or (
-                                 self.world_size > 1
-                                 and self._schedule.had_error_feedback(self.counters, step)),
+                             momentum_compressed=self._momentum_restart.pending or compressed,
                              late_warmup=self._params.late.warmup_length, trained=self._trained.signature)
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
         return sd
@@ -588,30 +475,23 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_post_hooks = post_hooks
-        self._load_own_part(state_dict)
-        for hook in post_hooks.values():
-            hook(self)
-
-    def _load_own_part(self, state_dict: dict) -> None:
-        checkpoints.state_in_fp32(self.state, self.param_groups, state_dict,
-                                  keep=self.STATE_IN_PARAM_DTYPE)
-        self._shards.from_dtensors(self.state)
-        saved = checkpoints.SavedCounters(self.param_groups, self._initial_counters(),
-                                          self._schedule.had_error_feedback)
-        self._share_counters(saved.counters)
-        checkpoints.drop_placeholders(self.state, self._staged_state(), saved.step,
-                                      saved.placeholders)
-        checkpoints.drop_state_of_the_run(self.state, lambda p: self._params.late.is_late(self.state, p),
-                                          self.STATE_OF_THE_RUN)
+        saved = checkpoints.settle_loaded(
+            self.state, self.param_groups, state_dict, keep=self.STATE_IN_PARAM_DTYPE,
+            shards=self._shards, initial=self._initial_counters(),
+            had_error_feedback=self._schedule.had_error_feedback, staged=self._staged_state(),
+            is_late=lambda p: self._params.late.is_late(self.state, p),
+            state_of_the_run=self.STATE_OF_THE_RUN)
+        checkpoints.share_counters(self.param_groups, saved.counters)
         self._forget_layouts()
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load
         # as laid out for it (_error_layouts).
-        self._trained.hold(saved.trained)
-        self._trained.stopped = []
+        self._trained.loaded(saved.trained)
         self._channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
         self._momentum_restart.loaded(saved.momentum_compressed)
         self._after_load()
+        for hook in post_hooks.values():
+            hook(self)
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers: what `state_dict()` leaves out,
@@ -655,14 +535,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._momentum_restart.enabled = bool(enabled)
 
     def _error_layouts(self) -> dict:
-        """Error-buffer key -> layout of every fused buffer this optimizer
-        exchanges: each group's, and with overlap_backward each bucket's too
-        (where every compressed exchange then goes)."""
-        if self.world_size == 1:
-            return {}
-        trained = self._trained.last_lists(self._params, self.param_groups)
-        buckets = self._overlap.bucket_sizes(trained) if self._overlap is not None else ()
-        return self._channel.exchange.layouts(trained, buckets)
+        return checkpoints.error_layouts(
+            self.world_size, self._channel.exchange,
+            lambda: self._trained.last_lists(self._params, self.param_groups), self._wiring.bucket_sizes)
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):

@@ -34,6 +34,12 @@ class GroupCaches:
         self.zero_variance.clear()
         self._denoms.clear()
 
+    def forget(self) -> None:
+        """Forget everything, the static scratch buffers too (who trains
+        changed: none of it fits the new set)."""
+        self.clear()
+        self.static.clear()
+
     def seen(self, index, group, exp_avg_sqs: Variances, version: Optional[int]):
         """The zero-variance guard's (seen, masks) for group `index` (see
         guards.py); `version` names v (a stage's `variance_version`: None

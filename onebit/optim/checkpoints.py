@@ -39,6 +39,12 @@ _TORCH_ONLY = ("amsgrad", "maximize", "foreach", "capturable", "differentiable",
                "decoupled_weight_decay")
 
 
+def share_counters(param_groups, counters: dict) -> None:
+    """Put the one `counters` dict in every param group."""
+    for g in param_groups:
+        g[COUNTERS_KEY] = counters
+
+
 def param_states(state: dict) -> list:
     """The (key, per-param state) pairs of an optimizer's `state` (keyed by
     param) or of a state_dict's (keyed by index). torch keeps entries keyed
@@ -319,3 +325,35 @@ def state_in_fp32(state: dict, param_groups: list, saved: dict, keep: tuple) -> 
                 old = was.get(key)
                 exact = isinstance(old, torch.Tensor) and old.dtype == torch.float32
                 st[key] = old.to(value.device, copy=True) if exact else value.float()
+
+
+def settle_loaded(state: dict, param_groups: list, saved: dict, *, keep: tuple, shards,
+                  initial: dict, had_error_feedback, staged: Dict[str, tuple], is_late,
+                  state_of_the_run: tuple) -> SavedCounters:
+    """onebit's part of a load, once torch's `Optimizer.load_state_dict`
+    loaded `saved` into `state`: the state tensors back in fp32 but `keep`
+    (state_in_fp32), sharded params' state back on their local shards
+    (`shards`: the optimizer's ShardedParams), the placeholders `annotate`
+    wrote dropped (`staged`: the subclass's), and the state of the run
+    dropped for late joiners (`is_late(param)`, `state_of_the_run`'s names).
+    Returns the counters the checkpoint holds (`initial`,
+    `had_error_feedback`: as SavedCounters takes them)."""
+    state_in_fp32(state, param_groups, saved, keep=keep)
+    shards.from_dtensors(state)
+    counters = SavedCounters(param_groups, initial, had_error_feedback)
+    drop_placeholders(state, staged, counters.step, counters.placeholders)
+    drop_state_of_the_run(state, is_late, state_of_the_run)
+    return counters
+
+
+def error_layouts(world_size: int, exchange, trained: Callable[[], List[List[torch.Tensor]]],
+                  bucket_sizes) -> dict:
+    """Error-buffer key -> layout of every fused buffer an optimizer
+    exchanges (what its error-feedback state dict holds): each group's
+    (`trained()`: the params the last step trained, laid out for), and with
+    overlap_backward each bucket's too, where every compressed exchange then
+    goes (`bucket_sizes(trained)`, OverlapWiring's). None at world size 1."""
+    if world_size == 1:
+        return {}
+    lists = trained()
+    return exchange.layouts(lists, bucket_sizes(lists))

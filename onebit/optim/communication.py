@@ -91,6 +91,16 @@ class Communication:
             check_params_served(self.name, param_groups, self.process_group)
             self.agreement.check_construction(self.settings, param_groups, self.comm_backend_name)
 
+    def check_replicas(self, stage, param_groups, params) -> None:
+        """After step `stage`, every check_replicas_every steps where the
+        stage leaves the replicas equal: compare their checksums.
+        `params`: the optimizer's ParamState."""
+        every, t = self.options.check_replicas_every, stage.step
+        if every and self.world_size > 1 and t % every == 0 and stage.replicas_match:
+            self.replicas.check_replicas(
+                t, [{"params": params.shards.locals(g["params"])} for g in param_groups],
+                params.local_state())
+
     def broadcast(self, groups, shards) -> None:
         """Start every rank from rank 0's parameters (one collective per group)."""
         for group in groups:

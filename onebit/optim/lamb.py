@@ -153,7 +153,7 @@ class OnebitLamb(FreezeStepOptimizer):
         variance as the fresh one, as freeze_step does for the rest."""
         for p, g in zip(params, grads):
             done = LateJoiners.steps_done(self._params.local_state(), p)
-            [g] = self._clipped([g], group["max_grad_norm"])  # (its own norm: step() clips the rest)
+            [g] = self._params.clipped([g], group["max_grad_norm"])  # (its own norm: step() clips the rest)
             self._warmup_step(key, group, [p], [g], done + 1)
 
     def _warmup_step(self, i, group, params, gs, t) -> None:

@@ -14,7 +14,26 @@ from typing import List, Optional
 import torch
 
 from .. import collectives
+from ..checks import check_each_parameter_once, check_real
+from .functional import clipped
 from .late import FROZEN, TRAINED, LateJoiners, codes_fit
+
+
+def check_new_group(name: str, param_group: dict, param_groups, shards=None) -> None:
+    """Refuse a param group about to be added to optimizer `name`'s
+    `param_groups` that lists a param twice or a complex one, or (`shards`,
+    once the optimizer is built) is not sharded like the rest. A generator
+    of params becomes a list first: it can be read only once."""
+    params = param_group["params"]
+    if not isinstance(params, (torch.Tensor, set)):
+        params = param_group["params"] = list(params)
+    listed = [params] if isinstance(params, torch.Tensor) else params
+    # torch takes named params too: (name, tensor) pairs
+    tensors = [p[1] if isinstance(p, tuple) else p for p in listed]
+    check_each_parameter_once(name, tensors)
+    check_real(name, tensors)
+    if shards is not None:
+        shards.check_added([*param_groups, {**param_group, "params": listed}])
 
 
 class ParamState:
@@ -89,6 +108,11 @@ class ParamState:
         g = g.detach()
         return g.float() if g.dtype != torch.float32 else g
 
+    def clipped(self, grads: List[torch.Tensor], max_norm: float) -> List[torch.Tensor]:
+        """`grads` clipped to the global norm `max_norm`, the whole params'
+        norm over shards (functional.clipped)."""
+        return clipped(grads, max_norm, self.shards.whole_norms)
+
     def trainable(self, group) -> List[torch.Tensor]:
         """The params trained with the optimizer's own stages: those that
         require grad, less late joiners in their own warmup (late.py), as
@@ -142,6 +166,12 @@ class TrainedSet:
                             if was != FROZEN and now == FROZEN]
         self.hold(signature)
         return changed
+
+    def loaded(self, signature: Optional[List[List[int]]]) -> None:
+        """Hold a checkpoint's set (SavedCounters.trained), as the run that
+        did not stop holds it: nobody stopped training at its step."""
+        self.hold(signature)
+        self.stopped = []
 
     def take_stopped(self) -> List[torch.Tensor]:
         stopped, self.stopped = self.stopped, []

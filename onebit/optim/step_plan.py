@@ -51,6 +51,14 @@ class StepPlan:
         return [ps for _, ps in self.groups]
 
 
+def float_lr(group: dict) -> dict:
+    """The group as the maths reads it: a one-element tensor lr (torch.optim
+    accepts one) read once as a float; the group itself keeps the tensor,
+    which schedulers update in place."""
+    lr = group["lr"]
+    return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
+
+
 def unseen_trained(plan: StepPlan, caches, params) -> list:
     """(param, its fp32 gradient) for each trained param whose v is 0
     everywhere, the zero-variance guard's answer (cached while v is
@@ -86,6 +94,22 @@ def keep_untouched(gradless: List[torch.Tensor], trained: List[List[torch.Tensor
         for key, like, index in places:
             keep.keep(exchange.keep_tensor_errors(key, like, index))
     return keep
+
+
+def plan_untouched(plan: StepPlan, gradless: List[torch.Tensor], leaves_all: bool, params,
+                   overlap, exchange, leave: tuple) -> None:
+    """`plan` learns the trained params the step leaves as they were
+    (`gradless`: no rank has a gradient for them, as local shards) and what
+    it puts back for them (keep_untouched). Every step leaves them all
+    (`leaves_all`) but 0/1 Adam's syncs, which leave only the late joiners:
+    a late joiner is averaged in full precision every step, so its replicas
+    need no common point."""
+    if not leaves_all:
+        late_ids = {id(p) for _, ps in plan.late for p in ps}
+        gradless = [p for p in gradless if id(p) in late_ids]
+    plan.gradless = gradless
+    plan.untouched = (keep_untouched(gradless, plan.trained, params, overlap, exchange, leave)
+                      if gradless else None)
 
 
 def start_late(first_used: List[torch.Tensor], params) -> None:

@@ -16,6 +16,7 @@ from .freeze_check import warn_if_unsettled
 from .options import CommOptions, documents_comm_options
 from .stage_schedules import ZeroOneSchedule
 from .step_exchange import GroupExchange
+from .step_plan import float_lr
 
 
 @documents_comm_options
@@ -122,7 +123,7 @@ class ZeroOneAdam(OnebitOptimizer):
             if out is not grads:  # at world size 1 the gradients are their own average
                 torch._foreach_copy_(out, grads)
             return
-        group = self._with_float_lr(self.param_groups[index])
+        group = float_lr(self.param_groups[index])
         version = self.counters["var_updates"]
         bc1, bc2 = F.bias_corrections(group, t, version)
 

@@ -280,7 +280,7 @@ def _with_scaler(rank, world, mode):
         scaler.step(opt)
         scaler.update()
     stats = opt.overlap_stats()
-    return flat_params(model), (stats and dict(stats, buckets=len(opt._overlap.buckets)))
+    return flat_params(model), (stats and dict(stats, buckets=len(opt._wiring.overlap.buckets)))
 
 
 def test_grad_scaler_steps_are_exchanged_in_step_from_unscaled_gradients():
