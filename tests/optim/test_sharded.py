@@ -697,11 +697,13 @@ def test_grad_scaler_skips_an_inf_seen_by_one_shard_on_every_rank():
 
 
 # ------------------------------------------- checkpoints on another mesh --
-def _dcp_other_mesh(rank, world, nodes, path):
+def _dcp_other_mesh(rank, world, nodes, path, two_loads=False):
     """Load the 2x2 checkpoint of _dcp_save_or_resume (step 6) on `nodes`
-    nodes of 2: the state comes back resharded, the error buffers restart
-    from zero (their entries are for another replica count), and it trains
-    on."""
+    nodes of world / nodes: the state comes back resharded, the error
+    buffers restart from zero (their entries are for another replica count),
+    and it trains on. `two_loads`: docs/checkpoints.md's resume, the error
+    buffers in a second load into a dict built on the loaded optimizer
+    (with docs/sharding.md's allow_partial_load, it finds no entry there)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict,
@@ -712,11 +714,18 @@ def _dcp_other_mesh(rank, world, nodes, path):
     opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
                freeze_step=4, lr=1e-2)
     errors = opt.error_feedback_key()
-    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
-          errors: opt.error_feedback_state_dict()}
-    dcp.load(sd, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+
+    def load(sd):
+        dcp.load(sd, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    if not two_loads:
+        sd[errors] = opt.error_feedback_state_dict()
+    load(sd)
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
+    if two_loads:
+        sd[errors] = opt.error_feedback_state_dict()
+        load({errors: sd[errors]})
     restored = opt.load_error_feedback_state_dict(sd[errors])
     exp_avg_sq = [st["exp_avg_sq"].full_tensor().tolist()
                   for st in opt.state_dict()["state"].values()]
@@ -731,7 +740,6 @@ def _dcp_other_mesh(rank, world, nodes, path):
 
 def _exp_avg_sq_at_6(rank, world, nodes, path):
     """The full exp_avg_sq of every param in the 2x2 checkpoint's run."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     model, mesh = sharded(world, nodes)
@@ -745,12 +753,18 @@ def _exp_avg_sq_at_6(rank, world, nodes, path):
     return [v["exp_avg_sq"].full_tensor().tolist() for v in sd["state"].values()]
 
 
+# 2x2 -> 3x2 in one load; 2x2 -> 2x1 through the documented two loads (issue
+# 70: the second load found no entry, and took the untouched dict for the
+# saved buffers: it returned True before 45a3547).
 @pytest.mark.slow
-def test_dcp_checkpoint_loads_on_another_replica_count_with_errors_from_zero(tmp_path):
+@pytest.mark.parametrize("world,nodes,two_loads", [(6, 3, False), (2, 2, True)])
+def test_dcp_checkpoint_loads_on_another_replica_count_with_errors_from_zero(
+        tmp_path, world, nodes, two_loads):
     path = str(tmp_path / "dcp")
     run_workers(_dcp_save_or_resume, 4, 2, path, False, timeout=120)
     want = run_workers(_exp_avg_sq_at_6, 4, 2, path, timeout=120)[0]
-    for restored, step, exp_avg_sq in run_workers(_dcp_other_mesh, 6, 3, path, timeout=180):
+    for restored, step, exp_avg_sq in run_workers(_dcp_other_mesh, world, nodes, path,
+                                                  two_loads, timeout=180):
         assert restored is False and step == 6
         # the frozen variance, resharded from 2 shards of 2 nodes onto 2 of 3
         got = [torch.tensor(x) for x in exp_avg_sq]
@@ -850,49 +864,3 @@ def test_state_dict_leaves_the_live_state_as_it_was():
     assert set(opt.state[p[0]]) == before
     assert "sync_point" in sd["state"][0]  # the placeholder is in the saved dict only
 
-
-def _dcp_two_loads_other_mesh(rank, world, nodes, path):
-    """docs/checkpoints.md's two-load resume of the 2x2 checkpoint of
-    _dcp_save_or_resume (step 6) on a `nodes` x (world / nodes) mesh, with
-    docs/sharding.md's allow_partial_load: the second load finds no error
-    entry for this mesh, and must say so."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    model, mesh = sharded(world, nodes)
-    opt = make("OnebitAdam", model.parameters(), process_group=mesh.get_group("replicate"),
-               freeze_step=4, lr=1e-2)
-
-    def planner():
-        return dcp.DefaultLoadPlanner(allow_partial_load=True)
-    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(sd, checkpoint_id=path, planner=planner())
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
-    errors = {opt.error_feedback_key(): opt.error_feedback_state_dict()}
-    dcp.load(errors, checkpoint_id=path, planner=planner())
-    restored = opt.load_error_feedback_state_dict(errors[opt.error_feedback_key()])
-    step = opt.counters["step"]
-    for t in range(step + 1, 11):
-        model(weights(rank, t)).backward()
-        opt.step()
-        opt.zero_grad()
-    assert_replicas_identical(model, mesh.get_group("replicate"), "after resuming")
-    finite = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
-    return restored, step, finite
-
-
-@pytest.mark.slow
-def test_the_two_load_dcp_resume_on_another_mesh_says_the_errors_restarted(tmp_path):
-    """Issue 70: a 2x2 checkpoint resumed on a 2x1 mesh through the two
-    loads: the error entry of this mesh is absent, the load returns False
-    (it took the untouched dict for the saved buffers before), and the run
-    trains on from step 6 with identical replicas."""
-    path = str(tmp_path / "dcp")
-    run_workers(_dcp_save_or_resume, 4, 2, path, False, timeout=120)
-    for restored, step, finite in run_workers(_dcp_two_loads_other_mesh, 2, 2, path,
-                                              timeout=180):
-        assert restored is False and step == 6 and finite
