@@ -124,14 +124,13 @@ def run_replicas(a: argparse.Namespace, kill_every: float) -> dict:
     first = min(r["t"] for r in committed if r["step"] == 0)
     last = max(r["t"] for r in committed)
     ends = [r for r in committed if "held_out" in r]
+    full = [r["bytes"] for r in committed if r["compressed"] and r["replicas"] == a.replicas]
     return dict(kills=kills, restarts=restarts,
                 failed_steps=sum(not r["committed"] for r in records),
                 seconds=last - first, steps_per_s=a.steps / (last - first),
                 held_out=ends[0]["held_out"] if ends else float("nan"),
                 # what a rank sends in a committed 1-bit step with every replica in
-                bytes_per_step=statistics.mean(
-                    r["bytes"] for r in committed
-                    if r["compressed"] and r["replicas"] == a.replicas),
+                bytes_per_step=statistics.mean(full) if full else float("nan"),
                 identical_end=len({r["held_out"] for r in ends}) == 1)
 
 
