@@ -23,12 +23,12 @@ import torch
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends.stats import TrafficStats
 from ..feedback.channel import ErrorFeedbackChannel
-from ..feedback.exchange import GroupKey, LateKey
+from ..feedback.exchange import LateKey
 from ..shards import ShardedParams
 from . import checkpoints
 from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
-from .late import LATE, TRAINED, LateJoiners, late_adam_step_
+from .late import TRAINED, LateJoiners
 from .averaging import FullPrecisionAveraging
 from .communication import Communication, agreed_settings
 from .copies import copied_attributes
@@ -37,8 +37,8 @@ from .overlap import OverlapCallbacks
 from .overlap_wiring import OverlapWiring
 from .param_state import ParamState, TrainedSet, check_new_group
 from .step_exchange import StepExchange
-from .step_plan import (StepGate, StepPlan, float_lr, plan_untouched, start_late,
-                        step_settings, unseen_trained)
+from .step_plan import (StepGate, StepPlan, gather, plan_untouched, put_back_untouched,
+                        start_late, step_settings, unseen_trained)
 from .stage import Stage
 
 
@@ -152,12 +152,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         loaded (before the user's load post-hooks run)."""
 
     def _late_update(self, key: LateKey, group, params, grads) -> None:
-        """A late joiner's own warmup step: Adam, with bias corrections
-        counted per param from its first step (late.py)."""
-        grads = self._params.clipped(grads, group["max_grad_norm"])
-        steps = [LateJoiners.steps_done(self._params.local_state(), p) + 1 for p in params]
-        late_adam_step_(params, grads, self._params.tensors(params, "exp_avg"),
-                        self._params.tensors(params, "exp_avg_sq"), steps, group)
+        """A late joiner's own warmup step (ParamState.late_step_: Adam)."""
+        self._params.late_step_(group, params, grads)
 
     # ------------------------------------------------------------ counters --
     @property
@@ -217,7 +213,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         try:
             go_on = self._agree(plan)
             if go_on:
-                self._average(plan)
+                self._averaging.average_step_(plan)
         except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
             self._wiring.end_step()  # step t never began; undo what backward exchanged (overlap.py)
             raise
@@ -239,15 +235,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             checkpoints.zero_momentum_(self.state)
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
-        codes = self._codes(stage.variance_frozen)
-        groups = [(float_lr(g), ps)
-                  for g, ps in zip(self.param_groups, self._params.coded(codes, TRAINED))]
-        late = [(g, ps) for (g, _), ps in zip(groups, self._params.coded(codes, LATE))]
-        if self._wiring.overlap is not None:  # before the gradients, which it unscales in place
-            self._wiring.overlap.notice_changed_gradients()
-        scale = getattr(self, "grad_scale", None)
-        return StepPlan(stage, groups, [self._params.gradients(ps, scale) for _, ps in groups],
-                        late, [self._params.gradients(ps, scale) for _, ps in late])
+        return gather(stage, self._codes(stage.variance_frozen), self.param_groups, self._params,
+                      self._wiring.overlap, getattr(self, "grad_scale", None))
 
     def _agree(self, plan: StepPlan) -> bool:
         """Whether the step goes on, as every rank agreed (step_plan.StepGate);
@@ -257,8 +246,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if overlap is not None:  # every bucket queued before the agreement (overlap.py)
             overlap.launch_rest(plan.trained, plan.grads)
         stage = plan.stage
-        unseen = (unseen_trained(plan, self._caches, self._params)
-                  if stage.variance_frozen and self._params.late.warmup_length else [])
+        unseen = unseen_trained(plan, self._caches, self._params)
         skip, gradless, plan.first_used = self._gate.before_step(
             stage.step, plan.grads + plan.late_grads, unseen, self.param_groups,
             step_settings(self.counters, self.param_groups), self._trained.digest,
@@ -274,15 +262,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                        self._channel.exchange, self.STATE_OF_THE_RUN)
         plan.exchanged_in_buckets = overlap is not None and self._exchange_during_backward()
         return True
-
-    def _average(self, plan: StepPlan) -> None:
-        """Full-precision averages: the trained params' where the stage says
-        so, the late joiners' at every step (late.py)."""
-        if plan.stage.full_precision:
-            for i, ((_, ps), gs) in enumerate(zip(plan.groups, plan.grads)):
-                self._averaging.average_unhooked_(GroupKey(i), ps, gs)
-        for i, ((_, ps), gs) in enumerate(zip(plan.late, plan.late_grads)):
-            self._averaging.average_unhooked_(LateKey(i), ps, gs)
 
     def _take_step(self, plan: StepPlan) -> None:
         """Step t's maths: the subclass's `_update` (the 1-bit step), on the
@@ -313,12 +292,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if params:
                 self._late_update(LateKey(i), group, params, gs)
                 LateJoiners.advance(self._params.local_state(), params)
-        if plan.untouched is not None:
-            plan.untouched.restore()
-            if stage.full_precision:  # v moved in this step, and was just put back for some:
-                # what the step derived from it (its square roots, the
-                # zero-variance masks) is derived again from the v put back.
-                self._caches.clear()
+        put_back_untouched(plan, self._caches)
         if plan.first_used:
             start_late(plan.first_used, self._params)
             # What was laid out for the old trained set goes now, as the next
@@ -464,9 +438,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `load_error_feedback_state_dict` afterwards (same world size), or
         they restart from zero (DeepSpeed's documented choice).
         """
-        state_dict = checkpoints.adapt(self, state_dict, lambda step: self._schedule.counters_at(
-            type(self).__name__, len(self.param_groups), step))
-        state_dict = checkpoints.keep_masks(state_dict, self.param_groups)
+        state_dict = checkpoints.keep_masks(checkpoints.adapt(
+            self, state_dict, lambda step: self._schedule.counters_at(
+                type(self).__name__, len(self.param_groups), step)), self.param_groups)
         # torch runs the load post-hooks at the end of its own part; they
         # are the user's view of a finished load, so they wait for ours.
         post_hooks = self._optimizer_load_state_dict_post_hooks
@@ -481,7 +455,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             had_error_feedback=self._schedule.had_error_feedback, staged=self._staged_state(),
             is_late=lambda p: self._params.late.is_late(self.state, p),
             state_of_the_run=self.STATE_OF_THE_RUN)
-        checkpoints.share_counters(self.param_groups, saved.counters)
         self._forget_layouts()
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load

@@ -337,12 +337,14 @@ def settle_loaded(state: dict, param_groups: list, saved: dict, *, keep: tuple, 
     wrote dropped (`staged`: the subclass's), and the state of the run
     dropped for late joiners (`is_late(param)`, `state_of_the_run`'s names).
     Returns the counters the checkpoint holds (`initial`,
-    `had_error_feedback`: as SavedCounters takes them)."""
+    `had_error_feedback`: as SavedCounters takes them), shared by every
+    group (share_counters)."""
     state_in_fp32(state, param_groups, saved, keep=keep)
     shards.from_dtensors(state)
     counters = SavedCounters(param_groups, initial, had_error_feedback)
     drop_placeholders(state, staged, counters.step, counters.placeholders)
     drop_state_of_the_run(state, is_late, state_of_the_run)
+    share_counters(param_groups, counters.counters)
     return counters
 
 
