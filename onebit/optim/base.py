@@ -322,29 +322,16 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         check_new_group(type(self).__name__, param_group, self.param_groups,
                         self._shards if self._comm is not None else None)
         super().add_param_group(param_group)
-        if self._comm is None:  # torch's __init__ adding the first groups
-            return
-        # A refused group leaves: it would train unchecked, and 0/1 Adam's
-        # per-group counters would miss it. The checks come before the
-        # broadcast, so a refusal leaves its params as they were, too.
-        try:
-            self._comm.check_added(self.param_groups)
-            self._wiring.check(self.param_groups[-1])
-        except BaseException:
-            self.param_groups.pop()
-            raise
-        self.param_groups[-1][COUNTERS_KEY] = self.counters
-        if self.world_size > 1:
-            self._comm.broadcast(self.param_groups[-1:], self._shards)
-        self._wiring.watch(self.param_groups[-1])  # its params get hooks too
-        self._schedule.group_added(self.counters)
+        if self._comm is not None:  # (else torch's __init__ adding the first groups)
+            self._comm.admit(self.param_groups, self._shards, self._wiring)
+            self.param_groups[-1][COUNTERS_KEY] = self.counters
+            self._schedule.group_added(self.counters)
 
     def mark_gradients_averaged(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
-        """The DDP comm hook's promise: this step's gradients of `params`
-        (default: all) reach step() already averaged in full precision (over
-        this optimizer's group), so step() does not average them again; it
-        averages the others itself (a head outside the DDP model, added with
-        add_param_group). It covers one step."""
+        """The DDP comm hook's promise, for one step: this step's gradients of
+        `params` (default: all) reach step() averaged in full precision over
+        this optimizer's group; step() averages only the others (a head
+        outside the DDP model, added with add_param_group)."""
         every = [p for g in self.param_groups for p in g["params"]] if params is None else params
         self._averaging.mark(every)
 
@@ -355,28 +342,23 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._channel.traffic
 
     def comm_stats(self) -> Dict[str, object]:
-        """What the last step sent and what it cost, and the totals so far, as
-        a plain dict (cheap: call it every step and log it): step and stage of
-        the last step (`stage()`: the coming one's), world_size; for it
-        bytes_sent, bytes_received, fp32_bytes (what an fp32 ring all-reduce
-        of the same gradients would have sent), compression_ratio
-        (fp32_bytes / bytes_sent), comm_s (in the transport) and compress_s
-        (compression kernels around it); the same summed over the run as
-        total_*; worker_error_norm and server_error_norm (the error-feedback
-        residual: a norm that keeps growing is the early sign of a bad freeze
-        point); skipped_steps (non-finite gradients under a GradScaler).
-        A DDP hook's traffic during backward counts toward the next step.
-        Bytes are each rank's share (see onebit.backends.stats)."""
+        """The last step's traffic and cost and the run's totals, as a plain
+        dict (cheap: log it every step): step, stage (`stage()`: the coming
+        one's), world_size; bytes_sent, bytes_received, fp32_bytes (an fp32
+        ring all-reduce of the same gradients), compression_ratio
+        (fp32_bytes / bytes_sent), comm_s (transport), compress_s (kernels
+        around it), and total_* over the run; worker_error_norm and
+        server_error_norm (error-feedback residuals: one that keeps growing
+        warns of a bad freeze point); skipped_steps (non-finite, under a
+        GradScaler). A DDP hook's backward traffic counts toward the next
+        step. Bytes are each rank's share (onebit.backends.stats)."""
         return self._channel.report(self.counters["step"])
 
     # ------------------------------------------------------------- tensors --
     def _codes(self, variance_frozen: bool) -> List[List[int]]:
-        """Who trains at the coming step (v frozen or not), who is late, who
-        is frozen (one pass over the params). A change of who trains is
-        noticed here: what was laid out for the old set is forgotten (flat
-        buffers, error-feedback buffers, which restart from zero, cached
-        denominators, scratch), after the exchanges backward queued over it
-        are undone (overlap_wiring.py)."""
+        """Who trains at the coming step, who is late, who is frozen. At a
+        change of who trains, the exchanges backward queued are undone and
+        the old set's layouts forgotten (error buffers restart from zero)."""
         codes = self._params.codes(variance_frozen)
         if self._trained.notice(codes, self.param_groups):
             self._wiring.abandon()
@@ -384,10 +366,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return codes
 
     def _params_stopped_training(self, params: List[torch.Tensor]) -> None:
-        """`params` were trained in the last step and are frozen from this
-        one (requires_grad turned off), as every rank agreed: nothing to do
-        where the replicas are equal after every step (0/1 Adam's local
-        steps are not)."""
+        """`params`, trained at the last step, are frozen from this one (every
+        rank agreed): nothing to do where the replicas are equal after every
+        step (0/1 Adam's local steps are not)."""
 
     def _forget_layouts(self) -> None:
         self._channel.exchange.forget_layouts()
