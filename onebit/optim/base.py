@@ -101,6 +101,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # What a stage's maths calls to exchange (step_exchange.py).
         self._exchanges = StepExchange(self._channel.exchange, overlap, self.world_size)
         self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, overlap)
+        self._saved_errors = checkpoints.ErrorFeedbackCheckpoint(
+            self._channel, self._momentum_restart, self._trained, self._params, self._wiring,
+            comm.world_size)
 
     # The communication's settings (communication.py), read-only.
     process_group = property(lambda self: self._comm.process_group)
@@ -242,23 +245,18 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Whether the step goes on, as every rank agreed (step_plan.StepGate);
         then `plan` learns the params no rank has a gradient for, what to put
         back for them (untouched.py) and who is used first since v froze."""
-        overlap = self._wiring.overlap
-        if overlap is not None:  # every bucket queued before the agreement (overlap.py)
-            overlap.launch_rest(plan.trained, plan.grads)
-        stage = plan.stage
-        unseen = unseen_trained(plan, self._caches, self._params)
-        skip, gradless, plan.first_used = self._gate.before_step(
-            stage.step, plan.grads + plan.late_grads, unseen, self.param_groups,
+        skip, gradless = self._gate.agree(
+            plan, unseen_trained(plan, self._caches, self._params), self.param_groups,
             step_settings(self.counters, self.param_groups), self._trained.digest,
             getattr(self, "found_inf", None),
             agreeing_scaler=getattr(self, AGREEING_SCALER_ATTRIBUTE, False),
             fp16_hint=bool(self._averaging.hooked) and self.averaging_dtype == torch.float16)
-        gradless = self._shards.locals(gradless)
+        gradless, overlap = self._shards.locals(gradless), self._wiring.overlap
         if self._trained.stopped:  # (the ranks agree on them: the step goes on)
             self._params_stopped_training(self._trained.take_stopped())
         if skip:
             return False
-        plan_untouched(plan, gradless, self._leaves_gradless_params(stage), self._params, overlap,
+        plan_untouched(plan, gradless, self._leaves_gradless_params(plan.stage), self._params, overlap,
                        self._channel.exchange, self.STATE_OF_THE_RUN)
         plan.exchanged_in_buckets = overlap is not None and self._exchange_during_backward()
         return True
@@ -270,12 +268,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.counters["step"] = stage.step
         self._wiring.step_in_progress = stage.step  # what an exchange input written from here on is for
         try:
-            if plan.exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
-                # Backward's gradients were scaled whether step() unscales
-                # them (grad_scale) or the user did (unscale_, which leaves
-                # grad_scale None and found_inf set, and no mark on .grad).
-                self._wiring.overlap.settle(plan.trained, plan.grads,
-                                     relaunch=getattr(self, "found_inf", None) is not None)
+            self._wiring.settle(plan, getattr(self, "found_inf", None))  # backward's exchanges
             grads = [self._params.clipped(gs, group["max_grad_norm"])
                      for (group, _), gs in zip(plan.groups, plan.grads)]
             self._update(stage, plan.groups, grads)
@@ -439,7 +432,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._forget_layouts()
         # The saved step's set, as the run that did not stop holds it: a
         # change is noticed at the next step, and the error buffers load
-        # as laid out for it (_error_layouts).
+        # as laid out for it (ErrorFeedbackCheckpoint).
         self._trained.loaded(saved.trained)
         self._channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
         self._momentum_restart.loaded(saved.momentum_compressed)
@@ -448,15 +441,13 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             hook(self)
 
     def error_feedback_state_dict(self) -> dict:
-        """This rank's error-feedback buffers: what `state_dict()` leaves out,
-        because they differ on every rank. Save one per rank next to the
-        optimizer's checkpoint (with DCP: under a key naming the rank, see
-        the README); with both, a resume at the same world size is bitwise
-        identical to not stopping. Groups that have not exchanged yet get
-        zeros of the right size, so a fresh optimizer's dict is a target DCP
-        can load into."""
-        return self._channel.state_dict(self._error_layouts(), self._params.device(),
-                                        {"step": self.counters["step"]})
+        """This rank's error-feedback buffers, which `state_dict()` leaves out
+        (they differ on every rank). Save one per rank beside the optimizer's
+        checkpoint (with DCP: under `error_feedback_key()`, see the README):
+        with both, a resume at the same world size is bitwise identical to
+        not stopping. Groups yet to exchange get zeros of the right size, so
+        a fresh optimizer's dict is a target DCP can load into."""
+        return self._saved_errors.state_dict(self.param_groups, self.counters["step"])
 
     def error_feedback_key(self) -> str:
         """The key for this rank's error buffers in a DCP checkpoint; see
@@ -466,15 +457,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore what `error_feedback_state_dict` saved on this rank. At
         another world size, rank, block size, wire format or backend layout
-        (flat against hierarchical), or from another
-        step than the loaded optimizer state's, the buffers mean nothing
-        here: they restart from zero (DeepSpeed's choice) and this returns
-        False. Call it after `load_state_dict`, which resets them."""
-        loaded = self._channel.load_state_dict(state, self._error_layouts(),
-                                               {"step": self.counters["step"]})
-        if loaded:
-            self._momentum_restart.restored()
-        return loaded
+        (flat against hierarchical), or from another step than the loaded
+        optimizer state's, they mean nothing here: they restart from zero
+        (DeepSpeed's choice) and this returns False. Call it after
+        `load_state_dict`, which resets them."""
+        return self._saved_errors.load(state, self.param_groups, self.counters["step"])
 
     @property
     def momentum_restart(self) -> bool:
@@ -487,11 +474,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @momentum_restart.setter
     def momentum_restart(self, enabled: bool) -> None:
         self._momentum_restart.enabled = bool(enabled)
-
-    def _error_layouts(self) -> dict:
-        return checkpoints.error_layouts(
-            self.world_size, self._channel.exchange,
-            lambda: self._trained.last_lists(self._params, self.param_groups), self._wiring.bucket_sizes)
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):

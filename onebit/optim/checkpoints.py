@@ -348,6 +348,39 @@ def settle_loaded(state: dict, param_groups: list, saved: dict, *, keep: tuple, 
     return counters
 
 
+class ErrorFeedbackCheckpoint:
+    """An optimizer's per-rank error-feedback checkpoint: the buffers of
+    `channel` (its ErrorFeedbackChannel), laid out for the params the last
+    step trained (`trained`: TrainedSet, over `params`: ParamState) and,
+    with overlap_backward, for its buckets (`wiring`: OverlapWiring);
+    `restart`: the MomentumRestart told when they come back."""
+
+    def __init__(self, channel, restart: "MomentumRestart", trained, params, wiring,
+                 world_size: int) -> None:
+        self.channel, self.restart, self.world_size = channel, restart, world_size
+        self.trained, self.params, self.wiring = trained, params, wiring
+
+    def layouts(self, param_groups) -> dict:
+        """error_layouts for the optimizer's current `param_groups`."""
+        return error_layouts(self.world_size, self.channel.exchange,
+                             lambda: self.trained.last_lists(self.params, param_groups),
+                             self.wiring.bucket_sizes)
+
+    def state_dict(self, param_groups, step: int) -> dict:
+        """This rank's buffers, at optimizer step `step` (zeros where a group
+        has not exchanged yet)."""
+        return self.channel.state_dict(self.layouts(param_groups), self.params.device(),
+                                       {"step": step})
+
+    def load(self, state: dict, param_groups, step: int) -> bool:
+        """Restore `state` where it fits (ErrorFeedbackChannel.load_state_dict);
+        whether it did."""
+        loaded = self.channel.load_state_dict(state, self.layouts(param_groups), {"step": step})
+        if loaded:
+            self.restart.restored()
+        return loaded
+
+
 def error_layouts(world_size: int, exchange, trained: Callable[[], List[List[torch.Tensor]]],
                   bucket_sizes) -> dict:
     """Error-buffer key -> layout of every fused buffer an optimizer

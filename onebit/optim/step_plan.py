@@ -175,6 +175,20 @@ class StepGate:
         so that every rank issues the two groups' collectives in one order."""
         return collective() if self.overlap is None else self.overlap.in_order(collective)
 
+    def agree(self, plan: StepPlan, unseen: list, param_groups, settings: dict, digest: int,
+              found_inf, *, agreeing_scaler: bool, fp16_hint: bool
+              ) -> Tuple[bool, List[torch.Tensor]]:
+        """`before_step` for `plan`, once every bucket backward queued has
+        launched (overlap.py): whether to skip the step, and the params no
+        rank has a gradient for (whole params); `plan` learns which of
+        `unseen` are used for the first time."""
+        if self.overlap is not None:
+            self.overlap.launch_rest(plan.trained, plan.grads)
+        skip, gradless, plan.first_used = self.before_step(
+            plan.stage.step, plan.grads + plan.late_grads, unseen, param_groups, settings, digest,
+            found_inf, agreeing_scaler=agreeing_scaler, fp16_hint=fp16_hint)
+        return skip, gradless
+
     def before_step(self, t: int, grads_by_group, unseen: list, param_groups, settings: dict,
                     digest: int, found_inf, *, agreeing_scaler: bool, fp16_hint: bool
                     ) -> Tuple[bool, List[torch.Tensor], list]:
