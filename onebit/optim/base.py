@@ -37,7 +37,7 @@ from .overlap import OverlapCallbacks
 from .overlap_wiring import OverlapWiring
 from .param_state import ParamState, TrainedSet, check_new_group
 from .step_exchange import StepExchange
-from .step_plan import (StepGate, StepPlan, gather, plan_untouched, put_back_untouched,
+from .step_plan import (StepGate, StepPlan, drop_scaler_handoff, gather, plan_untouched, put_back_untouched,
                         start_late, step_settings, unseen_trained)
 from .stage import Stage
 
@@ -45,15 +45,13 @@ from .stage import Stage
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base class; see OnebitAdam for the user-facing documentation.
 
-    `process_group` is the data-parallel group (default: the world, or none
-    when torch.distributed is not initialised); with FSDP2-sharded params,
-    the mesh's replicate dim (the maths runs on local shards, shards.py).
-    A subclass hands the constructor its stage schedule (stage_schedules.py)
-    and its communication options (options.py), and fills in the subclass
-    contract below (`_update` and `_exchange_input_` required).
-    `rank_agreed_settings`: its own attributes, set before this constructor,
-    that every rank must share besides the schedule's.
-    """
+    `process_group`: the data-parallel group (default: the world, or none
+    without torch.distributed); with FSDP2-sharded params, the mesh's
+    replicate dim (the maths runs on local shards, shards.py). A subclass
+    hands in its stage schedule (stage_schedules.py) and communication
+    options (options.py) and fills in the contract below (`_update` and
+    `_exchange_input_` required); `rank_agreed_settings`: its attributes,
+    set before this constructor, that every rank must share too."""
 
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
     # stepping only on ranks that saw finite gradients (which would hang).
@@ -78,7 +76,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._channel = ErrorFeedbackChannel(
             name, comm.backend, comm.world_size, comm.rank, options.block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
-        self._momentum_restart = checkpoints.MomentumRestart()
         self._caches = GroupCaches(self._shards)  # v's denominators and masks, scratch
         self._averaging = FullPrecisionAveraging(
             name, comm.process_group, comm.world_size, comm.timeout_s, options.averaging_dtype,
@@ -101,9 +98,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # What a stage's maths calls to exchange (step_exchange.py).
         self._exchanges = StepExchange(self._channel.exchange, overlap, self.world_size)
         self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, overlap)
-        self._saved_errors = checkpoints.ErrorFeedbackCheckpoint(
-            self._channel, self._momentum_restart, self._trained, self._params, self._wiring,
-            comm.world_size)
+        self._ef_checkpoint = checkpoints.ErrorFeedbackCheckpoint(
+            self._channel, self._trained, self._params, self._wiring, comm.world_size)
 
     # The communication's settings (communication.py), read-only.
     process_group = property(lambda self: self._comm.process_group)
@@ -120,18 +116,16 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     check_replicas_every = property(lambda self: self._comm.options.check_replicas_every)
 
     def __getstate__(self) -> dict:
-        """For copy.deepcopy and pickle: at world size 1 the copy is
-        independent and steps as the original; past one rank, or on sharded
-        params, refused (copies.py)."""
+        """copy.deepcopy and pickle: at world size 1 an independent copy that
+        steps as the original; refused past one rank or sharded (copies.py)."""
         return copied_attributes(type(self).__name__, self.world_size, self._shards.sharded,
                                  self.__dict__)
 
     # ------------------------------------------------ the subclass contract --
     @abc.abstractmethod
     def _update(self, stage: Stage, groups: list, grads: list) -> None:
-        """The maths of step `stage.step`: groups is [(param_group, trainable
-        params)], grads the matching fp32 gradients (averaged when the stage
-        is full precision)."""
+        """Step `stage.step`'s maths on `groups` ([(param_group, trained params)])
+        and their fp32 `grads` (averaged where the stage is full precision)."""
 
     @abc.abstractmethod
     def _exchange_input_(self, index: int, params, grads, out, positions) -> None:
@@ -139,20 +133,17 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `index` (at `positions` in its trained list) into `out`."""
 
     def _exchange_input_key(self, index: int):
-        """What, besides the gradients, group `index`'s exchange input was
-        written from that could change between backward and step()
-        (subclasses whose input depends on the hyper-parameters)."""
+        """What besides the gradients group `index`'s exchange input was written
+        from that may change between backward and step() (hyper-parameters)."""
         return None
 
     def _staged_state(self) -> Dict[str, tuple]:
-        """Per-param state created only at some stage: name -> (placeholder
-        maker, whether a checkpoint at `step` holds it for real). See
-        `state_dict`."""
+        """Per-param state only some stages create: name -> (placeholder maker,
+        whether a checkpoint at `step` holds it for real); see `state_dict`."""
         return {}
 
     def _after_load(self) -> None:
-        """The subclass's own part of `load_state_dict`, once the rest is
-        loaded (before the user's load post-hooks run)."""
+        """The subclass's part of `load_state_dict`, before the user's post-hooks."""
 
     def _late_update(self, key: LateKey, group, params, grads) -> None:
         """A late joiner's own warmup step (ParamState.late_step_: Adam)."""
@@ -174,8 +165,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._schedule.stage_at(self.counters, step)
 
     def _exchange_during_backward(self) -> bool:
-        """Whether the coming step's compressed exchange can start during
-        backward: its input needs only its gradients."""
+        """Whether the coming step's exchange can start in backward (its input: gradients)."""
         return self.world_size > 1 and self._schedule.exchanges_during_backward(
             self.counters, self.counters["step"] + 1)
 
@@ -184,8 +174,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self.stage_at(self.counters["step"] + 1).name
 
     def needs_full_precision_gradients(self) -> bool:
-        """Whether the coming step averages gradients in full precision (the
-        DDP hook asks this during backward)."""
+        """Whether the coming step averages in full precision (the DDP hook asks)."""
         return self.stage_at(self.counters["step"] + 1).full_precision
 
     # ---------------------------------------------------------------- step --
@@ -199,12 +188,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         try:
             return self._step(closure)
         except BaseException:
-            # torch's GradScaler removes what it handed this step only after
-            # a step that returned: left behind, the next step's scale would
-            # be multiplied by this one's (the gradients divided by scale^2).
-            for handed in ("grad_scale", "found_inf"):
-                if hasattr(self, handed):
-                    delattr(self, handed)
+            drop_scaler_handoff(self)  # a GradScaler's grad_scale and found_inf
             raise
 
     def _step(self, closure):
@@ -233,18 +217,15 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _gather(self) -> StepPlan:
         """The coming step's stage, who trains and who is late (one pass over
         the params: a step pays it per tensor), and their fp32 gradients."""
-        self._channel.restart_notice.before_step()
-        if self._momentum_restart.due():
-            checkpoints.zero_momentum_(self.state)
+        self._ef_checkpoint.before_step(self.state)
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
         return gather(stage, self._codes(stage.variance_frozen), self.param_groups, self._params,
                       self._wiring.overlap, getattr(self, "grad_scale", None))
 
     def _agree(self, plan: StepPlan) -> bool:
-        """Whether the step goes on, as every rank agreed (step_plan.StepGate);
-        then `plan` learns the params no rank has a gradient for, what to put
-        back for them (untouched.py) and who is used first since v froze."""
+        """Whether the step goes on, as every rank agreed (StepGate); `plan` learns
+        the params no rank has a gradient for and what to put back (untouched.py)."""
         skip, gradless = self._gate.agree(
             plan, unseen_trained(plan, self._caches, self._params), self.param_groups,
             step_settings(self.counters, self.param_groups), self._trained.digest,
@@ -269,9 +250,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._wiring.step_in_progress = stage.step  # what an exchange input written from here on is for
         try:
             self._wiring.settle(plan, getattr(self, "found_inf", None))  # backward's exchanges
-            grads = [self._params.clipped(gs, group["max_grad_norm"])
-                     for (group, _), gs in zip(plan.groups, plan.grads)]
-            self._update(stage, plan.groups, grads)
+            self._update(stage, plan.groups, self._params.clipped_groups(plan.groups, plan.grads))
             self._schedule.advance(self.counters, stage)
         finally:
             self._wiring.step_in_progress = None
@@ -288,9 +267,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         put_back_untouched(plan, self._caches)
         if plan.first_used:
             start_late(plan.first_used, self._params)
-            # What was laid out for the old trained set goes now, as the next
-            # step would forget it: a checkpoint taken now holds the error
-            # buffers the run goes on with.
+            # The old trained set's layouts go now, as the next step would drop
+            # them: a checkpoint taken now holds the error buffers that go on.
             self._forget_layouts()
         self.last_stage = stage
         self._comm.check_replicas(stage, self.param_groups, self._params)
@@ -382,10 +360,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._wiring.no_overlap()
 
     def overlap_stats(self) -> Optional[dict]:
-        """With overlap_backward: how many bucket exchanges started during
-        backward and how many in step() (gradients that never arrived, or a
-        GradScaler's step), how many were done again, and the seconds step()
-        spent waiting for them; else None."""
+        """With overlap_backward: how many bucket exchanges started in backward,
+        how many in step() (gradients that never came, a GradScaler's step),
+        how many were done again, and step()'s seconds waiting; else None."""
         return self._wiring.stats()
 
     # --------------------------------------------------------- checkpoints --
@@ -395,9 +372,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         a fresh optimizer's state_dict has every key a trained one has."""
         sd, step = super().state_dict(), self.counters["step"]
         params = [p for g in self.param_groups for p in g["params"]]
-        compressed = self.world_size > 1 and self._schedule.had_error_feedback(self.counters, step)
+        compressed = self._ef_checkpoint.momentum_compressed(
+            self.world_size > 1 and self._schedule.had_error_feedback(self.counters, step))
         checkpoints.annotate(sd, params, step=step, staged=self._staged_state(),
-                             momentum_compressed=self._momentum_restart.pending or compressed,
+                             momentum_compressed=compressed,
                              late_warmup=self._params.late.warmup_length, trained=self._trained.signature)
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
         return sd
@@ -410,8 +388,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `exp_avg_mask` (it may change between training phases, as DeepSpeed
         does). Reset: the error-feedback buffers; restore this rank's with
         `load_error_feedback_state_dict` afterwards (same world size), or
-        they restart from zero (DeepSpeed's documented choice).
-        """
+        they restart from zero (DeepSpeed's documented choice)."""
         state_dict = checkpoints.keep_masks(checkpoints.adapt(
             self, state_dict, lambda step: self._schedule.counters_at(
                 type(self).__name__, len(self.param_groups), step)), self.param_groups)
@@ -430,12 +407,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             is_late=lambda p: self._params.late.is_late(self.state, p),
             state_of_the_run=self.STATE_OF_THE_RUN)
         self._forget_layouts()
-        # The saved step's set, as the run that did not stop holds it: a
-        # change is noticed at the next step, and the error buffers load
-        # as laid out for it (ErrorFeedbackCheckpoint).
-        self._trained.loaded(saved.trained)
-        self._channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
-        self._momentum_restart.loaded(saved.momentum_compressed)
+        self._ef_checkpoint.loaded(saved)
         self._after_load()
         for hook in post_hooks.values():
             hook(self)
@@ -447,7 +419,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         with both, a resume at the same world size is bitwise identical to
         not stopping. Groups yet to exchange get zeros of the right size, so
         a fresh optimizer's dict is a target DCP can load into."""
-        return self._saved_errors.state_dict(self.param_groups, self.counters["step"])
+        return self._ef_checkpoint.state_dict(self.param_groups, self.counters["step"])
 
     def error_feedback_key(self) -> str:
         """The key for this rank's error buffers in a DCP checkpoint; see
@@ -461,7 +433,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         optimizer state's, they mean nothing here: they restart from zero
         (DeepSpeed's choice) and this returns False. Call it after
         `load_state_dict`, which resets them."""
-        return self._saved_errors.load(state, self.param_groups, self.counters["step"])
+        return self._ef_checkpoint.load(state, self.param_groups, self.counters["step"])
 
     @property
     def momentum_restart(self) -> bool:
@@ -469,11 +441,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `load_state_dict` whose error-feedback buffers did not come back,
         when the saved momentum is a compressed average (the default, True;
         see checkpoints.MomentumRestart and docs/checkpoints.md)."""
-        return self._momentum_restart.enabled
+        return self._ef_checkpoint.restart.enabled
 
     @momentum_restart.setter
     def momentum_restart(self, enabled: bool) -> None:
-        self._momentum_restart.enabled = bool(enabled)
+        self._ef_checkpoint.restart.enabled = bool(enabled)
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):

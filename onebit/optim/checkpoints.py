@@ -352,13 +352,36 @@ class ErrorFeedbackCheckpoint:
     """An optimizer's per-rank error-feedback checkpoint: the buffers of
     `channel` (its ErrorFeedbackChannel), laid out for the params the last
     step trained (`trained`: TrainedSet, over `params`: ParamState) and,
-    with overlap_backward, for its buckets (`wiring`: OverlapWiring);
-    `restart`: the MomentumRestart told when they come back."""
+    with overlap_backward, for its buckets (`wiring`: OverlapWiring); and
+    what a resume without them means for the momentum (`restart`)."""
 
-    def __init__(self, channel, restart: "MomentumRestart", trained, params, wiring,
-                 world_size: int) -> None:
-        self.channel, self.restart, self.world_size = channel, restart, world_size
+    def __init__(self, channel, trained, params, wiring, world_size: int) -> None:
+        self.channel, self.world_size = channel, world_size
         self.trained, self.params, self.wiring = trained, params, wiring
+        self.restart = MomentumRestart()
+
+    def before_step(self, state: dict) -> None:
+        """A step's first act: the channel's notice of buffers that restarted
+        from zero, and the momentum's restart where one is due (`state`: the
+        optimizer's)."""
+        self.channel.restart_notice.before_step()
+        if self.restart.due():
+            zero_momentum_(state)
+
+    def momentum_compressed(self, exchanged: bool) -> bool:
+        """What a checkpoint saves under MOMENTUM_KEY: whether its momentum came
+        through compressed exchanges (`exchanged`: the optimizer's answer at
+        the saved step) or still waits for its restart."""
+        return self.restart.pending or exchanged
+
+    def loaded(self, saved: "SavedCounters") -> None:
+        """After `load_state_dict`: the saved step's trained set, as the run
+        that did not stop holds it (the error buffers load laid out for it; a
+        change shows at the next step); buffers that mean nothing until
+        restored; the momentum's restart, if the saved one was compressed."""
+        self.trained.loaded(saved.trained)
+        self.channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
+        self.restart.loaded(saved.momentum_compressed)
 
     def layouts(self, param_groups) -> dict:
         """error_layouts for the optimizer's current `param_groups`."""

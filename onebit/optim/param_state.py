@@ -122,6 +122,12 @@ class ParamState:
                         self.tensors(params, "exp_avg"), self.tensors(params, "exp_avg_sq"),
                         steps, group)
 
+    def clipped_groups(self, groups: list, grads: List[List[torch.Tensor]]
+                       ) -> List[List[torch.Tensor]]:
+        """Each group's `grads` clipped to its max_grad_norm (`groups`:
+        [(param group, params)], as a StepPlan holds them)."""
+        return [self.clipped(gs, group["max_grad_norm"]) for (group, _), gs in zip(groups, grads)]
+
     def trainable(self, group) -> List[torch.Tensor]:
         """The params trained with the optimizer's own stages: those that
         require grad, less late joiners in their own warmup (late.py), as

@@ -51,6 +51,16 @@ class StepPlan:
         return [ps for _, ps in self.groups]
 
 
+def drop_scaler_handoff(optimizer) -> None:
+    """After a step that raised: forget the `grad_scale` and `found_inf` a
+    GradScaler handed `optimizer`. torch's GradScaler takes them back only
+    from a step that returned: left, the next step would divide the
+    gradients by scale^2."""
+    for handed in ("grad_scale", "found_inf"):
+        if hasattr(optimizer, handed):
+            delattr(optimizer, handed)
+
+
 def float_lr(group: dict) -> dict:
     """The group as the maths reads it: a one-element tensor lr (torch.optim
     accepts one) read once as a float; the group itself keeps the tensor,
