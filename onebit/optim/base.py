@@ -95,8 +95,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                      self._channel.exchange, callbacks, options.bucket_cap_mb,
                                      self.param_groups)
         overlap = self._wiring.overlap
-        # What a stage's maths calls to exchange (step_exchange.py).
-        self._exchanges = StepExchange(self._channel.exchange, overlap, self.world_size)
+        self._exchanges = StepExchange(self._channel.exchange, overlap, self.world_size)  # (step_exchange.py)
         self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, overlap)
         self._ef_checkpoint = checkpoints.ErrorFeedbackCheckpoint(
             self._channel, self._trained, self._params, self._wiring, comm.world_size)
@@ -152,9 +151,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # ------------------------------------------------------------ counters --
     @property
     def counters(self) -> dict:
-        """The counters that decide the stage. They live in every param group
-        (one dict, shared), where torch's tooling (torch.distributed.checkpoint,
-        FSDP2, Accelerate) expects optimizer state that is not per-param."""
+        """The counters that decide the stage: one dict in every param group, where
+        torch.distributed.checkpoint, FSDP2 and Accelerate expect non-per-param state."""
         return self.param_groups[0][COUNTERS_KEY]
 
     def _initial_counters(self) -> dict:
@@ -215,8 +213,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return loss
 
     def _gather(self) -> StepPlan:
-        """The coming step's stage, who trains and who is late (one pass over
-        the params: a step pays it per tensor), and their fp32 gradients."""
+        """The coming step's stage, who trains, who is late, their fp32 gradients."""
         self._ef_checkpoint.before_step(self.state)
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
@@ -257,9 +254,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._wiring.end_step()
 
     def _finish(self, plan: StepPlan) -> None:
-        """Late joiners' own steps, untouched params put back, first-used
-        params made late joiners, the replicas' check, the telemetry."""
-        stage, t = plan.stage, plan.stage.step
+        """Late joiners' steps, untouched params put back, first used ones made late."""
         for i, ((group, params), gs) in enumerate(zip(plan.late, plan.late_grads)):
             if params:
                 self._late_update(LateKey(i), group, params, gs)
@@ -267,12 +262,11 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         put_back_untouched(plan, self._caches)
         if plan.first_used:
             start_late(plan.first_used, self._params)
-            # The old trained set's layouts go now, as the next step would drop
-            # them: a checkpoint taken now holds the error buffers that go on.
+            # (now, not at the next step: a checkpoint now holds the buffers that go on)
             self._forget_layouts()
-        self.last_stage = stage
-        self._comm.check_replicas(stage, self.param_groups, self._params)
-        self._channel.telemetry.end_step(t, stage.name, skipped=False)
+        self.last_stage = plan.stage
+        self._comm.check_replicas(plan.stage, self.param_groups, self._params)
+        self._channel.telemetry.end_step(plan.stage.step, plan.stage.name, skipped=False)
 
     # State a step sets whether a param had a gradient or not: left as the
     # step made it when the step puts an untouched param back.
@@ -327,9 +321,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     # ------------------------------------------------------------- tensors --
     def _codes(self, variance_frozen: bool) -> List[List[int]]:
-        """Who trains at the coming step, who is late, who is frozen. At a
-        change of who trains, the exchanges backward queued are undone and
-        the old set's layouts forgotten (error buffers restart from zero)."""
+        """Who trains, is late, is frozen at the coming step; a change of who trains
+        undoes backward's exchanges and forgets old layouts (errors restart at 0)."""
         codes = self._params.codes(variance_frozen)
         if self._trained.notice(codes, self.param_groups):
             self._wiring.abandon()
@@ -354,9 +347,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._wiring.coming_step(self.counters["step"])
 
     def no_overlap(self):
-        """Context manager: the backward passes inside it start no exchange
-        (gradient accumulation: every micro-batch but the last, as DDP's
-        no_sync). Without overlap_backward it does nothing."""
+        """Context manager: backward passes inside start no exchange (every micro-batch
+        but the last, as DDP's no_sync); without overlap_backward it does nothing."""
         return self._wiring.no_overlap()
 
     def overlap_stats(self) -> Optional[dict]:
@@ -389,11 +381,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         does). Reset: the error-feedback buffers; restore this rank's with
         `load_error_feedback_state_dict` afterwards (same world size), or
         they restart from zero (DeepSpeed's documented choice)."""
-        state_dict = checkpoints.keep_masks(checkpoints.adapt(
-            self, state_dict, lambda step: self._schedule.counters_at(
-                type(self).__name__, len(self.param_groups), step)), self.param_groups)
-        # torch runs the load post-hooks at the end of its own part; they
-        # are the user's view of a finished load, so they wait for ours.
+        state_dict = checkpoints.adapt(self, state_dict, lambda step: self._schedule.counters_at(
+            type(self).__name__, len(self.param_groups), step))
+        # torch runs the user's load post-hooks inside its part: they wait for ours.
         post_hooks = self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
         try:
@@ -422,8 +412,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._ef_checkpoint.state_dict(self.param_groups, self.counters["step"])
 
     def error_feedback_key(self) -> str:
-        """The key for this rank's error buffers in a DCP checkpoint; see
-        `onebit.feedback.channel.ErrorFeedbackChannel.key`."""
+        """This rank's error buffers' key in a DCP checkpoint (ErrorFeedbackChannel.key)."""
         return self._channel.key("onebit_errors")
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
@@ -438,9 +427,8 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @property
     def momentum_restart(self) -> bool:
         """Whether the momentum restarts from zero at the first step after a
-        `load_state_dict` whose error-feedback buffers did not come back,
-        when the saved momentum is a compressed average (the default, True;
-        see checkpoints.MomentumRestart and docs/checkpoints.md)."""
+        load whose error buffers did not come back, when the saved momentum is
+        a compressed average (default True; see docs/checkpoints.md)."""
         return self._ef_checkpoint.restart.enabled
 
     @momentum_restart.setter

@@ -78,15 +78,16 @@ def checkpoint_kind(state_dict: dict) -> str:
 
 
 def adapt(optimizer, state_dict: dict, counters_at: Callable[[int], dict]) -> dict:
-    """`state_dict` in this optimizer's own format, or ValueError.
-    `counters_at(t)`: the counters this optimizer would have after t steps
-    of full-precision Adam (used for Adam checkpoints)."""
+    """`state_dict` in this optimizer's own format, each group's
+    `exp_avg_mask` kept from the optimizer's param groups (keep_masks), or
+    ValueError. `counters_at(t)`: the counters this optimizer would have
+    after t steps of full-precision Adam (used for Adam checkpoints)."""
     mine = type(optimizer).__name__
     kind = checkpoint_kind(state_dict)
     if kind == mine:
-        return _counters_in_groups(state_dict)
+        return keep_masks(_counters_in_groups(state_dict), optimizer.param_groups)
     if kind == "Adam" and hasattr(optimizer, "_adam_compatible"):
-        return _from_adam(optimizer, state_dict, counters_at)
+        return keep_masks(_from_adam(optimizer, state_dict, counters_at), optimizer.param_groups)
     why = {
         "unknown": "it is not an optimizer state_dict that onebit knows",
         "Adam": f"{mine} keeps state that Adam does not have (LAMB's trust ratios); start "
