@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..feedback.exchange import UnhookedKey
+from ..feedback.exchange import GroupKey, LateKey, UnhookedKey
 from ..half_precision import check_fp16_mean, share
 
 
@@ -39,6 +39,16 @@ class FullPrecisionAveraging:
     def forget_marks(self) -> None:
         """The DDP hook's promise covers one step."""
         self.hooked = set()
+
+    def average_step_(self, plan) -> None:
+        """A step's full-precision averages (`plan`: step_plan.StepPlan): the
+        trained params' where the stage says so, the late joiners' at every
+        step (late.py)."""
+        if plan.stage.full_precision:
+            for i, ((_, ps), gs) in enumerate(zip(plan.groups, plan.grads)):
+                self.average_unhooked_(GroupKey(i), ps, gs)
+        for i, ((_, ps), gs) in enumerate(zip(plan.late, plan.late_grads)):
+            self.average_unhooked_(LateKey(i), ps, gs)
 
     def average_unhooked_(self, key, params: List[torch.Tensor],
                           grads: List[torch.Tensor]) -> None:

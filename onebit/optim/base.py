@@ -23,12 +23,12 @@ import torch
 from ..amp import AGREEING_SCALER_ATTRIBUTE
 from ..backends.stats import TrafficStats
 from ..feedback.channel import ErrorFeedbackChannel
-from ..feedback.exchange import GroupKey, LateKey
+from ..feedback.exchange import LateKey
 from ..shards import ShardedParams
 from . import checkpoints
 from .caches import GroupCaches
 from .checkpoints import COUNTERS_KEY
-from .late import LATE, TRAINED, LateJoiners, late_adam_step_
+from .late import TRAINED, LateJoiners
 from .averaging import FullPrecisionAveraging
 from .communication import Communication, agreed_settings
 from .copies import copied_attributes
@@ -37,23 +37,21 @@ from .overlap import OverlapCallbacks
 from .overlap_wiring import OverlapWiring
 from .param_state import ParamState, TrainedSet, check_new_group
 from .step_exchange import StepExchange
-from .step_plan import (StepGate, StepPlan, float_lr, plan_untouched, start_late,
-                        step_settings, unseen_trained)
+from .step_plan import (StepGate, StepPlan, drop_scaler_handoff, gather, plan_untouched, put_back_untouched,
+                        start_late, step_settings, unseen_trained)
 from .stage import Stage
 
 
 class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base class; see OnebitAdam for the user-facing documentation.
 
-    `process_group` is the data-parallel group (default: the world, or none
-    when torch.distributed is not initialised); with FSDP2-sharded params,
-    the mesh's replicate dim (the maths runs on local shards, shards.py).
-    A subclass hands the constructor its stage schedule (stage_schedules.py)
-    and its communication options (options.py), and fills in the subclass
-    contract below (`_update` and `_exchange_input_` required).
-    `rank_agreed_settings`: its own attributes, set before this constructor,
-    that every rank must share besides the schedule's.
-    """
+    `process_group`: the data-parallel group (default: the world, or none
+    without torch.distributed); with FSDP2-sharded params, the mesh's
+    replicate dim (the maths runs on local shards, shards.py). A subclass
+    hands in its stage schedule (stage_schedules.py) and communication
+    options (options.py) and fills in the contract below (`_update` and
+    `_exchange_input_` required); `rank_agreed_settings`: its attributes,
+    set before this constructor, that every rank must share too."""
 
     # GradScaler then hands us `grad_scale` and `found_inf` instead of
     # stepping only on ranks that saw finite gradients (which would hang).
@@ -78,7 +76,6 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._channel = ErrorFeedbackChannel(
             name, comm.backend, comm.world_size, comm.rank, options.block_size,
             self._shards.identity(), " The momentum restarts from zero (see momentum_restart).")
-        self._momentum_restart = checkpoints.MomentumRestart()
         self._caches = GroupCaches(self._shards)  # v's denominators and masks, scratch
         self._averaging = FullPrecisionAveraging(
             name, comm.process_group, comm.world_size, comm.timeout_s, options.averaging_dtype,
@@ -98,9 +95,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                      self._channel.exchange, callbacks, options.bucket_cap_mb,
                                      self.param_groups)
         overlap = self._wiring.overlap
-        # What a stage's maths calls to exchange (step_exchange.py).
-        self._exchanges = StepExchange(self._channel.exchange, overlap, self.world_size)
+        self._exchanges = StepExchange(self._channel.exchange, overlap, self.world_size)  # (step_exchange.py)
         self._gate = StepGate(name, comm.agreement, comm.agreeing, comm.comm_device, overlap)
+        self._ef_checkpoint = checkpoints.ErrorFeedbackCheckpoint(
+            self._channel, self._trained, self._params, self._wiring, comm.world_size)
 
     # The communication's settings (communication.py), read-only.
     process_group = property(lambda self: self._comm.process_group)
@@ -117,18 +115,16 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     check_replicas_every = property(lambda self: self._comm.options.check_replicas_every)
 
     def __getstate__(self) -> dict:
-        """For copy.deepcopy and pickle: at world size 1 the copy is
-        independent and steps as the original; past one rank, or on sharded
-        params, refused (copies.py)."""
+        """copy.deepcopy and pickle: at world size 1 an independent copy that
+        steps as the original; refused past one rank or sharded (copies.py)."""
         return copied_attributes(type(self).__name__, self.world_size, self._shards.sharded,
                                  self.__dict__)
 
     # ------------------------------------------------ the subclass contract --
     @abc.abstractmethod
     def _update(self, stage: Stage, groups: list, grads: list) -> None:
-        """The maths of step `stage.step`: groups is [(param_group, trainable
-        params)], grads the matching fp32 gradients (averaged when the stage
-        is full precision)."""
+        """Step `stage.step`'s maths on `groups` ([(param_group, trained params)])
+        and their fp32 `grads` (averaged where the stage is full precision)."""
 
     @abc.abstractmethod
     def _exchange_input_(self, index: int, params, grads, out, positions) -> None:
@@ -136,35 +132,27 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `index` (at `positions` in its trained list) into `out`."""
 
     def _exchange_input_key(self, index: int):
-        """What, besides the gradients, group `index`'s exchange input was
-        written from that could change between backward and step()
-        (subclasses whose input depends on the hyper-parameters)."""
+        """What besides the gradients group `index`'s exchange input was written
+        from that may change between backward and step() (hyper-parameters)."""
         return None
 
     def _staged_state(self) -> Dict[str, tuple]:
-        """Per-param state created only at some stage: name -> (placeholder
-        maker, whether a checkpoint at `step` holds it for real). See
-        `state_dict`."""
+        """Per-param state only some stages create: name -> (placeholder maker,
+        whether a checkpoint at `step` holds it for real); see `state_dict`."""
         return {}
 
     def _after_load(self) -> None:
-        """The subclass's own part of `load_state_dict`, once the rest is
-        loaded (before the user's load post-hooks run)."""
+        """The subclass's part of `load_state_dict`, before the user's post-hooks."""
 
     def _late_update(self, key: LateKey, group, params, grads) -> None:
-        """A late joiner's own warmup step: Adam, with bias corrections
-        counted per param from its first step (late.py)."""
-        grads = self._params.clipped(grads, group["max_grad_norm"])
-        steps = [LateJoiners.steps_done(self._params.local_state(), p) + 1 for p in params]
-        late_adam_step_(params, grads, self._params.tensors(params, "exp_avg"),
-                        self._params.tensors(params, "exp_avg_sq"), steps, group)
+        """A late joiner's own warmup step (ParamState.late_step_: Adam)."""
+        self._params.late_step_(group, params, grads)
 
     # ------------------------------------------------------------ counters --
     @property
     def counters(self) -> dict:
-        """The counters that decide the stage. They live in every param group
-        (one dict, shared), where torch's tooling (torch.distributed.checkpoint,
-        FSDP2, Accelerate) expects optimizer state that is not per-param."""
+        """The counters that decide the stage: one dict in every param group, where
+        torch.distributed.checkpoint, FSDP2 and Accelerate expect non-per-param state."""
         return self.param_groups[0][COUNTERS_KEY]
 
     def _initial_counters(self) -> dict:
@@ -175,8 +163,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._schedule.stage_at(self.counters, step)
 
     def _exchange_during_backward(self) -> bool:
-        """Whether the coming step's compressed exchange can start during
-        backward: its input needs only its gradients."""
+        """Whether the coming step's exchange can start in backward (its input: gradients)."""
         return self.world_size > 1 and self._schedule.exchanges_during_backward(
             self.counters, self.counters["step"] + 1)
 
@@ -185,8 +172,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self.stage_at(self.counters["step"] + 1).name
 
     def needs_full_precision_gradients(self) -> bool:
-        """Whether the coming step averages gradients in full precision (the
-        DDP hook asks this during backward)."""
+        """Whether the coming step averages in full precision (the DDP hook asks)."""
         return self.stage_at(self.counters["step"] + 1).full_precision
 
     # ---------------------------------------------------------------- step --
@@ -200,12 +186,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         try:
             return self._step(closure)
         except BaseException:
-            # torch's GradScaler removes what it handed this step only after
-            # a step that returned: left behind, the next step's scale would
-            # be multiplied by this one's (the gradients divided by scale^2).
-            for handed in ("grad_scale", "found_inf"):
-                if hasattr(self, handed):
-                    delattr(self, handed)
+            drop_scaler_handoff(self)  # a GradScaler's grad_scale and found_inf
             raise
 
     def _step(self, closure):
@@ -217,7 +198,7 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         try:
             go_on = self._agree(plan)
             if go_on:
-                self._average(plan)
+                self._averaging.average_step_(plan)
         except BaseException:  # ranks that disagree, a dead peer, an fp16 mean out of range:
             self._wiring.end_step()  # step t never began; undo what backward exchanged (overlap.py)
             raise
@@ -232,57 +213,31 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return loss
 
     def _gather(self) -> StepPlan:
-        """The coming step's stage, who trains and who is late (one pass over
-        the params: a step pays it per tensor), and their fp32 gradients."""
-        self._channel.restart_notice.before_step()
-        if self._momentum_restart.due():
-            checkpoints.zero_momentum_(self.state)
+        """The coming step's stage, who trains, who is late, their fp32 gradients."""
+        self._ef_checkpoint.before_step(self.state)
         self._shards.forget_views()
         stage = self.stage_at(self.counters["step"] + 1)
-        codes = self._codes(stage.variance_frozen)
-        groups = [(float_lr(g), ps)
-                  for g, ps in zip(self.param_groups, self._params.coded(codes, TRAINED))]
-        late = [(g, ps) for (g, _), ps in zip(groups, self._params.coded(codes, LATE))]
-        if self._wiring.overlap is not None:  # before the gradients, which it unscales in place
-            self._wiring.overlap.notice_changed_gradients()
-        scale = getattr(self, "grad_scale", None)
-        return StepPlan(stage, groups, [self._params.gradients(ps, scale) for _, ps in groups],
-                        late, [self._params.gradients(ps, scale) for _, ps in late])
+        return gather(stage, self._codes(stage.variance_frozen), self.param_groups, self._params,
+                      self._wiring.overlap, getattr(self, "grad_scale", None))
 
     def _agree(self, plan: StepPlan) -> bool:
-        """Whether the step goes on, as every rank agreed (step_plan.StepGate);
-        then `plan` learns the params no rank has a gradient for, what to put
-        back for them (untouched.py) and who is used first since v froze."""
-        overlap = self._wiring.overlap
-        if overlap is not None:  # every bucket queued before the agreement (overlap.py)
-            overlap.launch_rest(plan.trained, plan.grads)
-        stage = plan.stage
-        unseen = (unseen_trained(plan, self._caches, self._params)
-                  if stage.variance_frozen and self._params.late.warmup_length else [])
-        skip, gradless, plan.first_used = self._gate.before_step(
-            stage.step, plan.grads + plan.late_grads, unseen, self.param_groups,
+        """Whether the step goes on, as every rank agreed (StepGate); `plan` learns
+        the params no rank has a gradient for and what to put back (untouched.py)."""
+        skip, gradless = self._gate.agree(
+            plan, unseen_trained(plan, self._caches, self._params), self.param_groups,
             step_settings(self.counters, self.param_groups), self._trained.digest,
             getattr(self, "found_inf", None),
             agreeing_scaler=getattr(self, AGREEING_SCALER_ATTRIBUTE, False),
             fp16_hint=bool(self._averaging.hooked) and self.averaging_dtype == torch.float16)
-        gradless = self._shards.locals(gradless)
+        gradless, overlap = self._shards.locals(gradless), self._wiring.overlap
         if self._trained.stopped:  # (the ranks agree on them: the step goes on)
             self._params_stopped_training(self._trained.take_stopped())
         if skip:
             return False
-        plan_untouched(plan, gradless, self._leaves_gradless_params(stage), self._params, overlap,
+        plan_untouched(plan, gradless, self._leaves_gradless_params(plan.stage), self._params, overlap,
                        self._channel.exchange, self.STATE_OF_THE_RUN)
         plan.exchanged_in_buckets = overlap is not None and self._exchange_during_backward()
         return True
-
-    def _average(self, plan: StepPlan) -> None:
-        """Full-precision averages: the trained params' where the stage says
-        so, the late joiners' at every step (late.py)."""
-        if plan.stage.full_precision:
-            for i, ((_, ps), gs) in enumerate(zip(plan.groups, plan.grads)):
-                self._averaging.average_unhooked_(GroupKey(i), ps, gs)
-        for i, ((_, ps), gs) in enumerate(zip(plan.late, plan.late_grads)):
-            self._averaging.average_unhooked_(LateKey(i), ps, gs)
 
     def _take_step(self, plan: StepPlan) -> None:
         """Step t's maths: the subclass's `_update` (the 1-bit step), on the
@@ -291,43 +246,27 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.counters["step"] = stage.step
         self._wiring.step_in_progress = stage.step  # what an exchange input written from here on is for
         try:
-            if plan.exchanged_in_buckets:  # wait for them (under a GradScaler: exchange again)
-                # Backward's gradients were scaled whether step() unscales
-                # them (grad_scale) or the user did (unscale_, which leaves
-                # grad_scale None and found_inf set, and no mark on .grad).
-                self._wiring.overlap.settle(plan.trained, plan.grads,
-                                     relaunch=getattr(self, "found_inf", None) is not None)
-            grads = [self._params.clipped(gs, group["max_grad_norm"])
-                     for (group, _), gs in zip(plan.groups, plan.grads)]
-            self._update(stage, plan.groups, grads)
+            self._wiring.settle(plan, getattr(self, "found_inf", None))  # backward's exchanges
+            self._update(stage, plan.groups, self._params.clipped_groups(plan.groups, plan.grads))
             self._schedule.advance(self.counters, stage)
         finally:
             self._wiring.step_in_progress = None
             self._wiring.end_step()
 
     def _finish(self, plan: StepPlan) -> None:
-        """Late joiners' own steps, untouched params put back, first-used
-        params made late joiners, the replicas' check, the telemetry."""
-        stage, t = plan.stage, plan.stage.step
+        """Late joiners' steps, untouched params put back, first used ones made late."""
         for i, ((group, params), gs) in enumerate(zip(plan.late, plan.late_grads)):
             if params:
                 self._late_update(LateKey(i), group, params, gs)
                 LateJoiners.advance(self._params.local_state(), params)
-        if plan.untouched is not None:
-            plan.untouched.restore()
-            if stage.full_precision:  # v moved in this step, and was just put back for some:
-                # what the step derived from it (its square roots, the
-                # zero-variance masks) is derived again from the v put back.
-                self._caches.clear()
+        put_back_untouched(plan, self._caches)
         if plan.first_used:
             start_late(plan.first_used, self._params)
-            # What was laid out for the old trained set goes now, as the next
-            # step would forget it: a checkpoint taken now holds the error
-            # buffers the run goes on with.
+            # (now, not at the next step: a checkpoint now holds the buffers that go on)
             self._forget_layouts()
-        self.last_stage = stage
-        self._comm.check_replicas(stage, self.param_groups, self._params)
-        self._channel.telemetry.end_step(t, stage.name, skipped=False)
+        self.last_stage = plan.stage
+        self._comm.check_replicas(plan.stage, self.param_groups, self._params)
+        self._channel.telemetry.end_step(plan.stage.step, plan.stage.name, skipped=False)
 
     # State a step sets whether a param had a gradient or not: left as the
     # step made it when the step puts an untouched param back.
@@ -348,29 +287,16 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         check_new_group(type(self).__name__, param_group, self.param_groups,
                         self._shards if self._comm is not None else None)
         super().add_param_group(param_group)
-        if self._comm is None:  # torch's __init__ adding the first groups
-            return
-        # A refused group leaves: it would train unchecked, and 0/1 Adam's
-        # per-group counters would miss it. The checks come before the
-        # broadcast, so a refusal leaves its params as they were, too.
-        try:
-            self._comm.check_added(self.param_groups)
-            self._wiring.check(self.param_groups[-1])
-        except BaseException:
-            self.param_groups.pop()
-            raise
-        self.param_groups[-1][COUNTERS_KEY] = self.counters
-        if self.world_size > 1:
-            self._comm.broadcast(self.param_groups[-1:], self._shards)
-        self._wiring.watch(self.param_groups[-1])  # its params get hooks too
-        self._schedule.group_added(self.counters)
+        if self._comm is not None:  # (else torch's __init__ adding the first groups)
+            self._comm.admit(self.param_groups, self._shards, self._wiring)
+            self.param_groups[-1][COUNTERS_KEY] = self.counters
+            self._schedule.group_added(self.counters)
 
     def mark_gradients_averaged(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
-        """The DDP comm hook's promise: this step's gradients of `params`
-        (default: all) reach step() already averaged in full precision (over
-        this optimizer's group), so step() does not average them again; it
-        averages the others itself (a head outside the DDP model, added with
-        add_param_group). It covers one step."""
+        """The DDP comm hook's promise, for one step: this step's gradients of
+        `params` (default: all) reach step() averaged in full precision over
+        this optimizer's group; step() averages only the others (a head
+        outside the DDP model, added with add_param_group)."""
         every = [p for g in self.param_groups for p in g["params"]] if params is None else params
         self._averaging.mark(every)
 
@@ -381,28 +307,22 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._channel.traffic
 
     def comm_stats(self) -> Dict[str, object]:
-        """What the last step sent and what it cost, and the totals so far, as
-        a plain dict (cheap: call it every step and log it): step and stage of
-        the last step (`stage()`: the coming one's), world_size; for it
-        bytes_sent, bytes_received, fp32_bytes (what an fp32 ring all-reduce
-        of the same gradients would have sent), compression_ratio
-        (fp32_bytes / bytes_sent), comm_s (in the transport) and compress_s
-        (compression kernels around it); the same summed over the run as
-        total_*; worker_error_norm and server_error_norm (the error-feedback
-        residual: a norm that keeps growing is the early sign of a bad freeze
-        point); skipped_steps (non-finite gradients under a GradScaler).
-        A DDP hook's traffic during backward counts toward the next step.
-        Bytes are each rank's share (see onebit.backends.stats)."""
+        """The last step's traffic and cost and the run's totals, as a plain
+        dict (cheap: log it every step): step, stage (`stage()`: the coming
+        one's), world_size; bytes_sent, bytes_received, fp32_bytes (an fp32
+        ring all-reduce of the same gradients), compression_ratio
+        (fp32_bytes / bytes_sent), comm_s (transport), compress_s (kernels
+        around it), and total_* over the run; worker_error_norm and
+        server_error_norm (error-feedback residuals: one that keeps growing
+        warns of a bad freeze point); skipped_steps (non-finite, under a
+        GradScaler). A DDP hook's backward traffic counts toward the next
+        step. Bytes are each rank's share (onebit.backends.stats)."""
         return self._channel.report(self.counters["step"])
 
     # ------------------------------------------------------------- tensors --
     def _codes(self, variance_frozen: bool) -> List[List[int]]:
-        """Who trains at the coming step (v frozen or not), who is late, who
-        is frozen (one pass over the params). A change of who trains is
-        noticed here: what was laid out for the old set is forgotten (flat
-        buffers, error-feedback buffers, which restart from zero, cached
-        denominators, scratch), after the exchanges backward queued over it
-        are undone (overlap_wiring.py)."""
+        """Who trains, is late, is frozen at the coming step; a change of who trains
+        undoes backward's exchanges and forgets old layouts (errors restart at 0)."""
         codes = self._params.codes(variance_frozen)
         if self._trained.notice(codes, self.param_groups):
             self._wiring.abandon()
@@ -410,10 +330,9 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return codes
 
     def _params_stopped_training(self, params: List[torch.Tensor]) -> None:
-        """`params` were trained in the last step and are frozen from this
-        one (requires_grad turned off), as every rank agreed: nothing to do
-        where the replicas are equal after every step (0/1 Adam's local
-        steps are not)."""
+        """`params`, trained at the last step, are frozen from this one (every
+        rank agreed): nothing to do where the replicas are equal after every
+        step (0/1 Adam's local steps are not)."""
 
     def _forget_layouts(self) -> None:
         self._channel.exchange.forget_layouts()
@@ -428,16 +347,14 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return self._wiring.coming_step(self.counters["step"])
 
     def no_overlap(self):
-        """Context manager: the backward passes inside it start no exchange
-        (gradient accumulation: every micro-batch but the last, as DDP's
-        no_sync). Without overlap_backward it does nothing."""
+        """Context manager: backward passes inside start no exchange (every micro-batch
+        but the last, as DDP's no_sync); without overlap_backward it does nothing."""
         return self._wiring.no_overlap()
 
     def overlap_stats(self) -> Optional[dict]:
-        """With overlap_backward: how many bucket exchanges started during
-        backward and how many in step() (gradients that never arrived, or a
-        GradScaler's step), how many were done again, and the seconds step()
-        spent waiting for them; else None."""
+        """With overlap_backward: how many bucket exchanges started in backward,
+        how many in step() (gradients that never came, a GradScaler's step),
+        how many were done again, and step()'s seconds waiting; else None."""
         return self._wiring.stats()
 
     # --------------------------------------------------------- checkpoints --
@@ -447,9 +364,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         a fresh optimizer's state_dict has every key a trained one has."""
         sd, step = super().state_dict(), self.counters["step"]
         params = [p for g in self.param_groups for p in g["params"]]
-        compressed = self.world_size > 1 and self._schedule.had_error_feedback(self.counters, step)
+        compressed = self._ef_checkpoint.momentum_compressed(
+            self.world_size > 1 and self._schedule.had_error_feedback(self.counters, step))
         checkpoints.annotate(sd, params, step=step, staged=self._staged_state(),
-                             momentum_compressed=self._momentum_restart.pending or compressed,
+                             momentum_compressed=compressed,
                              late_warmup=self._params.late.warmup_length, trained=self._trained.signature)
         self._shards.to_dtensors(sd, params)  # sharded params: state in their placement, for DCP
         return sd
@@ -462,13 +380,10 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         `exp_avg_mask` (it may change between training phases, as DeepSpeed
         does). Reset: the error-feedback buffers; restore this rank's with
         `load_error_feedback_state_dict` afterwards (same world size), or
-        they restart from zero (DeepSpeed's documented choice).
-        """
+        they restart from zero (DeepSpeed's documented choice)."""
         state_dict = checkpoints.adapt(self, state_dict, lambda step: self._schedule.counters_at(
             type(self).__name__, len(self.param_groups), step))
-        state_dict = checkpoints.keep_masks(state_dict, self.param_groups)
-        # torch runs the load post-hooks at the end of its own part; they
-        # are the user's view of a finished load, so they wait for ours.
+        # torch runs the user's load post-hooks inside its part: they wait for ours.
         post_hooks = self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
         try:
@@ -481,63 +396,44 @@ class OnebitOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             had_error_feedback=self._schedule.had_error_feedback, staged=self._staged_state(),
             is_late=lambda p: self._params.late.is_late(self.state, p),
             state_of_the_run=self.STATE_OF_THE_RUN)
-        checkpoints.share_counters(self.param_groups, saved.counters)
         self._forget_layouts()
-        # The saved step's set, as the run that did not stop holds it: a
-        # change is noticed at the next step, and the error buffers load
-        # as laid out for it (_error_layouts).
-        self._trained.loaded(saved.trained)
-        self._channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
-        self._momentum_restart.loaded(saved.momentum_compressed)
+        self._ef_checkpoint.loaded(saved)
         self._after_load()
         for hook in post_hooks.values():
             hook(self)
 
     def error_feedback_state_dict(self) -> dict:
-        """This rank's error-feedback buffers: what `state_dict()` leaves out,
-        because they differ on every rank. Save one per rank next to the
-        optimizer's checkpoint (with DCP: under a key naming the rank, see
-        the README); with both, a resume at the same world size is bitwise
-        identical to not stopping. Groups that have not exchanged yet get
-        zeros of the right size, so a fresh optimizer's dict is a target DCP
-        can load into."""
-        return self._channel.state_dict(self._error_layouts(), self._params.device(),
-                                        {"step": self.counters["step"]})
+        """This rank's error-feedback buffers, which `state_dict()` leaves out
+        (they differ on every rank). Save one per rank beside the optimizer's
+        checkpoint (with DCP: under `error_feedback_key()`, see the README):
+        with both, a resume at the same world size is bitwise identical to
+        not stopping. Groups yet to exchange get zeros of the right size, so
+        a fresh optimizer's dict is a target DCP can load into."""
+        return self._ef_checkpoint.state_dict(self.param_groups, self.counters["step"])
 
     def error_feedback_key(self) -> str:
-        """The key for this rank's error buffers in a DCP checkpoint; see
-        `onebit.feedback.channel.ErrorFeedbackChannel.key`."""
+        """This rank's error buffers' key in a DCP checkpoint (ErrorFeedbackChannel.key)."""
         return self._channel.key("onebit_errors")
 
     def load_error_feedback_state_dict(self, state: dict) -> bool:
         """Restore what `error_feedback_state_dict` saved on this rank. At
         another world size, rank, block size, wire format or backend layout
-        (flat against hierarchical), or from another
-        step than the loaded optimizer state's, the buffers mean nothing
-        here: they restart from zero (DeepSpeed's choice) and this returns
-        False. Call it after `load_state_dict`, which resets them."""
-        loaded = self._channel.load_state_dict(state, self._error_layouts(),
-                                               {"step": self.counters["step"]})
-        if loaded:
-            self._momentum_restart.restored()
-        return loaded
+        (flat against hierarchical), or from another step than the loaded
+        optimizer state's, they mean nothing here: they restart from zero
+        (DeepSpeed's choice) and this returns False. Call it after
+        `load_state_dict`, which resets them."""
+        return self._ef_checkpoint.load(state, self.param_groups, self.counters["step"])
 
     @property
     def momentum_restart(self) -> bool:
         """Whether the momentum restarts from zero at the first step after a
-        `load_state_dict` whose error-feedback buffers did not come back,
-        when the saved momentum is a compressed average (the default, True;
-        see checkpoints.MomentumRestart and docs/checkpoints.md)."""
-        return self._momentum_restart.enabled
+        load whose error buffers did not come back, when the saved momentum is
+        a compressed average (default True; see docs/checkpoints.md)."""
+        return self._ef_checkpoint.restart.enabled
 
     @momentum_restart.setter
     def momentum_restart(self, enabled: bool) -> None:
-        self._momentum_restart.enabled = bool(enabled)
-
-    def _error_layouts(self) -> dict:
-        return checkpoints.error_layouts(
-            self.world_size, self._channel.exchange,
-            lambda: self._trained.last_lists(self._params, self.param_groups), self._wiring.bucket_sizes)
+        self._ef_checkpoint.restart.enabled = bool(enabled)
 
     # ----------------------------------------------------------------- DDP --
     def ddp_hook_state(self):

@@ -78,15 +78,16 @@ def checkpoint_kind(state_dict: dict) -> str:
 
 
 def adapt(optimizer, state_dict: dict, counters_at: Callable[[int], dict]) -> dict:
-    """`state_dict` in this optimizer's own format, or ValueError.
-    `counters_at(t)`: the counters this optimizer would have after t steps
-    of full-precision Adam (used for Adam checkpoints)."""
+    """`state_dict` in this optimizer's own format, each group's
+    `exp_avg_mask` kept from the optimizer's param groups (keep_masks), or
+    ValueError. `counters_at(t)`: the counters this optimizer would have
+    after t steps of full-precision Adam (used for Adam checkpoints)."""
     mine = type(optimizer).__name__
     kind = checkpoint_kind(state_dict)
     if kind == mine:
-        return _counters_in_groups(state_dict)
+        return keep_masks(_counters_in_groups(state_dict), optimizer.param_groups)
     if kind == "Adam" and hasattr(optimizer, "_adam_compatible"):
-        return _from_adam(optimizer, state_dict, counters_at)
+        return keep_masks(_from_adam(optimizer, state_dict, counters_at), optimizer.param_groups)
     why = {
         "unknown": "it is not an optimizer state_dict that onebit knows",
         "Adam": f"{mine} keeps state that Adam does not have (LAMB's trust ratios); start "
@@ -337,13 +338,71 @@ def settle_loaded(state: dict, param_groups: list, saved: dict, *, keep: tuple, 
     wrote dropped (`staged`: the subclass's), and the state of the run
     dropped for late joiners (`is_late(param)`, `state_of_the_run`'s names).
     Returns the counters the checkpoint holds (`initial`,
-    `had_error_feedback`: as SavedCounters takes them)."""
+    `had_error_feedback`: as SavedCounters takes them), shared by every
+    group (share_counters)."""
     state_in_fp32(state, param_groups, saved, keep=keep)
     shards.from_dtensors(state)
     counters = SavedCounters(param_groups, initial, had_error_feedback)
     drop_placeholders(state, staged, counters.step, counters.placeholders)
     drop_state_of_the_run(state, is_late, state_of_the_run)
+    share_counters(param_groups, counters.counters)
     return counters
+
+
+class ErrorFeedbackCheckpoint:
+    """An optimizer's per-rank error-feedback checkpoint: the buffers of
+    `channel` (its ErrorFeedbackChannel), laid out for the params the last
+    step trained (`trained`: TrainedSet, over `params`: ParamState) and,
+    with overlap_backward, for its buckets (`wiring`: OverlapWiring); and
+    what a resume without them means for the momentum (`restart`)."""
+
+    def __init__(self, channel, trained, params, wiring, world_size: int) -> None:
+        self.channel, self.world_size = channel, world_size
+        self.trained, self.params, self.wiring = trained, params, wiring
+        self.restart = MomentumRestart()
+
+    def before_step(self, state: dict) -> None:
+        """A step's first act: the channel's notice of buffers that restarted
+        from zero, and the momentum's restart where one is due (`state`: the
+        optimizer's)."""
+        self.channel.restart_notice.before_step()
+        if self.restart.due():
+            zero_momentum_(state)
+
+    def momentum_compressed(self, exchanged: bool) -> bool:
+        """What a checkpoint saves under MOMENTUM_KEY: whether its momentum came
+        through compressed exchanges (`exchanged`: the optimizer's answer at
+        the saved step) or still waits for its restart."""
+        return self.restart.pending or exchanged
+
+    def loaded(self, saved: "SavedCounters") -> None:
+        """After `load_state_dict`: the saved step's trained set, as the run
+        that did not stop holds it (the error buffers load laid out for it; a
+        change shows at the next step); buffers that mean nothing until
+        restored; the momentum's restart, if the saved one was compressed."""
+        self.trained.loaded(saved.trained)
+        self.channel.owner_loaded(self.world_size > 1 and saved.had_error_feedback)
+        self.restart.loaded(saved.momentum_compressed)
+
+    def layouts(self, param_groups) -> dict:
+        """error_layouts for the optimizer's current `param_groups`."""
+        return error_layouts(self.world_size, self.channel.exchange,
+                             lambda: self.trained.last_lists(self.params, param_groups),
+                             self.wiring.bucket_sizes)
+
+    def state_dict(self, param_groups, step: int) -> dict:
+        """This rank's buffers, at optimizer step `step` (zeros where a group
+        has not exchanged yet)."""
+        return self.channel.state_dict(self.layouts(param_groups), self.params.device(),
+                                       {"step": step})
+
+    def load(self, state: dict, param_groups, step: int) -> bool:
+        """Restore `state` where it fits (ErrorFeedbackChannel.load_state_dict);
+        whether it did."""
+        loaded = self.channel.load_state_dict(state, self.layouts(param_groups), {"step": step})
+        if loaded:
+            self.restart.restored()
+        return loaded
 
 
 def error_layouts(world_size: int, exchange, trained: Callable[[], List[List[torch.Tensor]]],

@@ -91,6 +91,24 @@ class Communication:
             check_params_served(self.name, param_groups, self.process_group)
             self.agreement.check_construction(self.settings, param_groups, self.comm_backend_name)
 
+    def admit(self, param_groups, shards, wiring) -> None:
+        """A group just added (the last of `param_groups`): refused, it leaves
+        `param_groups` (it would train unchecked, and 0/1 Adam's per-group
+        counters would miss it) unless every rank added the same and the
+        overlap (`wiring`: OverlapWiring) can serve it; these checks come
+        before the broadcast, so a refusal leaves its params as they were.
+        Admitted, its params start from rank 0's values (`shards`:
+        ShardedParams) and get the overlap's hooks."""
+        try:
+            self.check_added(param_groups)
+            wiring.check(param_groups[-1])
+        except BaseException:
+            param_groups.pop()
+            raise
+        if self.world_size > 1:
+            self.broadcast(param_groups[-1:], shards)
+        wiring.watch(param_groups[-1])
+
     def check_replicas(self, stage, param_groups, params) -> None:
         """After step `stage`, every check_replicas_every steps where the
         stage leaves the replicas equal: compare their checksums.

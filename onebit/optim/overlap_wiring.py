@@ -40,6 +40,15 @@ class OverlapWiring:
         (`last_step` + 1) during backward, the current one inside step()."""
         return self.step_in_progress or last_step + 1
 
+    def settle(self, plan, found_inf) -> None:
+        """step(), before the update: wait for the exchanges backward started
+        for `plan` (step_plan.StepPlan), if it did. Backward's gradients were
+        scaled whether step() unscales them (grad_scale) or the user did
+        (unscale_, which leaves grad_scale None and `found_inf` set, and no
+        mark on .grad): under a GradScaler they are exchanged again."""
+        if plan.exchanged_in_buckets:
+            self.overlap.settle(plan.trained, plan.grads, relaunch=found_inf is not None)
+
     def check(self, group: dict) -> None:
         """Refuse a param group the overlap cannot serve (clipping)."""
         if self.overlap is not None:

@@ -16,7 +16,7 @@ import torch
 from .. import collectives
 from ..checks import check_each_parameter_once, check_real
 from .functional import clipped
-from .late import FROZEN, TRAINED, LateJoiners, codes_fit
+from .late import FROZEN, TRAINED, LateJoiners, codes_fit, late_adam_step_
 
 
 def check_new_group(name: str, param_group: dict, param_groups, shards=None) -> None:
@@ -112,6 +112,21 @@ class ParamState:
         """`grads` clipped to the global norm `max_norm`, the whole params'
         norm over shards (functional.clipped)."""
         return clipped(grads, max_norm, self.shards.whole_norms)
+
+    def late_step_(self, group: dict, params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+        """Late joiners' own warmup step (late.late_adam_step_) on `grads`
+        clipped to the group's max_grad_norm: Adam, its bias corrections
+        counted per param from that param's first step."""
+        steps = [LateJoiners.steps_done(self.local_state(), p) + 1 for p in params]
+        late_adam_step_(params, self.clipped(grads, group["max_grad_norm"]),
+                        self.tensors(params, "exp_avg"), self.tensors(params, "exp_avg_sq"),
+                        steps, group)
+
+    def clipped_groups(self, groups: list, grads: List[List[torch.Tensor]]
+                       ) -> List[List[torch.Tensor]]:
+        """Each group's `grads` clipped to its max_grad_norm (`groups`:
+        [(param group, params)], as a StepPlan holds them)."""
+        return [self.clipped(gs, group["max_grad_norm"]) for (group, _), gs in zip(groups, grads)]
 
     def trainable(self, group) -> List[torch.Tensor]:
         """The params trained with the optimizer's own stages: those that

@@ -19,7 +19,7 @@ import torch
 from ..agreement import group_settings, nonfinite_flag
 from ..feedback.exchange import GroupKey
 from .checkpoints import COUNTERS_KEY
-from .late import LATE_KEY
+from .late import LATE, LATE_KEY, TRAINED
 from .stage import Stage
 from .untouched import UntouchedParams
 
@@ -51,6 +51,16 @@ class StepPlan:
         return [ps for _, ps in self.groups]
 
 
+def drop_scaler_handoff(optimizer) -> None:
+    """After a step that raised: forget the `grad_scale` and `found_inf` a
+    GradScaler handed `optimizer`. torch's GradScaler takes them back only
+    from a step that returned: left, the next step would divide the
+    gradients by scale^2."""
+    for handed in ("grad_scale", "found_inf"):
+        if hasattr(optimizer, handed):
+            delattr(optimizer, handed)
+
+
 def float_lr(group: dict) -> dict:
     """The group as the maths reads it: a one-element tensor lr (torch.optim
     accepts one) read once as a float; the group itself keeps the tensor,
@@ -59,12 +69,30 @@ def float_lr(group: dict) -> dict:
     return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
 
 
+def gather(stage: Stage, codes: List[List[int]], param_groups, params, overlap,
+           scale) -> StepPlan:
+    """Step `stage`'s plan: each group's trained params and late joiners
+    (`codes`: LateJoiners.codes's) as local shards, and their fp32
+    gradients (`params`: ParamState; `scale`: a GradScaler's grad_scale, or
+    None). `overlap` (BackwardOverlap or None) first notices gradients
+    changed since backward, before `gradients` unscales them in place."""
+    groups = [(float_lr(g), ps) for g, ps in zip(param_groups, params.coded(codes, TRAINED))]
+    late = [(g, ps) for (g, _), ps in zip(groups, params.coded(codes, LATE))]
+    if overlap is not None:
+        overlap.notice_changed_gradients()
+    return StepPlan(stage, groups, [params.gradients(ps, scale) for _, ps in groups],
+                    late, [params.gradients(ps, scale) for _, ps in late])
+
+
 def unseen_trained(plan: StepPlan, caches, params) -> list:
     """(param, its fp32 gradient) for each trained param whose v is 0
     everywhere, the zero-variance guard's answer (cached while v is
     frozen): once v froze, the params a nonzero gradient on some rank uses
     for the first time (late.py). Nothing per param where every trained
-    tensor has seen a gradient. `caches`: GroupCaches; `params`: ParamState."""
+    tensor has seen a gradient, and nothing before v froze or without a
+    late warmup. `caches`: GroupCaches; `params`: ParamState."""
+    if not (plan.stage.variance_frozen and params.late.warmup_length):
+        return []
     out = []
     for i, ((group, ps), gs) in enumerate(zip(plan.groups, plan.grads)):
         if not ps:
@@ -112,6 +140,18 @@ def plan_untouched(plan: StepPlan, gradless: List[torch.Tensor], leaves_all: boo
                       if gradless else None)
 
 
+def put_back_untouched(plan: StepPlan, caches) -> None:
+    """After the step: the params it left as they were put back
+    (plan.untouched). Where the step moved v (full precision), what it
+    derived from v (its square roots, the zero-variance masks, `caches`:
+    GroupCaches) is derived again from the v put back."""
+    if plan.untouched is None:
+        return
+    plan.untouched.restore()
+    if plan.stage.full_precision:
+        caches.clear()
+
+
 def start_late(first_used: List[torch.Tensor], params) -> None:
     """`first_used` (local shards) were used for the first time since v
     froze, in the step just taken: v of 0 held them still, so that gradient
@@ -144,6 +184,20 @@ class StepGate:
         exchanges that backward queued, on their thread (overlap.in_order),
         so that every rank issues the two groups' collectives in one order."""
         return collective() if self.overlap is None else self.overlap.in_order(collective)
+
+    def agree(self, plan: StepPlan, unseen: list, param_groups, settings: dict, digest: int,
+              found_inf, *, agreeing_scaler: bool, fp16_hint: bool
+              ) -> Tuple[bool, List[torch.Tensor]]:
+        """`before_step` for `plan`, once every bucket backward queued has
+        launched (overlap.py): whether to skip the step, and the params no
+        rank has a gradient for (whole params); `plan` learns which of
+        `unseen` are used for the first time."""
+        if self.overlap is not None:
+            self.overlap.launch_rest(plan.trained, plan.grads)
+        skip, gradless, plan.first_used = self.before_step(
+            plan.stage.step, plan.grads + plan.late_grads, unseen, param_groups, settings, digest,
+            found_inf, agreeing_scaler=agreeing_scaler, fp16_hint=fp16_hint)
+        return skip, gradless
 
     def before_step(self, t: int, grads_by_group, unseen: list, param_groups, settings: dict,
                     digest: int, found_inf, *, agreeing_scaler: bool, fp16_hint: bool
