@@ -163,6 +163,22 @@ class _Snapshot:
                 p.copy_(saved)
 
 
+def _step_and_vote(manager, on_this_quorum: bool, take_step: Callable[[], object]):
+    """Take the step where this replica can (its exchange opened on this
+    quorum, and nothing failed yet), then cast its vote; a failed exchange
+    votes no. Returns (whether the step commits, the exchange's error)."""
+    ok, error = on_this_quorum and manager.errored() is None, None
+    if ok:
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_RESTART_WARNING)
+                take_step()
+        except CommunicationError as exc:  # a peer died or hung
+            manager.report_error(exc)
+            ok, error = False, exc
+    return manager.should_commit() and ok, error  # every replica votes, whatever happened
+
+
 def _restore_errors(owner, errors: Optional[dict], replicas_changed: bool) -> None:
     """Put this rank's error buffers `errors` (None: a healed replica's own
     start at zero) into `owner`, just rebuilt and loaded: as they were when
@@ -284,18 +300,10 @@ class FaultTolerantOptimizer:
             self.zero_grad(set_to_none=False)  # keeps the gradients: start the quorum only
         self._quorum_started = False
         snapshot = _Snapshot(self.params, self.optimizer)
-        ok = self._built_on == self._group.generation and self.manager.errored() is None
-        if ok:
-            try:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=_RESTART_WARNING)
-                    self.optimizer.step()
-            except CommunicationError as exc:  # a peer died or hung: vote no
-                self.manager.report_error(exc)
-                self.last_error = exc
-                ok = False
-        committed = self.manager.should_commit()
-        if committed and ok:
+        committed, error = _step_and_vote(self.manager, self._built_on == self._group.generation,
+                                          self.optimizer.step)
+        self.last_error = error or self.last_error
+        if committed:
             self.committed_steps += 1
             self.committed_bytes += int(self.optimizer.comm_stats().get("bytes_sent", 0))
             return True
@@ -414,16 +422,10 @@ class FaultTolerantDiLoCo:
         params = [p.detach().clone() for p in self.params]
         saved = (_cloned(d.state_dict()), _cloned(d.error_feedback_state_dict()),
                  _cloned(self.inner.state_dict()))
-        ok = self._built_on == self._group.generation and self.manager.errored() is None
-        if ok:
-            try:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=_RESTART_WARNING)
-                    self.inner.step()
-            except CommunicationError as exc:
-                self.manager.report_error(exc)
-                self.last_error, ok = exc, False
-        if self.manager.should_commit() and ok:
+        committed, error = _step_and_vote(self.manager, self._built_on == self._group.generation,
+                                          self.inner.step)  # the round hangs off the inner step
+        self.last_error = error or self.last_error
+        if committed:
             self.committed_rounds += 1
             return True
         self.failed_rounds += 1

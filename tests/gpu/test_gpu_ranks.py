@@ -71,20 +71,26 @@ def _backend_on_both(rank, world, sizes, piece_sizes):
     for piece_size in piece_sizes:
         on_device = CompressedBackend(block_size=64, piece_size=piece_size)
         on_host = CompressedBackend(group=host_group, block_size=64, piece_size=piece_size)
-        for n in sizes:
-            big, small = on_device.error_sizes(n)
-            errors = {d: (torch.zeros(big, device=d), torch.zeros(small, device=d))
-                      for d in (_device(), torch.device("cpu"))}
-            for r in range(3):
-                g = torch.Generator().manual_seed(1000 * r + 10 * rank + n)
-                x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
-                got = on_device.compressed_allreduce(x.clone().to(_device()), *errors[_device()])
-                want = on_host.compressed_allreduce(x.clone(), *errors[torch.device("cpu")])
-                where = f"{n} elements, round {r}, piece_size {piece_size}"
-                assert torch.equal(got.cpu(), want), where
-                for a, b in zip(errors[_device()], errors[torch.device("cpu")]):
-                    assert torch.equal(a.cpu(), b), f"{where}: the error buffers"
+        _same_rounds(on_device, on_host, rank, sizes, f"piece_size {piece_size}")
     return True
+
+
+def _same_rounds(on_device, on_host, rank, sizes, setting: str) -> None:
+    """Three rounds of each size through both backends, error buffers
+    carried: results and error buffers bitwise the same."""
+    for n in sizes:
+        big, small = on_device.error_sizes(n)
+        errors = {d: (torch.zeros(big, device=d), torch.zeros(small, device=d))
+                  for d in (_device(), torch.device("cpu"))}
+        for r in range(3):
+            g = torch.Generator().manual_seed(1000 * r + 10 * rank + n)
+            x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
+            got = on_device.compressed_allreduce(x.clone().to(_device()), *errors[_device()])
+            want = on_host.compressed_allreduce(x.clone(), *errors[torch.device("cpu")])
+            where = f"{n} elements, round {r}, {setting}"
+            assert torch.equal(got.cpu(), want), where
+            for a, b in zip(errors[_device()], errors[torch.device("cpu")]):
+                assert torch.equal(a.cpu(), b), f"{where}: the error buffers"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -107,18 +113,7 @@ def _hierarchical_on_both(rank, world):
     on_device = torch_hierarchical(node_of_rank=nodes, block_size=64, shared_memory=False)
     on_host = torch_hierarchical(group=host_group, node_of_rank=nodes, block_size=64,
                                  shared_memory=False)
-    for n in (5, 1000, 2 ** 20 + 7):
-        big, small = on_device.error_sizes(n)
-        errors = {d: (torch.zeros(big, device=d), torch.zeros(small, device=d))
-                  for d in (_device(), torch.device("cpu"))}
-        for r in range(3):
-            g = torch.Generator().manual_seed(1000 * r + 10 * rank + n)
-            x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
-            got = on_device.compressed_allreduce(x.clone().to(_device()), *errors[_device()])
-            want = on_host.compressed_allreduce(x.clone(), *errors[torch.device("cpu")])
-            assert torch.equal(got.cpu(), want), f"{n} elements, round {r}"
-            for a, b in zip(errors[_device()], errors[torch.device("cpu")]):
-                assert torch.equal(a.cpu(), b), f"{n} elements, round {r}: the error buffers"
+    _same_rounds(on_device, on_host, rank, (5, 1000, 2 ** 20 + 7), "2 nodes of 2")
     return True
 
 
