@@ -59,6 +59,26 @@ def ternary(x, real, block, round_scale):
     return q, np.where(real, x - q, 0.0), s
 
 
+def sparse(x, real, block, round_scale, keep=4):
+    """The sparse 2-bit code (after SparseLoCo, Sarfi et al. 2025), from
+    its definition: per block, the `keep` positions of largest |x| among
+    the real nonzero ones, ties to the lower position; s = the mean |x|
+    over them (0 if none); q = sign(x) * (2 s where |x| > 1.5 s, else s)
+    there, 0 elsewhere. Returns (q, new error, scales) as `compress` does."""
+    xb, rb = x.reshape(-1, block), real.reshape(-1, block)
+    q, scales = np.zeros_like(xb), np.zeros(len(xb))
+    for b in range(len(xb)):
+        a = np.where(rb[b], np.abs(xb[b]), 0.0)
+        order = np.argsort(-a, kind="stable")[:keep]
+        chosen = order[a[order] > 0]
+        s = round_scale(np.array([a[chosen].mean() if chosen.size else 0.0]))[0]
+        magnitude = np.where(a[chosen] > 1.5 * s, 2.0 * s, s)
+        q[b, chosen] = np.where(xb[b, chosen] < 0, -magnitude, magnitude)
+        scales[b] = s
+    q = q.reshape(-1)
+    return q, np.where(real, x - q, 0.0), scales
+
+
 def compressed_round(xs, worker_errors, server_errors, real, block, round_scale=lambda s: s,
                      quantize=compress):
     """One compressed allreduce of already placed buffers xs[i] (N each,
@@ -98,7 +118,7 @@ def reference_round(tensors, worker_errors, server_errors, block, round_scale=la
     worker_errors: p arrays of N; server_errors: p arrays of N/p.
     round_scale: what the wire does to a scale (identity for fp32 within the
     tests' tolerance; bf16 rounding for 16-bit scales). quantize: `compress`
-    (1 bit) or `ternary` (2 bits).
+    (1 bit), `ternary` (2 bits) or `sparse` (top-k, 2 bits).
     Returns (outputs: one array per tensor, new worker_errors, new
     server_errors, server_values[N]) where server_values holds each chunk's
     compensated value c (the tests skip positions whose sign is a coin toss).

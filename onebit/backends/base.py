@@ -266,15 +266,15 @@ class CompressedAllreduceBase:
             return
         pieces = -1 if self.pipeline.piece_size is None else self.pipeline.piece_size
         mine = torch.tensor([layout.padded, layout.block, self.scale_dtype.itemsize,
-                             stable_digest(list(layout.sizes)), self.codec.bits, pieces],
+                             stable_digest(list(layout.sizes)), self.codec.fingerprint, pieces],
                             dtype=torch.int64)
         with naming_the_agreement():
             rows = [tuple(r) for r in self.share(mine).tolist()]
         if len(set(rows)) != 1:
             raise ValueError("ranks disagree on the compressed buffer (padded size N, block size, "
-                             "scale bytes, tensor sizes, bits per element, piece size): " +
+                             "scale bytes, tensor sizes, code, piece size): " +
                              ", ".join(f"rank {r}: N={v[0]} B={v[1]} scale bytes={v[2]} "
-                                       f"bits={v[4]} piece size="
+                                       f"code={v[4]} piece size="
                                        f"{'auto' if v[5] < 0 else v[5]}"
                                        for r, v in enumerate(rows)) +
                              "; every rank must pass the same")

@@ -14,6 +14,8 @@ server errors. The codec is the code itself:
   scale is the mean magnitude of those kept. Zeros let the code follow a
   block whose few large values the 1-bit code would smear over all of
   it. Written in torch ops (DiLoCo exchanges once every H steps).
+- `SparseCodec` ("sparse2bit", sparse_codec.py): the top-k of each block,
+  an index and 2 bits each, with the block's scale.
 
 docs/design.md gives both wire formats.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from .sparse_codec import DEFAULT_KEEP, SparseCodec
 
 # The ternary code's field values (2 bits each, element 4 i + j in bits
 # 2 j, 2 j + 1 of byte i): 0 sends 0, PLUS sends +scale, MINUS -scale.
@@ -34,6 +37,7 @@ class SignCodec:
 
     name = "1bit"
     bits = 1
+    fingerprint = 1  # what ranks compare when they agree on a layout
 
     @staticmethod
     def code_bytes(n: int) -> int:
@@ -62,6 +66,7 @@ class TernaryCodec:
 
     name = "2bit"
     bits = 2
+    fingerprint = 2
 
     @staticmethod
     def code_bytes(n: int) -> int:
@@ -136,3 +141,13 @@ def unpack_fields(codes: torch.Tensor) -> torch.Tensor:
 
 
 CODECS = {c.name: c for c in (SignCodec, TernaryCodec)}
+COMPRESSED = tuple(CODECS) + (SparseCodec.name,)  # the codes of the compressed allreduce
+
+
+def codec_for(name: str, block: int, keep: int = DEFAULT_KEEP):
+    """The code called `name` ("1bit", "2bit" or "sparse2bit"), None for
+    any other (a full-precision average); the sparse code for `block`-element
+    blocks, `keep` values sent per block."""
+    if name == SparseCodec.name:
+        return SparseCodec(block, keep)
+    return CODECS.get(name)

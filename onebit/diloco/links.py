@@ -6,7 +6,7 @@ the groups the rounds use. With overlap_steps the exchanges run on a
 communication thread with a process group of its own, so its collectives
 never interleave with the training loop's. Sharded (FSDP2), a round is
 skipped on every shard of the model or on none: its agreement spans the
-mesh. 1-bit and 2-bit rounds open a compressed backend; bf16 and fp32
+mesh. 1-bit, 2-bit and sparse 2-bit rounds open a compressed backend; bf16 and fp32
 rounds use plain all-reduces.
 """
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import List, Optional
 import torch
 
 from .. import collectives
-from ..backends.codecs import CODECS
 from ..agreement import RankAgreement
 from ..feedback.channel import open_backend, wire_backend_name
 from ..handoff import exchange_group
@@ -57,7 +56,7 @@ def connect(options: DiLoCoOptions, shards: ShardedParams, params: List[torch.Te
     # DeepSpeed's "nccl" and "compressed" are one backend. (Moot for
     # rounds in bf16 or fp32, which use none.)
     wire = wire_backend_name(shards.comm_backend(comm_backend_name),
-                             CODECS.get(options.compression), group, options.timeout_s,
+                             options.codec, group, options.timeout_s,
                              links.comm_device)
     RankAgreement("DiLoCo", group, options.timeout_s).check_fields(
         _agreed_fields(options, shards, params, all_params, wire, lr_fingerprint))
@@ -70,11 +69,11 @@ def connect(options: DiLoCoOptions, shards: ShardedParams, params: List[torch.Te
     if shards.sharded:
         links.agree_group = (exchange_group(shards.mesh_group) if options.overlap_steps
                              else shards.mesh_group)
-    if options.compression in CODECS:
+    if options.codec is not None:
         links.backend = open_backend(wire, links.round_group, timeout_s=options.timeout_s,
                                      cuda_aware=False, block_size=options.block_size,
                                      scale_dtype=options.wire_scale_dtype,
-                                     codec=CODECS[options.compression])
+                                     codec=options.codec)
     return links
 
 
@@ -89,7 +88,8 @@ def _agreed_fields(o: DiLoCoOptions, shards: ShardedParams, params: List[torch.T
             len(all_params), [i for i, p in enumerate(all_params) if p.requires_grad],
             [(tuple(p.shape), str(p.dtype)) for p in params]),
         "compression and wire format": (o.compression, o.block_size, str(o.wire_scale_dtype),
-                                        WIRE_FORMAT_VERSION, wire),
+                                        WIRE_FORMAT_VERSION, wire,
+                                        o.topk if o.compression == "sparse2bit" else None),
         # a schedule by its values at the first rounds' landings
         "outer optimizer": (lr_fingerprint, o.outer_momentum, o.nesterov),
         **(shards.replica_fields() if shards.sharded else {})}

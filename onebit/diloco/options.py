@@ -16,10 +16,12 @@ import torch
 from .. import collectives
 from ..checks import (check_each_parameter_once, check_flag, check_number, check_positive_int,
                       check_real)
+from ..backends.codecs import codec_for
+from ..backends.sparse_codec import DEFAULT_KEEP, SparseCodec, check_keep
 from ..wire import DEFAULT_BLOCK_SIZE, check_block_size, scale_dtype_from
 from .misuse import DDP_MISUSE
 
-COMPRESSIONS = ("1bit", "2bit", "bf16", "none")
+COMPRESSIONS = ("1bit", "2bit", SparseCodec.name, "bf16", "none")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class DiLoCoOptions:
     timeout_s: Optional[float] = None
     block_size: int = DEFAULT_BLOCK_SIZE
     scale_dtype: object = "float32"
+    topk: int = DEFAULT_KEEP
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every)
@@ -61,6 +64,7 @@ class DiLoCoOptions:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")
         check_block_size(self.block_size)
+        check_keep(self.topk, self.block_size)
         object.__setattr__(self, "timeout_s", collectives.check_timeout(self.timeout_s))
         object.__setattr__(self, "keep_local_progress", float(self.keep_local_progress))
         object.__setattr__(self, "fragment_update_alpha", float(self.fragment_update_alpha))
@@ -69,6 +73,12 @@ class DiLoCoOptions:
     def first_lr(self) -> float:
         """The outer lr the outer SGD is built with (a schedule's at step 0)."""
         return self.outer_lr(0) if callable(self.outer_lr) else self.outer_lr
+
+    @property
+    def codec(self):
+        """The compressed allreduce's code (backends/codecs.py), None for
+        rounds averaged in bf16 or fp32."""
+        return codec_for(self.compression, self.block_size, self.topk)
 
     @property
     def wire_scale_dtype(self) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""DiLoCo with 1-bit error-feedback outer gradients.
+"""DiLoCo with 1-bit (or 2-bit, or sparse 2-bit) error-feedback outer gradients.
 
 DiLoCo (Douillard et al., 2023) trains across slow links by talking rarely:
 each rank takes `sync_every` (H) steps of its own inner optimizer, then the
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..backends.sparse_codec import DEFAULT_KEEP
 from ..backends.stats import TrafficStats
 from ..checks import check_flag
 from ..feedback.channel import ErrorFeedbackChannel
@@ -73,8 +74,10 @@ class DiLoCo:
     overlap_steps: tau, inner steps a fragment's exchange runs behind
       (0: the inner step that launches it waits for it); below sync_every.
     compression: "1bit" (error-feedback 1-bit), "2bit" (error-feedback
-      ternary: -1, 0 or +1 times each block's scale, backends/codecs.py;
-      over the "compressed" backend), "bf16" or "none" (fp32), the last two
+      ternary: -1, 0 or +1 times each block's scale, backends/codecs.py),
+      "sparse2bit" (error-feedback top-k: `topk` values of each block, an
+      index and 2 bits each, backends/sparse_codec.py; the last two over
+      the "compressed" backend), "bf16" or "none" (fp32), the last two
       full-precision all-reduces.
     keep_local_progress: with overlap_steps > 0, the share in [0, 1] of
       this rank's progress since a fragment's launch that the fragment
@@ -92,6 +95,10 @@ class DiLoCo:
       collective (a dead rank is a CommunicationError, never a hang).
     block_size, scale_dtype, comm_backend_name: the 1-bit wire format and
       backend, as the optimizers take them.
+    topk: with compression="sparse2bit", the values sent per block of
+      block_size elements (default 4 of 256: 1.56%, SparseLoCo's density).
+      Fewer bytes and more rounds before a value is sent; docs/usage.md
+      says how to choose it.
     """
 
     def __init__(self, model: Union[torch.nn.Module, Iterable[torch.Tensor]],
@@ -102,11 +109,12 @@ class DiLoCo:
                  overlap_steps: int = 0, *, keep_local_progress: float = 0.0,
                  fragment_update_alpha: float = 0.0, process_group=None,
                  timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 scale_dtype="float32", comm_backend_name: Optional[str] = None) -> None:
+                 scale_dtype="float32", comm_backend_name: Optional[str] = None,
+                 topk: int = DEFAULT_KEEP) -> None:
         o = self.options = DiLoCoOptions(
             sync_every, outer_lr, outer_momentum, nesterov, compression, warmup_steps,
             fragments, overlap_steps, keep_local_progress, fragment_update_alpha, timeout_s,
-            block_size, scale_dtype)
+            block_size, scale_dtype, topk)
         all_params, self.params, self._frozen_when_built = synced_params(model)
         self._shards = ShardedParams("DiLoCo", [{"params": self.params}], process_group)
         # Fragments by whole-param sizes: every shard of the model launches

@@ -22,6 +22,10 @@ OUTERS = {"nesterov": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
           "default": dict(outer_lr=1.3, outer_momentum=0.0, nesterov=False)}
 
 
+# The simulation's code for each compressed wire (DiLoCo's default topk, 4).
+QUANTIZE = {"1bit": reference.compress, "2bit": reference.ternary, "sparse2bit": reference.sparse}
+
+
 def _outer_settings(outer):
     """DiLoCo's outer arguments; "later": plain SGD whose lr grows from 1.3
     to 2.0 from inner step 2 * H on (its third round)."""
@@ -154,10 +158,9 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
             offset = (f + 1) * H // len(fragments)
             if past >= offset and (past - offset) % H == 0:  # launch: measure and average
                 deltas = [[anchor[i] - params[rank][i] for i in members] for rank in range(world)]
-                if compression in ("1bit", "2bit"):
+                if compression in QUANTIZE:
                     avg, worker, server, _ = reference.reference_round(
-                        deltas, *errors[f], BLOCK,
-                        quantize=reference.ternary if compression == "2bit" else reference.compress)
+                        deltas, *errors[f], BLOCK, quantize=QUANTIZE[compression])
                     errors[f] = (worker, server)
                 else:
                     avg = [sum(d[k] for d in deltas) / world for k in range(len(members))]
@@ -207,7 +210,8 @@ def _check_against_simulation(results, expected, compression, tol, world, fragme
     ("1bit", 2e-4, "nesterov", 0), ("none", 1e-5, "nesterov", 0), ("bf16", 2e-2, "nesterov", 0),
     ("1bit", 2e-4, "default", 0), ("1bit", 2e-4, "default", 5), ("none", 1e-5, "default", 5),
     ("1bit", 2e-4, "later", 0), ("none", 1e-5, "later", 2), ("2bit", 2e-4, "nesterov", 0),
-    ("2bit", 2e-4, "default", 5)])
+    ("2bit", 2e-4, "default", 5), ("sparse2bit", 2e-4, "default", 0),
+    ("sparse2bit", 2e-4, "nesterov", 5)])
 def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression, tol, outer,
                                                                      warmup):
     world = 3
@@ -226,18 +230,29 @@ def test_rounds_match_the_float64_simulation_and_ranks_are_identical(compression
         # and scales (192 elements: 1/8 byte each for signs, 1/4 for the
         # 2-bit code, 4 bytes per 64), against fp32's ring 2 (p - 1) / p * 4
         # bytes for each of the 488 elements
-        chunk, code = 576 // world, {"1bit": 1 / 8, "2bit": 1 / 4}[compression]
+        # (sparse: 4 slots of 6 + 2 bits per 64 elements, 1/16 byte each)
+        chunk, code = 576 // world, {"1bit": 1 / 8, "2bit": 1 / 4, "sparse2bit": 1 / 16}[
+            compression]
         row = chunk * code + chunk // BLOCK * 4
         fp32 = 2 * (world - 1) * 4 * 488 // world  # (whole bytes, as the stats count them)
         assert stats["total_compression_ratio"] == pytest.approx(fp32 / (2 * (world - 1) * row),
                                                                 rel=1e-6)
-    if compression in ("1bit", "2bit"):
+    if compression in QUANTIZE:
         assert stats["worker_error_norm"] > 0 and stats["server_error_norm"] > 0
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_sparse_rounds_match_the_float64_simulation_at_2_and_4_ranks(world):
+    """The sparse 2-bit wire at the world sizes around the main test's 3."""
+    results = run_workers(_train, world, "sparse2bit", ROUNDS, None, None, "default", 0,
+                          timeout=120)
+    _check_against_simulation(results, _simulate(world, "sparse2bit", "default"), "sparse2bit",
+                              2e-4, world)
+
+
 def _resume(rank, world, saved, fragments=1, overlap=0, dcp_dir=None, keep=0.0,
-            outer="nesterov", drain_at=None):
-    return _train(rank, world, "1bit", ROUNDS, saved[rank], None, outer, 0, fragments,
+            outer="nesterov", drain_at=None, compression="1bit"):
+    return _train(rank, world, compression, ROUNDS, saved[rank], None, outer, 0, fragments,
                   overlap, dcp_dir, keep, drain_at=drain_at)
 
 
@@ -297,6 +312,26 @@ def test_resume_from_a_checkpoint_is_bitwise_identical(fragments, overlap, save_
         assert run_workers(_resume_without_errors, world, saved, timeout=120) == [1] * world
 
 
+@pytest.mark.parametrize("fragments, overlap, save_at, dcp", [(1, 0, 2 * H, False),
+                                                              (3, 2, 7, True)])
+def test_a_sparse_wire_resumes_bitwise_identical(fragments, overlap, save_at, dcp, tmp_path):
+    """The sparse 2-bit wire's errors go through a checkpoint as the other
+    codes' do: plain DiLoCo by torch.save after round 2, and streaming by
+    DCP with two exchanges in flight; the resumed run is the straight one."""
+    world = 3
+    dcp_dir = str(tmp_path / "dcp") if dcp else None
+    straight = run_workers(_train, world, "sparse2bit", ROUNDS, None, save_at, "default", 0,
+                           fragments, overlap, dcp_dir, timeout=120)
+    resumed = run_workers(_resume, world, [r[1] for r in straight], fragments, overlap, dcp_dir,
+                          0.0, "default", None, "sparse2bit", timeout=120)
+    for rank in range(world):
+        assert sorted(resumed[rank][0]) == list(range(save_at + 1, ROUNDS * H + 1))
+        for step, params in resumed[rank][0].items():
+            assert _same(straight[rank][0][step], params), \
+                f"rank {rank} inner step {step} differs after the resume"
+    assert straight[0][2]["worker_error_norm"] > 0  # there were errors to carry
+
+
 def test_a_resume_without_errors_warns_with_the_first_exchange_still_in_flight():
     """Streaming, saved after inner step H + 1: the first exchange went out
     at step H and lands at H + 2, so no round has landed, but the errors
@@ -312,7 +347,7 @@ def test_a_resume_without_errors_warns_with_the_first_exchange_still_in_flight()
     ("1bit", "default", [[0], [1, 2]], 0, 0.0), ("1bit", "nesterov", [[0], [1], [2]], 2, 0.0),
     ("none", "default", [[0], [1], [2]], 1, 0.0), ("1bit", "later", [[0], [1], [2]], 1, 0.0),
     ("1bit", "default", [[0], [1], [2]], 2, 1.0), ("none", "nesterov", [[0], [1], [2]], 2, 0.5),
-    ("2bit", "default", [[0], [1], [2]], 2, 0.0)])
+    ("2bit", "default", [[0], [1], [2]], 2, 0.0), ("sparse2bit", "later", [[0], [1], [2]], 2, 0.0)])
 def test_streaming_matches_the_float64_simulation(compression, outer, fragments, overlap, keep):
     """Fragments synced at staggered inner steps, each exchange running
     `overlap` inner steps behind on the communication thread; the split by
@@ -326,7 +361,7 @@ def test_streaming_matches_the_float64_simulation(compression, outer, fragments,
                           len(fragments), overlap, None, keep, timeout=120)
     expected = _simulate(world, compression, outer, 0, fragments, overlap, keep)
     landed = _check_against_simulation(results, expected, compression,
-                                       2e-4 if compression in ("1bit", "2bit") else 1e-5, world,
+                                       2e-4 if compression in QUANTIZE else 1e-5, world,
                                        fragments,
                                        identical_landings=keep == 0)
     assert results[0][2]["step"] == sum(len(fs) for fs in landed.values())
@@ -625,7 +660,10 @@ def test_bad_arguments_are_refused_by_name():
                           ({"fragment_update_alpha": 1.5}, "fragment_update_alpha"),
                           ({"fragment_update_alpha": 0.5, "keep_local_progress": 0.5},
                            "set one of them, not both"),
-                          ({"outer_lr": lambda inner_steps: -1.0}, "outer_lr")):
+                          ({"outer_lr": lambda inner_steps: -1.0}, "outer_lr"),
+                          ({"compression": "sparse2bit", "topk": 0}, "topk"),
+                          ({"compression": "sparse2bit", "topk": 300}, "block_size=256"),
+                          ({"compression": "sparse2bit", "topk": 2.5}, "topk")):
         with pytest.raises(ValueError, match=match):
             onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), **{"sync_every": 2, **kwargs})
 
@@ -803,8 +841,11 @@ def _diloco_apart(rank, world, case):
                 if case == "outer lr" else 1.0)
     try:
         compression = "bf16" if case == "compression" and rank == 1 else "1bit"
+        wire = {}
+        if case == "topk":  # the same sparse code, another density on each rank
+            compression, wire = "sparse2bit", {"topk": 4 + rank}
         diloco = onebit.DiLoCo(model, inner, sync_every=4, fragments=2, outer_lr=outer_lr,
-                               compression=compression, timeout_s=30)
+                               compression=compression, timeout_s=30, **wire)
         g = torch.Generator().manual_seed(rank)
         for step in range(1, 9):  # the peer's loop launches fragment 1 after step 4
             inner.zero_grad()
@@ -831,6 +872,7 @@ def _diloco_apart(rank, world, case):
                                  "exchange 1"),
     # the backend's name is agreed first, in a collective every rank makes
     ("compression", "ranks disagree on compression and wire format"),
+    ("topk", "ranks disagree on compression and wire format"),
 ])
 def test_diloco_ranks_apart_raise_on_every_rank(case, says):
     """Each of these let the replicas drift apart with no error."""
@@ -915,7 +957,7 @@ def _freezes_a_layer_mid_run(rank, world, compression, overlap, freeze_at):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["1bit", "bf16", "none"])
+@pytest.mark.parametrize("compression", ["1bit", "sparse2bit", "bf16", "none"])
 @pytest.mark.parametrize("overlap, freeze_at, still_from, synced_at", [
     (0, 5, 4, 4),  # frozen at a landing (after step 4): stays where it was
     (0, 4, 4, 2),  # trained at step 3 after the landing at 2: back to that point at 4

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
-from tests.reference import placement, reference_round
+from tests.reference import placement, reference_round, sparse
 
 BLOCK = 256  # the optimizers' default block_size
 
@@ -538,8 +538,8 @@ def simulate_sharded_diloco(nodes, per_node, compression):
     """DiLoCo on shards in float64: each node takes SGD steps on its ranks'
     mean gradient (FSDP2 averages inside the node); every H steps each
     shard's pseudo-gradients (anchor - params) are averaged over the nodes,
-    in 1 bit through reference.py with errors carried between rounds (or
-    exactly), and the anchors take plain SGD at OUTER_LR; every node then
+    in 1 bit (or the sparse 2-bit code) through reference.py with errors
+    carried between rounds (or exactly), and the anchors take plain SGD at OUTER_LR; every node then
     continues from the anchors. Returns {(s, i): final flat values}."""
     p0 = [p.double().numpy() for p in initial_params()]
     out = {}
@@ -561,6 +561,9 @@ def simulate_sharded_diloco(nodes, per_node, compression):
             deltas = [[a - p for a, p in zip(anchor, params[node])] for node in range(nodes)]
             if compression == "1bit":
                 avg, werrs, serrs, _ = reference_round(deltas, werrs, serrs, BLOCK)
+            elif compression == "sparse2bit":  # DiLoCo's default topk: 4 of each block
+                avg, werrs, serrs, _ = reference_round(deltas, werrs, serrs, BLOCK,
+                                                       quantize=sparse)
             else:
                 avg = [np.mean([d[i] for d in deltas], axis=0) for i in range(len(p0))]
             anchor = [a - OUTER_LR * g for a, g in zip(anchor, avg)]
@@ -625,8 +628,8 @@ def test_diloco_skips_a_round_on_every_shard_when_one_shard_saw_an_inf(nodes):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compression,nodes,device", [
-    ("1bit", 2, "cpu"), ("1bit", 3, "cpu"), ("none", 2, "cpu"),
-    pytest.param("1bit", 2, "cuda", marks=ON_CUDA)])
+    ("1bit", 2, "cpu"), ("1bit", 3, "cpu"), ("none", 2, "cpu"), ("sparse2bit", 2, "cpu"),
+    ("sparse2bit", 3, "cpu"), pytest.param("1bit", 2, "cuda", marks=ON_CUDA)])
 def test_diloco_on_shards_matches_the_float64_simulation(compression, nodes, device):
     per_node = 2
     got = ranks_on(device)(_sharded_diloco, nodes * per_node, nodes, compression, 1, 0, device,
