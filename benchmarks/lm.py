@@ -22,6 +22,8 @@ average gradients in full precision):
     vs LAMB: the same with communication_data_type="bf16" (the warmup's
     exchanges in bf16)
   DiLoCo-1bit vs DiLoCo-fp32, DiLoCo-2bit vs DiLoCo-fp32 (the ternary wire),
+  DiLoCo-sparse vs DiLoCo-fp32 (compression="sparse2bit": --topk values of
+    each block of --block-size, 2 bits each),
   DiLoCo-bf16 vs DiLoCo-fp32, DiLoCo-fp32 vs Adam:
     onebit.DiLoCo over inner AdamW (weight decay 0: Adam's maths, local
     steps), an outer step every --sync-every steps (outer SGD: --outer-lr,
@@ -76,6 +78,7 @@ PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam")
          ("OnebitAdam-bf16warmup", "Adam"), ("OnebitLamb-bf16warmup", "Lamb"),
          ("ZeroOneAdam-bf16warmup", "Adam"),
          ("DiLoCo-1bit", "DiLoCo-fp32"), ("DiLoCo-2bit", "DiLoCo-fp32"),
+         ("DiLoCo-sparse", "DiLoCo-fp32"),
          ("DiLoCo-stream", "DiLoCo-fp32"),
          ("DiLoCo-bf16", "DiLoCo-fp32"), ("DiLoCo-fp32", "Adam"),
          ("Adam-fp16", "Adam"), ("Adam-bf16", "Adam"), ("PowerSGD-r1", "Adam"),
@@ -85,14 +88,15 @@ DEFAULT_PAIRS = [p[0] for p in PAIRS[:3]]  # the optimizers' figure; DiLoCo with
 GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0, "DiLoCo-1bit": 1.0,
          "OnebitAdam-bf16warmup": 1.0, "OnebitLamb-bf16warmup": 1.0,
          "ZeroOneAdam-bf16warmup": 2.0,
-         "DiLoCo-2bit": 1.0,
+         "DiLoCo-2bit": 1.0, "DiLoCo-sparse": 1.0,
          "DiLoCo-stream": None, "DiLoCo-bf16": 1.0, "DiLoCo-fp32": None,
          "Adam-fp16": None, "Adam-bf16": None, "PowerSGD-r1": None, "PowerSGD-r2": None,
          "PowerSGD-r4": None}
 # DDP comm hooks (the baselines a user would pick): name -> (hook kind, PowerSGD rank)
 HOOKS = {"Adam-fp16": ("fp16", 0), "Adam-bf16": ("bf16", 0), "PowerSGD-r1": ("powersgd", 1),
          "PowerSGD-r2": ("powersgd", 2), "PowerSGD-r4": ("powersgd", 4)}
-DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-2bit": "2bit", "DiLoCo-stream": "1bit",
+DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-2bit": "2bit", "DiLoCo-sparse": "sparse2bit",
+          "DiLoCo-stream": "1bit",
           "DiLoCo-bf16": "bf16",
           "DiLoCo-fp32": "none"}
 HALF_WARMUP = "-bf16warmup"  # a 1-bit row with communication_data_type="bf16"
@@ -221,7 +225,7 @@ def _outer_lr(name: str, a: dict):
     """DiLoCo's outer lr: --outer-lr, and from --later-from of the steps on
     --later-outer-lr for the 1-bit and 2-bit rows or --later-outer-lr-full for the
     bf16 / fp32 rows (each form at its own settings, in one run)."""
-    compressed = DILOCO[name] in ("1bit", "2bit")
+    compressed = DILOCO[name] in ("1bit", "2bit", "sparse2bit")
     later = a.get("later_outer_lr" if compressed else "later_outer_lr_full")
     if later is None:
         return a["outer_lr"]
@@ -322,7 +326,8 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
                                warmup_steps=int(a.get("diloco_warmup", 0.0) * a["steps"]),
                                compression=DILOCO[name], block_size=a["block_size"],
                                scale_dtype=a["scale_dtype"], comm_backend_name=a.get("backend"),
-                               process_group=group)
+                               process_group=group,
+                               **({"topk": a["topk"]} if DILOCO[name] == "sparse2bit" else {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(a))
     # The elements this rank holds and the ranks they are averaged over.
     numel = sum(p.to_local().numel() if shards > 1 else p.numel() for p in model.parameters())
@@ -451,6 +456,7 @@ def run(args: argparse.Namespace) -> bool:
               f"later_outer_lr={a.get('later_outer_lr')} (bf16/fp32: "
               f"{a.get('later_outer_lr_full')}) from {a.get('later_from', LATER_FROM):.0%} "
               f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}"
+              + (f" topk={a['topk']}" if "DiLoCo-sparse" in a["only"] else "")
               + (f" stream: fragments={a.get('fragments', 4)} overlap_steps="
                  f"{a.get('overlap_steps', 1)} keep_local_progress="
                  f"{a.get('keep_local_progress', 0.0)} fragment_update_alpha="
@@ -528,6 +534,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["float32", "bfloat16"])
     p.add_argument("--only", nargs="+", default=DEFAULT_PAIRS,
                    choices=[p[0] for p in PAIRS], help="run only these pairs")
+    p.add_argument("--topk", type=int_arg(1), default=4,
+                   help="DiLoCo-sparse: values sent per block of --block-size elements")
     p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,
                    help="DiLoCo: inner steps per outer round (H)")
     p.add_argument("--outer-lr", dest="outer_lr", type=float, default=1.3)
