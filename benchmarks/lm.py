@@ -42,6 +42,17 @@ average gradients in full precision):
       start_powerSGD_iter = --freeze * steps (full precision before, as
       the 1-bit optimizers' warmup), error feedback and warm start on,
       Adam (--powersgd-adamw: AdamW, weight decay 0.01).
+  Published anchors (benchmarks/anchors.py, written from the papers):
+    SparseLoCo vs DiLoCo-fp32: a round every --sync-every inner steps, the
+      pseudo-gradient's top 1.56% per 4096-element chunk, 2-bit, with error
+      feedback (decay 0.95), outer plain SGD at --sparseloco-lr (the
+      published 1.0; --outer-lr is DiLoCo's and does not apply), no warmup;
+    DeMo vs Adam: every step, the 32 largest DCT coefficients per chunk of
+      a momentum (decay 0.999) exchanged, a sign step at --demo-lr (default
+      --lr; DeMo's sign step usually wants a smaller lr than Adam: sweep it).
+  --inner muon: every DiLoCo row's inner optimizer (SparseLoCo's too) is
+    torch.optim.Muon at --muon-lr on the hidden weight matrices, AdamW at
+    --lr on the rest (benchmarks/inner.py).
 Everything else is at its default. Reports held-out loss every --every steps,
 the final gap, and the bytes each rank sent per step; --plot writes the curves.
 
@@ -72,6 +83,9 @@ from onebit import launch
 from onebit.wire import DEFAULT_BLOCK_SIZE
 from onebit.optim.lamb import TRUST_RATIOS
 
+from .anchors import DeMo, SparseLoCo
+from .inner import MUON_LR, inner_optimizer
+
 TRUST_RATIO = TRUST_RATIOS[0]  # OnebitLamb's default
 
 PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam"),
@@ -82,7 +96,8 @@ PAIRS = [("OnebitAdam", "Adam"), ("OnebitLamb", "Lamb"), ("ZeroOneAdam", "Adam")
          ("DiLoCo-stream", "DiLoCo-fp32"),
          ("DiLoCo-bf16", "DiLoCo-fp32"), ("DiLoCo-fp32", "Adam"),
          ("Adam-fp16", "Adam"), ("Adam-bf16", "Adam"), ("PowerSGD-r1", "Adam"),
-         ("PowerSGD-r2", "Adam"), ("PowerSGD-r4", "Adam")]
+         ("PowerSGD-r2", "Adam"), ("PowerSGD-r4", "Adam"),
+         ("SparseLoCo", "DiLoCo-fp32"), ("DeMo", "Adam")]
 DEFAULT_PAIRS = [p[0] for p in PAIRS[:3]]  # the optimizers' figure; DiLoCo with --only
 # Held-out loss gap goals, %; None: reported, not judged.
 GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0, "DiLoCo-1bit": 1.0,
@@ -91,7 +106,7 @@ GOALS = {"OnebitAdam": 1.0, "OnebitLamb": 1.0, "ZeroOneAdam": 2.0, "DiLoCo-1bit"
          "DiLoCo-2bit": 1.0, "DiLoCo-sparse": 1.0,
          "DiLoCo-stream": None, "DiLoCo-bf16": 1.0, "DiLoCo-fp32": None,
          "Adam-fp16": None, "Adam-bf16": None, "PowerSGD-r1": None, "PowerSGD-r2": None,
-         "PowerSGD-r4": None}
+         "PowerSGD-r4": None, "SparseLoCo": None, "DeMo": None}
 # DDP comm hooks (the baselines a user would pick): name -> (hook kind, PowerSGD rank)
 HOOKS = {"Adam-fp16": ("fp16", 0), "Adam-bf16": ("bf16", 0), "PowerSGD-r1": ("powersgd", 1),
          "PowerSGD-r2": ("powersgd", 2), "PowerSGD-r4": ("powersgd", 4)}
@@ -99,6 +114,8 @@ DILOCO = {"DiLoCo-1bit": "1bit", "DiLoCo-2bit": "2bit", "DiLoCo-sparse": "sparse
           "DiLoCo-stream": "1bit",
           "DiLoCo-bf16": "bf16",
           "DiLoCo-fp32": "none"}
+INNER_LOOP = set(DILOCO) | {"SparseLoCo"}  # the rows with an inner optimizer (--inner)
+ANCHORS = ("SparseLoCo", "DeMo")  # benchmarks/anchors.py: unsharded, no DiLoCo warmup
 HALF_WARMUP = "-bf16warmup"  # a 1-bit row with communication_data_type="bf16"
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "pydocs.txt.gz")
 
@@ -203,8 +220,8 @@ def make_optimizer(name: str, params, a: dict, group=None):
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     if name == "Adam" or name in HOOKS:
         return torch.optim.Adam(params, lr=lr)
-    if name in DILOCO:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if name == "DeMo":
+        return DeMo(params, lr=a.get("demo_lr") or lr, process_group=group)
     if name == "OnebitAdam":
         return onebit.OnebitAdam(params, lr=lr, freeze_step=f, **wire)
     if name == "ZeroOneAdam":
@@ -309,8 +326,14 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     bare = model
     if name in HOOKS:  # DDP averages through the hook during backward
         model = _hooked(model, name, a)
-    opt = make_optimizer(name, model.parameters(), a, group)
+    if name in INNER_LOOP:
+        opt = inner_optimizer(model, a.get("inner", "adamw"), a["lr"], a.get("muon_lr", MUON_LR))
+    else:
+        opt = make_optimizer(name, model.parameters(), a, group)
     diloco = None
+    if name == "SparseLoCo":  # its rounds hang off the inner optimizer's step, as DiLoCo's
+        diloco = SparseLoCo(model.parameters(), opt, a["sync_every"],
+                            outer_lr=a.get("sparseloco_lr", 1.0), process_group=group)
     if name in DILOCO:  # the outer loop hangs off the inner optimizer's step
         import onebit
 
@@ -451,7 +474,7 @@ def run(args: argparse.Namespace) -> bool:
           + (f" backend={a['backend']}" if a.get("backend") else "")
           + (f" ranks/node={a['ranks_per_node']}" if a.get("ranks_per_node") else "")
           + (f" shards={a['shards']} (FSDP2; Adam as HSDP)" if a.get("shards") else ""))
-    if any(n in DILOCO for n in a["only"]):
+    if any(n in INNER_LOOP for n in a["only"]):  # SparseLoCo runs beside DiLoCo-fp32
         print(f"# DiLoCo: sync_every={a['sync_every']} outer_lr={a['outer_lr']} "
               f"later_outer_lr={a.get('later_outer_lr')} (bf16/fp32: "
               f"{a.get('later_outer_lr_full')}) from {a.get('later_from', LATER_FROM):.0%} "
@@ -461,6 +484,14 @@ def run(args: argparse.Namespace) -> bool:
                  f"{a.get('overlap_steps', 1)} keep_local_progress="
                  f"{a.get('keep_local_progress', 0.0)} fragment_update_alpha="
                  f"{a.get('fragment_update_alpha', 0.0)}" if "DiLoCo-stream" in a["only"] else ""))
+        print(f"# inner optimizer: {a.get('inner', 'adamw')}"
+              + (f" (Muon lr={a.get('muon_lr', MUON_LR)} on the hidden matrices, AdamW lr={a['lr']} "
+                 f"on the rest)" if a.get("inner") == "muon" else ""))
+    if "SparseLoCo" in a["only"]:
+        print(f"# SparseLoCo: sync_every={a['sync_every']} outer_lr={a.get('sparseloco_lr', 1.0)} "
+              f"(SGD, no momentum) top-k 64/4096 2-bit error_decay=0.95")
+    if "DeMo" in a["only"]:
+        print(f"# DeMo: lr={a.get('demo_lr') or a['lr']} momentum_decay=0.999 top-k 32 per chunk")
     w = max([12] + [len(n) for n in a["only"]])  # the -bf16warmup rows' names are longer
     print(f"#{'optimizer':>{w}} {'baseline':>11} {'held-out':>9} {'base':>8} {'gap%':>6} "
           f"{'worst%':>7} {'goal%':>6} {'B/step':>9} {'base B/step':>11} finite ok")
@@ -494,6 +525,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--shards shards TinyGPT's blocks; --model gpt2 runs unsharded")
     if args.shards and any(n in HOOKS for n in args.only):
         raise ValueError(f"--shards does not apply to the DDP hook rows {sorted(HOOKS)}")
+    if args.shards and (getattr(args, "inner", "adamw") == "muon"
+                        or any(n in ANCHORS for n in args.only)):
+        raise ValueError(f"--shards does not apply to --inner muon or the anchor rows {ANCHORS}")
+    if args.diloco_warmup and "SparseLoCo" in args.only:
+        raise ValueError(f"--diloco-warmup ({args.diloco_warmup:g}) does not apply to SparseLoCo, "
+                         "whose rounds start at step 0 as published: run it apart with 0")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
     if args.backend is not None:
@@ -560,6 +597,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fragment-update-alpha", dest="fragment_update_alpha", type=float,
                    default=0.0, help="DiLoCo-stream: share of a rank's params mixed into a "
                                      "landing fragment (DiLoCo's fragment_update_alpha)")
+    p.add_argument("--inner", choices=["adamw", "muon"], default="adamw",
+                   help="the DiLoCo rows' (and SparseLoCo's) inner optimizer: AdamW, or "
+                        "torch.optim.Muon on the hidden matrices and AdamW on the rest")
+    p.add_argument("--muon-lr", dest="muon_lr", type=float, default=MUON_LR,
+                   help="--inner muon: Muon's lr (torch's adjust_lr_fn 'original')")
+    p.add_argument("--sparseloco-lr", dest="sparseloco_lr", type=float, default=1.0,
+                   help="SparseLoCo's outer SGD lr (the published 1.0; --outer-lr is DiLoCo's)")
+    p.add_argument("--demo-lr", dest="demo_lr", type=float, default=None,
+                   help="DeMo's sign-step lr (default: --lr; DeMo usually wants a smaller one)")
     p.add_argument("--powersgd-adamw", dest="powersgd_adamw", action="store_true",
                    help="PowerSGD rows: AdamW (weight decay 0.01) instead of Adam")
     p.add_argument("--backend", default=None,

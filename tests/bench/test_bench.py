@@ -349,6 +349,8 @@ def test_mpirun_jobs_across_machines_default_to_rank_0s_host_name():
     ["time_to_target", "--target-pct", "-1"], ["time_to_target", "--methods", "OnebitAdam"],
     ["time_to_target", "--steps", "0"],
     ["--backend", "compresed"], ["--backend", "compressed,"], ["lm", "--backend", "compresed"],
+    ["lm", "--shards", "2", "--only", "DeMo"], ["lm", "--shards", "2", "--inner", "muon"],
+    ["lm", "--only", "SparseLoCo", "--diloco-warmup", "0.2"], ["lm", "--inner", "sgd"],
 ])
 def test_bad_bench_flags_are_usage_errors(flags):
     """argparse's usage error and exit status 2, at once: no loop, no traceback."""
