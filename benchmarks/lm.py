@@ -23,7 +23,7 @@ average gradients in full precision):
     exchanges in bf16)
   DiLoCo-1bit vs DiLoCo-fp32, DiLoCo-2bit vs DiLoCo-fp32 (the ternary wire),
   DiLoCo-sparse vs DiLoCo-fp32 (compression="sparse2bit": --topk values of
-    each block of --block-size, 2 bits each),
+    each block of --sparse-block-size, an index and 2 bits each),
   DiLoCo-bf16 vs DiLoCo-fp32, DiLoCo-fp32 vs Adam:
     onebit.DiLoCo over inner AdamW (weight decay 0: Adam's maths, local
     steps), an outer step every --sync-every steps (outer SGD: --outer-lr,
@@ -252,6 +252,13 @@ def _outer_lr(name: str, a: dict):
     return onebit.SteppedOuterLR(a["outer_lr"], later, from_step)
 
 
+def _wire(compression: str, a: dict) -> dict:
+    """DiLoCo's block size (and the sparse wire's topk) for a row."""
+    if compression == "sparse2bit":
+        return {"block_size": a["sparse_block_size"], "topk": a.get("topk")}
+    return {"block_size": a["block_size"]}
+
+
 def lr_factor(a: dict):
     """The lr multiplier at each step: "constant", or "cosine" -- linear warmup
     over --warmup of the steps, then a cosine decay to 10% of the peak, the
@@ -347,10 +354,9 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
                                if streaming else 0.0,
                                outer_momentum=a["outer_momentum"], nesterov=a["nesterov"],
                                warmup_steps=int(a.get("diloco_warmup", 0.0) * a["steps"]),
-                               compression=DILOCO[name], block_size=a["block_size"],
-                               scale_dtype=a["scale_dtype"], comm_backend_name=a.get("backend"),
-                               process_group=group,
-                               **({"topk": a["topk"]} if DILOCO[name] == "sparse2bit" else {}))
+                               compression=DILOCO[name], scale_dtype=a["scale_dtype"],
+                               comm_backend_name=a.get("backend"), process_group=group,
+                               **_wire(DILOCO[name], a))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(a))
     # The elements this rank holds and the ranks they are averaged over.
     numel = sum(p.to_local().numel() if shards > 1 else p.numel() for p in model.parameters())
@@ -479,7 +485,8 @@ def run(args: argparse.Namespace) -> bool:
               f"later_outer_lr={a.get('later_outer_lr')} (bf16/fp32: "
               f"{a.get('later_outer_lr_full')}) from {a.get('later_from', LATER_FROM):.0%} "
               f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}"
-              + (f" topk={a['topk']}" if "DiLoCo-sparse" in a["only"] else "")
+              + (f" sparse: block={a['sparse_block_size']} topk={a.get('topk') or 'default'}"
+                 if "DiLoCo-sparse" in a["only"] else "")
               + (f" stream: fragments={a.get('fragments', 4)} overlap_steps="
                  f"{a.get('overlap_steps', 1)} keep_local_progress="
                  f"{a.get('keep_local_progress', 0.0)} fragment_update_alpha="
@@ -571,8 +578,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["float32", "bfloat16"])
     p.add_argument("--only", nargs="+", default=DEFAULT_PAIRS,
                    choices=[p[0] for p in PAIRS], help="run only these pairs")
-    p.add_argument("--topk", type=int_arg(1), default=4,
-                   help="DiLoCo-sparse: values sent per block of --block-size elements")
+    p.add_argument("--topk", type=int_arg(1), default=None,
+                   help="DiLoCo-sparse: values sent per block (default: one per 64 elements)")
+    p.add_argument("--sparse-block-size", dest="sparse_block_size", type=int_arg(8),
+                   default=4096, help="DiLoCo-sparse: elements per block")
     p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,
                    help="DiLoCo: inner steps per outer round (H)")
     p.add_argument("--outer-lr", dest="outer_lr", type=float, default=1.3)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from .sparse_codec import DEFAULT_KEEP, SparseCodec
+from .sparse_codec import SparseCodec
 
 # The ternary code's field values (2 bits each, element 4 i + j in bits
 # 2 j, 2 j + 1 of byte i): 0 sends 0, PLUS sends +scale, MINUS -scale.
@@ -144,7 +144,7 @@ CODECS = {c.name: c for c in (SignCodec, TernaryCodec)}
 COMPRESSED = tuple(CODECS) + (SparseCodec.name,)  # the codes of the compressed allreduce
 
 
-def codec_for(name: str, block: int, keep: int = DEFAULT_KEEP):
+def codec_for(name: str, block: int, keep: int):
     """The code called `name` ("1bit", "2bit" or "sparse2bit"), None for
     any other (a full-precision average); the sparse code for `block`-element
     blocks, `keep` values sent per block."""

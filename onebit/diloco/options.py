@@ -17,7 +17,8 @@ from .. import collectives
 from ..checks import (check_each_parameter_once, check_flag, check_number, check_positive_int,
                       check_real)
 from ..backends.codecs import codec_for
-from ..backends.sparse_codec import DEFAULT_KEEP, SparseCodec, check_keep
+from ..backends import sparse_codec
+from ..backends.sparse_codec import SparseCodec, check_keep
 from ..wire import DEFAULT_BLOCK_SIZE, check_block_size, scale_dtype_from
 from .misuse import DDP_MISUSE
 
@@ -40,9 +41,9 @@ class DiLoCoOptions:
     keep_local_progress: float = 0.0
     fragment_update_alpha: float = 0.0
     timeout_s: Optional[float] = None
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: Optional[int] = None  # the wire's default
     scale_dtype: object = "float32"
-    topk: int = DEFAULT_KEEP
+    topk: Optional[int] = None  # the sparse wire's default
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every)
@@ -63,7 +64,13 @@ class DiLoCoOptions:
                              f"got {self.compression!r}")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")
+        sparse = self.compression == SparseCodec.name
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", sparse_codec.DEFAULT_BLOCK if sparse
+                               else DEFAULT_BLOCK_SIZE)
         check_block_size(self.block_size)
+        if self.topk is None:
+            object.__setattr__(self, "topk", sparse_codec.default_keep(self.block_size))
         check_keep(self.topk, self.block_size)
         object.__setattr__(self, "timeout_s", collectives.check_timeout(self.timeout_s))
         object.__setattr__(self, "keep_local_progress", float(self.keep_local_progress))

@@ -32,13 +32,11 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..backends.sparse_codec import DEFAULT_KEEP
 from ..backends.stats import TrafficStats
 from ..checks import check_flag
 from ..feedback.channel import ErrorFeedbackChannel
 from ..handoff import StreamHandoff
 from ..shards import ShardedParams, local
-from ..wire import DEFAULT_BLOCK_SIZE
 from . import checkpoint
 from .averaging import RankMean, WarmupAverage
 from .fragments import FragmentPlan
@@ -94,11 +92,12 @@ class DiLoCo:
       replicate group: docs/sharding.md) and the deadline of each
       collective (a dead rank is a CommunicationError, never a hang).
     block_size, scale_dtype, comm_backend_name: the 1-bit wire format and
-      backend, as the optimizers take them.
+      backend, as the optimizers take them; block_size None (the default)
+      is 256, or 4096 for the sparse wire.
     topk: with compression="sparse2bit", the values sent per block of
-      block_size elements (default 4 of 256: 1.56%, SparseLoCo's density).
-      Fewer bytes and more rounds before a value is sent; docs/usage.md
-      says how to choose it.
+      block_size elements (None, the default: one per 64, SparseLoCo's
+      64 of 4096, 1.56%). Fewer bytes, and values wait more rounds to be
+      sent; docs/usage.md says how to choose it.
     """
 
     def __init__(self, model: Union[torch.nn.Module, Iterable[torch.Tensor]],
@@ -108,9 +107,9 @@ class DiLoCo:
                  compression: str = "1bit", warmup_steps: int = 0, fragments: int = 1,
                  overlap_steps: int = 0, *, keep_local_progress: float = 0.0,
                  fragment_update_alpha: float = 0.0, process_group=None,
-                 timeout_s: Optional[float] = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 timeout_s: Optional[float] = None, block_size: Optional[int] = None,
                  scale_dtype="float32", comm_backend_name: Optional[str] = None,
-                 topk: int = DEFAULT_KEEP) -> None:
+                 topk: Optional[int] = None) -> None:
         o = self.options = DiLoCoOptions(
             sync_every, outer_lr, outer_momentum, nesterov, compression, warmup_steps,
             fragments, overlap_steps, keep_local_progress, fragment_update_alpha, timeout_s,
@@ -126,7 +125,7 @@ class DiLoCo:
         self.keep_local_progress = o.keep_local_progress
         self.fragment_update_alpha = o.fragment_update_alpha
         self.inner_optimizer, self.process_group = inner_optimizer, process_group
-        self.timeout_s, self.block_size, self.scale_dtype = o.timeout_s, block_size, \
+        self.timeout_s, self.block_size, self.scale_dtype = o.timeout_s, o.block_size, \
             o.wire_scale_dtype
         self.world_size = (dist.get_world_size(process_group)
                            if collectives.is_distributed("DiLoCo") else 1)

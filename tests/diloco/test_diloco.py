@@ -22,7 +22,7 @@ OUTERS = {"nesterov": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
           "default": dict(outer_lr=1.3, outer_momentum=0.0, nesterov=False)}
 
 
-# The simulation's code for each compressed wire (DiLoCo's default topk, 4).
+# The simulation's code for each compressed wire (the sparse one at topk 4 of 64).
 QUANTIZE = {"1bit": reference.compress, "2bit": reference.ternary, "sparse2bit": reference.sparse}
 
 
@@ -72,6 +72,7 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
                            block_size=BLOCK, timeout_s=30, warmup_steps=warmup,
                            fragments=fragments, overlap_steps=overlap, keep_local_progress=keep,
                            fragment_update_alpha=alpha,
+                           **({"topk": 4} if compression == "sparse2bit" else {}),
                            **_outer_settings(outer))
     if start is not None:  # a resume: this rank's checkpoint
         start = torch.load(io.BytesIO(start), weights_only=False)
@@ -662,7 +663,9 @@ def test_bad_arguments_are_refused_by_name():
                            "set one of them, not both"),
                           ({"outer_lr": lambda inner_steps: -1.0}, "outer_lr"),
                           ({"compression": "sparse2bit", "topk": 0}, "topk"),
-                          ({"compression": "sparse2bit", "topk": 300}, "block_size=256"),
+                          ({"compression": "sparse2bit", "topk": 5000}, "block_size=4096"),
+                          ({"compression": "sparse2bit", "topk": 300, "block_size": 256},
+                           "block_size=256"),
                           ({"compression": "sparse2bit", "topk": 2.5}, "topk")):
         with pytest.raises(ValueError, match=match):
             onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), **{"sync_every": 2, **kwargs})

@@ -561,7 +561,7 @@ def simulate_sharded_diloco(nodes, per_node, compression):
             deltas = [[a - p for a, p in zip(anchor, params[node])] for node in range(nodes)]
             if compression == "1bit":
                 avg, werrs, serrs, _ = reference_round(deltas, werrs, serrs, BLOCK)
-            elif compression == "sparse2bit":  # DiLoCo's default topk: 4 of each block
+            elif compression == "sparse2bit":  # topk 4 of each block of 256
                 avg, werrs, serrs, _ = reference_round(deltas, werrs, serrs, BLOCK,
                                                        quantize=sparse)
             else:
@@ -578,9 +578,10 @@ def _sharded_diloco(rank, world, nodes, compression, fragments=1, overlap=0, dev
 
     model, mesh = sharded(world, nodes, device=device)
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    sparse = {"block_size": BLOCK, "topk": 4} if compression == "sparse2bit" else {}
     diloco = onebit.DiLoCo(model, inner, sync_every=H, outer_lr=OUTER_LR, compression=compression,
                            fragments=fragments, overlap_steps=overlap,
-                           process_group=mesh.get_group("replicate"))
+                           process_group=mesh.get_group("replicate"), **sparse)
     rounds = []
     for t in range(1, H * ROUNDS + 1):
         model([w.to(device) for w in weights(rank, t)]).backward()
