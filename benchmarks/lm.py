@@ -241,7 +241,11 @@ LATER_FROM = 0.2  # --later-from's default: the measured switch at H = 16 (docs/
 def _outer_lr(name: str, a: dict):
     """DiLoCo's outer lr: --outer-lr, and from --later-from of the steps on
     --later-outer-lr for the 1-bit and 2-bit rows or --later-outer-lr-full for the
-    bf16 / fp32 rows (each form at its own settings, in one run)."""
+    bf16 / fp32 rows (each form at its own settings, in one run); the sparse
+    row takes a constant --sparse-outer-lr where given (its values, sent
+    rounds late, want a larger step from the start)."""
+    if DILOCO[name] == "sparse2bit" and a.get("sparse_outer_lr") is not None:
+        return a["sparse_outer_lr"]
     compressed = DILOCO[name] in ("1bit", "2bit", "sparse2bit")
     later = a.get("later_outer_lr" if compressed else "later_outer_lr_full")
     if later is None:
@@ -486,6 +490,7 @@ def run(args: argparse.Namespace) -> bool:
               f"{a.get('later_outer_lr_full')}) from {a.get('later_from', LATER_FROM):.0%} "
               f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}"
               + (f" sparse: block={a['sparse_block_size']} topk={a.get('topk') or 'default'}"
+                 f" outer_lr={a.get('sparse_outer_lr') or 'as 1-bit'}"
                  if "DiLoCo-sparse" in a["only"] else "")
               + (f" stream: fragments={a.get('fragments', 4)} overlap_steps="
                  f"{a.get('overlap_steps', 1)} keep_local_progress="
@@ -580,6 +585,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=[p[0] for p in PAIRS], help="run only these pairs")
     p.add_argument("--topk", type=int_arg(1), default=None,
                    help="DiLoCo-sparse: values sent per block (default: one per 64 elements)")
+    p.add_argument("--sparse-outer-lr", dest="sparse_outer_lr", type=float, default=None,
+                   help="DiLoCo-sparse: a constant outer lr (default: as the 1-bit row's)")
     p.add_argument("--sparse-block-size", dest="sparse_block_size", type=int_arg(8),
                    default=4096, help="DiLoCo-sparse: elements per block")
     p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,

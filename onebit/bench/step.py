@@ -17,8 +17,8 @@ then each onebit optimizer in its compression stage (the warmup and
 `--untimed` more steps run first, untimed), used drop-in: step() exchanges
 1-bit momentum itself; with `--overlap` (default both) each optimizer
 also run with overlap_backward=True (rows `+overlap`), which starts each
-bucket's exchange during backward. `--optimizers diloco` adds DiLoCo-1bit
-over the floor's Adam, an outer round every `--sync-every` inner steps
+bucket's exchange during backward. `--optimizers diloco` adds DiLoCo over
+the floor's Adam (1-bit, or `--diloco-compression`'s wire), an outer round every `--sync-every` inner steps
 (row `diloco`), and streaming (row `diloco+overlap`: `--fragments`
 fragments, each exchange `--overlap-steps` inner steps behind); its timed
 rounds are whole outer rounds from one quiet step of the schedule to the
@@ -163,7 +163,8 @@ class _Setup:
             self.diloco = onebit.DiLoCo(
                 self.model, self.opt, sync_every=a["sync_every"],
                 fragments=a["fragments"] if streaming else 1,
-                overlap_steps=a["overlap_steps"] if streaming else 0, process_group=group)
+                overlap_steps=a["overlap_steps"] if streaming else 0, process_group=group,
+                compression=a.get("diloco_compression", "1bit"))
         self.net, self.x, self.y = net, x, y
         self.tail: List[int] = []  # per timed round, the exchanges drain() waited for
 
@@ -344,6 +345,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="diloco: inner steps per outer round (H)")
     p.add_argument("--fragments", type=int_arg(1), default=4,
                    help="diloco+overlap: fragments synced at staggered steps")
+    p.add_argument("--diloco-compression", dest="diloco_compression", default="1bit",
+                   choices=("1bit", "2bit", "sparse2bit"),
+                   help="diloco: the outer gradients' wire (sparse2bit: at its defaults)")
     p.add_argument("--overlap-steps", dest="overlap_steps", type=int_arg(0), default=1,
                    help="diloco+overlap: inner steps each fragment's exchange runs behind")
     p.add_argument("--shards", type=int_arg(1), default=None,
