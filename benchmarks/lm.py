@@ -335,6 +335,9 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     shards = a.get("shards") or 1
     group = _shard(model, name, world, shards) if shards > 1 else None
     bare = model
+    # Where each param started (this rank's shard): which elements ever moved.
+    start_values = [(p.to_local() if shards > 1 else p).detach().clone()
+                    for p in model.parameters()]
     if name in HOOKS:  # DDP averages through the hook during backward
         model = _hooked(model, name, a)
     if name in INNER_LOOP:
@@ -403,7 +406,20 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
         sent = _bytes_sent(opt, numel, replicas, a["steps"])
     return {"optimizer": name, "seed": seed, "curve": curve, "final": curve[-1][1], "finite": finite,
             "error_norms": error_norms, "bytes_per_step": sent / a["steps"],
-            "bytes_sent": sent_by_then, "step_seconds": step_seconds}
+            "bytes_sent": sent_by_then, "step_seconds": step_seconds,
+            "moved_pct": _moved_pct(model, diloco, start_values, shards)}
+
+
+def _moved_pct(model: torch.nn.Module, diloco, start_values: List[torch.Tensor],
+               shards: int) -> float:
+    """The share of this rank's parameter elements, %, that differ from
+    where they started; for an outer loop, of its last synced point (the
+    anchors: a sparse outer wire moves only what it sent)."""
+    now = [(p.to_local() if shards > 1 else p).detach() for p in model.parameters()]
+    if diloco is not None and len(diloco.anchors) == len(now):  # (no param left out)
+        now = diloco.anchors
+    moved = sum(int((a != b).sum()) for a, b in zip(now, start_values))
+    return 100.0 * moved / max(1, sum(t.numel() for t in now))
 
 
 def _bytes_sent(opt, numel: int, world: int, steps: int) -> float:
@@ -444,7 +460,9 @@ def compare(a: dict) -> tuple:
                      "baseline_loss": base, "gap_pct": gap, "worst_seed_gap_pct": max(gaps),
                      "bytes_per_step": by[onebit_name][0]["bytes_per_step"],
                      "baseline_bytes_per_step": by[base_name][0]["bytes_per_step"],
-                     "finite": finite, "ok": finite and (goal is None or gap <= goal)})
+                     "finite": finite, "ok": finite and (goal is None or gap <= goal),
+                     "moved_pct": sum(r["moved_pct"] for r in by[onebit_name]) /
+                     len(by[onebit_name])})
     return rows, runs
 
 
@@ -506,7 +524,7 @@ def run(args: argparse.Namespace) -> bool:
         print(f"# DeMo: lr={a.get('demo_lr') or a['lr']} momentum_decay=0.999 top-k 32 per chunk")
     w = max([12] + [len(n) for n in a["only"]])  # the -bf16warmup rows' names are longer
     print(f"#{'optimizer':>{w}} {'baseline':>11} {'held-out':>9} {'base':>8} {'gap%':>6} "
-          f"{'worst%':>7} {'goal%':>6} {'B/step':>9} {'base B/step':>11} finite ok")
+          f"{'worst%':>7} {'goal%':>6} {'B/step':>9} {'base B/step':>11} {'moved%':>6} finite ok")
     rows, runs = compare(a)
     for r in rows:
         goal = GOALS[r["optimizer"]]
@@ -514,7 +532,8 @@ def run(args: argparse.Namespace) -> bool:
               f"{r['gap_pct']:6.2f} {r['worst_seed_gap_pct']:7.2f} "
               f"{'-' if goal is None else f'{goal:.1f}':>6} {r['bytes_per_step']:9.0f} "
               f"{r['baseline_bytes_per_step']:11.0f} "
-              f"{'yes' if r['finite'] else 'NO':>6} {'yes' if r['ok'] else 'NO'}")
+              f"{r['moved_pct']:6.1f} {'yes' if r['finite'] else 'NO':>6} "
+              f"{'yes' if r['ok'] else 'NO'}")
     if args.plot:
         plot(runs, args.plot)
     if args.json:
