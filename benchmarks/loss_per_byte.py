@@ -4,7 +4,8 @@ against the bytes each rank has sent, from `benchmarks.lm --json` files.
 Each run of each file is one curve: its held-out loss at every --every
 steps, against the bytes the rank had sent by then (warmups included). A
 file holds one sync_every, so pass one file per H; the label names the
-optimizer, H for DiLoCo (and its outer lr when a file's --outer-lr is not
+optimizer, H for DiLoCo and SparseLoCo (" muon" over Muon; DeMo's lr),
+and the outer lr (when a file's --outer-lr is not
 the default, or when a later outer lr applies to the row: `lr=1.3>2@20%`
 for 1.3, then 2.0 from 20% of the steps), and the freeze fraction for the
 rows it moves (1-bit optimizers, PowerSGD) when a file's --freeze is not
@@ -38,7 +39,8 @@ def curves(paths: List[str]) -> List[dict]:
         for run in data["runs"]:
             name = run["optimizer"]
             label = f"{name} H={h}{outer_lr_label(name, data['config'])}" \
-                if name.startswith("DiLoCo") else name
+                if name.startswith("DiLoCo") or name == "SparseLoCo" else name
+            label += anchor_label(name, data["config"])
             if freeze != DEFAULT_FREEZE and not name.startswith("DiLoCo") and name not in NO_FREEZE:
                 label = f"{name} freeze={freeze:.0%}"
             losses = [loss for _, loss in run["curve"]]
@@ -47,9 +49,26 @@ def curves(paths: List[str]) -> List[dict]:
     return out
 
 
+def anchor_label(name: str, config: dict) -> str:
+    """' muon' for a DiLoCo row over Muon (--inner muon); DeMo's lr where
+    --demo-lr set one."""
+    if config.get("inner") == "muon" and (name.startswith("DiLoCo") or name == "SparseLoCo"):
+        return " muon"
+    if name == "DeMo" and config.get("demo_lr") is not None:
+        return f" lr={config['demo_lr']:g}"
+    return ""
+
+
 def outer_lr_label(name: str, config: dict) -> str:
     """' lr=...' for a DiLoCo row whose outer lr is not the constant default:
-    ' lr=1' (constant 1.0) or ' lr=1.3>2@20%' (a later lr from 20% on)."""
+    ' lr=1' (constant 1.0) or ' lr=1.3>2@20%' (a later lr from 20% on); the
+    sparse row's --sparse-outer-lr and SparseLoCo's --sparseloco-lr (its
+    published 1.0 unlabelled) as constants."""
+    if name == "DiLoCo-sparse" and config.get("sparse_outer_lr") is not None:
+        return f" lr={config['sparse_outer_lr']:g}"
+    if name == "SparseLoCo":
+        lr = config.get("sparseloco_lr", 1.0)
+        return f" lr={lr:g}" if lr != 1.0 else ""
     outer_lr = config.get("outer_lr", DEFAULT_OUTER_LR)
     later = config.get("later_outer_lr_full" if name in FULL_PRECISION_DILOCO
                        else "later_outer_lr")

@@ -508,6 +508,22 @@ def test_loss_per_byte_labels_diloco_rows_with_a_later_outer_lr(tmp_path):
         "DiLoCo-bf16 H=16 lr=1>1.6@35%", "DiLoCo-2bit H=16 lr=1"]
 
 
+def test_loss_per_byte_labels_the_sparse_rows_the_anchors_and_muon(tmp_path):
+    """The sparse row's constant outer lr, SparseLoCo's lr where it is not
+    the published 1.0, DeMo's lr, and Muon as the inner optimizer each
+    name their curve apart."""
+    from benchmarks.loss_per_byte import curves
+
+    paths = [lm_file(tmp_path, "s.json", {"sparse_outer_lr": 2.0, "sparseloco_lr": 2.0},
+                     ["DiLoCo-sparse", "SparseLoCo", "DiLoCo-1bit"]),
+             lm_file(tmp_path, "m.json", {"inner": "muon", "sync_every": 64},
+                     ["DiLoCo-sparse", "SparseLoCo"]),
+             lm_file(tmp_path, "d.json", {"demo_lr": 0.004}, ["DeMo", "Adam"])]
+    assert [r["label"] for r in curves(paths)] == [
+        "DiLoCo-sparse H=16 lr=2", "SparseLoCo H=16 lr=2", "DiLoCo-1bit H=16",
+        "DiLoCo-sparse H=64 muon", "SparseLoCo H=64 muon", "DeMo lr=0.004", "Adam"]
+
+
 def test_the_frontier_marks_only_points_nothing_beats_for_the_bytes():
     """Worked out by hand: B costs more than A for a higher loss (off);
     C costs more for a lower loss (on); A2 is A's second seed."""
