@@ -109,7 +109,7 @@ class Injector:
 def train_diloco(args, model, manager, injector, params) -> None:
     """DiLoCo's rounds every 4 inner steps of AdamW; one record per round."""
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    wire = args.optimizer.split("-")[1]  # DiLoCo-1bit, DiLoCo-2bit
+    wire = args.optimizer.split("-")[1]  # DiLoCo-1bit, DiLoCo-2bit, DiLoCo-sparse2bit
     ft = FaultTolerantDiLoCo(manager, model, inner, lambda: onebit.DiLoCo(
         model, inner, sync_every=4, compression=wire, timeout_s=args.timeout_s))
     replicas = 0

@@ -135,7 +135,8 @@ def test_fault_free_replicas_match_the_plain_run_step_by_step(tmp_path):
 @pytest.mark.parametrize("optimizer,fault", [
     ("OnebitAdam", "kill-before"), ("OnebitAdam", "kill-during"), ("OnebitAdam", "kill-after"),
     ("ZeroOneAdam", "kill-during"), ("OnebitLamb", "kill-during"),
-    ("DiLoCo-1bit", "kill-during"), ("DiLoCo-2bit", "kill-during")])
+    ("DiLoCo-1bit", "kill-during"), ("DiLoCo-2bit", "kill-during"),
+    ("DiLoCo-sparse2bit", "kill-during")])
 def test_a_killed_replica_costs_one_step_and_the_survivors_go_on(tmp_path, optimizer, fault):
     run = Run(tmp_path, optimizer)
     for r in range(3):
