@@ -118,13 +118,22 @@ class SparseCodec:
     def _select(self, blocks: torch.Tensor):
         """(slots [blocks, k] int64, used [blocks, k] bool): the selected
         indices ascending, then unused slots repeating the last used one."""
-        k = self.keep
+        k, nblocks = self.keep, blocks.shape[0]
         magnitude = blocks.abs()
-        top = torch.sort(magnitude, dim=1, descending=True, stable=True).indices[:, :k]
-        chosen = magnitude.gather(1, top) > 0
-        # Ascending index among the chosen; unchosen sort last (key = block).
-        slots, order = torch.where(chosen, top, self.block).sort(dim=1)
-        used = chosen.gather(1, order)
+        # The k-th largest magnitude t: all above it, then the lowest
+        # indices equal to it, up to k (linear time: no sort of the block).
+        t = torch.topk(magnitude, k, dim=1).values[:, -1:]
+        above = magnitude > t
+        at = magnitude == t
+        room = k - above.sum(1, keepdim=True)
+        chosen = (above | (at & (at.cumsum(1) <= room))) & (magnitude > 0)
+        # Chosen element j goes to slot (chosen before it); the others to a
+        # spare column k, dropped. Slots left over hold `block`, sorting last.
+        place = torch.where(chosen, chosen.cumsum(1) - 1, k)
+        index = torch.arange(self.block, device=blocks.device).expand(nblocks, -1)
+        slots = torch.full((nblocks, k + 1), self.block, dtype=torch.int64, device=blocks.device)
+        slots = slots.scatter_(1, place, index)[:, :k]
+        used = slots < self.block
         last = (used.sum(1, keepdim=True) - 1).clamp(min=0)
         fill = torch.where(used.any(1, keepdim=True), slots.gather(1, last), 0)
         return torch.where(used, slots, fill), used
