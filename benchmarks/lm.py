@@ -347,7 +347,8 @@ def train(rank: int, world: int, name: str, seed: int, a: dict) -> Dict:
     diloco = None
     if name == "SparseLoCo":  # its rounds hang off the inner optimizer's step, as DiLoCo's
         diloco = SparseLoCo(model.parameters(), opt, a["sync_every"],
-                            outer_lr=a.get("sparseloco_lr", 1.0), process_group=group)
+                            outer_lr=a.get("sparseloco_lr", 1.0),
+                            error_decay=a.get("sparseloco_error_decay", 0.95), process_group=group)
     if name in DILOCO:  # the outer loop hangs off the inner optimizer's step
         import onebit
 
@@ -519,7 +520,8 @@ def run(args: argparse.Namespace) -> bool:
                  f"on the rest)" if a.get("inner") == "muon" else ""))
     if "SparseLoCo" in a["only"]:
         print(f"# SparseLoCo: sync_every={a['sync_every']} outer_lr={a.get('sparseloco_lr', 1.0)} "
-              f"(SGD, no momentum) top-k 64/4096 2-bit error_decay=0.95")
+              f"(SGD, no momentum) top-k 64/4096 2-bit "
+              f"error_decay={a.get('sparseloco_error_decay', 0.95)}")
     if "DeMo" in a["only"]:
         print(f"# DeMo: lr={a.get('demo_lr') or a['lr']} momentum_decay=0.999 top-k 32 per chunk")
     w = max([12] + [len(n) for n in a["only"]])  # the -bf16warmup rows' names are longer
@@ -639,6 +641,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--inner muon: Muon's lr (torch's adjust_lr_fn 'original')")
     p.add_argument("--sparseloco-lr", dest="sparseloco_lr", type=float, default=1.0,
                    help="SparseLoCo's outer SGD lr (the published 1.0; --outer-lr is DiLoCo's)")
+    p.add_argument("--sparseloco-error-decay", dest="sparseloco_error_decay", type=float,
+                   default=0.95, help="SparseLoCo: the error buffer's decay each round "
+                   "(published 0.95; 1.0 keeps all of it, as onebit's wires do)")
     p.add_argument("--demo-lr", dest="demo_lr", type=float, default=None,
                    help="DeMo's sign-step lr (default: --lr; DeMo usually wants a smaller one)")
     p.add_argument("--powersgd-adamw", dest="powersgd_adamw", action="store_true",
