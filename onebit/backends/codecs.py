@@ -17,7 +17,7 @@ server errors. The codec is the code itself:
 - `SparseCodec` ("sparse2bit", sparse_codec.py): the top-k of each block,
   an index and 2 bits each, with the block's scale.
 
-docs/design.md gives both wire formats.
+docs/design.md gives the wire formats.
 """
 from __future__ import annotations
 
@@ -141,7 +141,6 @@ def unpack_fields(codes: torch.Tensor) -> torch.Tensor:
 
 
 CODECS = {c.name: c for c in (SignCodec, TernaryCodec)}
-COMPRESSED = tuple(CODECS) + (SparseCodec.name,)  # the codes of the compressed allreduce
 
 
 def codec_for(name: str, block: int, keep: int):

@@ -25,8 +25,8 @@ each an index into the block and a 2-bit value, and the block's scale:
   unused only when nothing is selected, and then s is 0);
 - bytes: a bit stream per block, least significant bit first, of the k
   indices, w = ceil(log2 B) bits each, then the k value fields:
-  ceil(k (w + 2) / 8) bytes. B = 256, k = 4: four index bytes, then one
-  byte of values (slot j in bits 2 j, 2 j + 1).
+  ceil(k (w + 2) / 8) bytes. B = 4096, k = 64 (the defaults): 96 bytes
+  of indices, then 16 of values (slot j in bits 2 j, 2 j + 1 of them).
 
 The worker's error becomes x - decoded(x), so nothing is lost: what the
 k values did not carry, and the rounding of the ones they did, are sent
@@ -37,9 +37,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..collectives import stable_digest
 
-DEFAULT_BLOCK = 4096  # SparseLoCo's 64 x 64 chunk; measured best of 256 to 16384
+# SparseLoCo's 64 x 64 chunk; on the benchmark LM the best of 256 to 16384
+# for the loss at equal bytes (docs/benchmarks/frontier.md)
+DEFAULT_BLOCK = 4096
 DENSITY = 64  # elements per value sent by default: SparseLoCo's 64 of 4096, 1.56%
 HIGH = 2.0  # the larger magnitude, in scales
 SPLIT = 1.5  # |x| above SPLIT * s takes the larger one: the nearer level
@@ -178,15 +181,11 @@ class SparseCodec:
 
     def compress_rows(self, buf, err, counts, block, scale_dtype, messages, code_bytes) -> None:
         """`ops.compress_rows` for this code: a compress per row."""
-        from .. import ops
-
         ops.compress_each_row(self.compress, buf, err, counts, block, scale_dtype, messages,
                               code_bytes)
 
     def decode_rows(self, rows, scales, cols, out, stride, block) -> None:
         """`ops.decode_rows` for this code: a one-row decode_mean per row."""
-        from .. import ops
-
         ops.decode_each_row(self.decode_mean, rows, scales, cols, out, stride, block)
 
 
