@@ -89,7 +89,8 @@ def _agreed_fields(o: DiLoCoOptions, shards: ShardedParams, params: List[torch.T
             [(tuple(p.shape), str(p.dtype)) for p in params]),
         "compression and wire format": (o.compression, o.block_size, str(o.wire_scale_dtype),
                                         WIRE_FORMAT_VERSION, wire,
-                                        o.topk if o.compression == "sparse2bit" else None),
+                                        o.topk if o.compression == "sparse2bit" else None,
+                                        o.error_decay),
         # a schedule by its values at the first rounds' landings
         "outer optimizer": (lr_fingerprint, o.outer_momentum, o.nesterov),
         **(shards.replica_fields() if shards.sharded else {})}

@@ -94,6 +94,11 @@ class DiLoCo:
     block_size, scale_dtype, comm_backend_name: the 1-bit wire format and
       backend, as the optimizers take them; block_size None (the default)
       is 256, or 4096 for the sparse wire.
+    error_decay: with a compressed wire, the share of this rank's error
+      buffer that joins each round (SparseLoCo's decay: e <- error_decay *
+      e + Δ before the exchange); None, the default, is 0.95 on the sparse
+      wire (SparseLoCo's, measured better than 1 there) and 1 (all of it)
+      on the others.
     topk: with compression="sparse2bit", the values sent per block of
       block_size elements (None, the default: one per 64, SparseLoCo's
       64 of 4096, 1.56%). Fewer bytes, and values wait more rounds to be
@@ -109,11 +114,11 @@ class DiLoCo:
                  fragment_update_alpha: float = 0.0, process_group=None,
                  timeout_s: Optional[float] = None, block_size: Optional[int] = None,
                  scale_dtype="float32", comm_backend_name: Optional[str] = None,
-                 topk: Optional[int] = None) -> None:
+                 topk: Optional[int] = None, error_decay: Optional[float] = None) -> None:
         o = self.options = DiLoCoOptions(
             sync_every, outer_lr, outer_momentum, nesterov, compression, warmup_steps,
             fragments, overlap_steps, keep_local_progress, fragment_update_alpha, timeout_s,
-            block_size, scale_dtype, topk)
+            block_size, scale_dtype, topk, error_decay)
         all_params, self.params, self._frozen_when_built = synced_params(model)
         self._shards = ShardedParams("DiLoCo", [{"params": self.params}], process_group)
         # Fragments by whole-param sizes: every shard of the model launches

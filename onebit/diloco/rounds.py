@@ -148,6 +148,8 @@ class Fragment:
         keep = ([parts.channel.exchange.keep_tensor_errors(key, anchors, j) for j in job.frozen]
                 if parts.compressed else [])
         if parts.compressed:  # `deltas` are views of the exchange's buffer
+            if parts.options.error_decay != 1.0:  # (a frozen param's slices are put back)
+                parts.channel.exchange.errors(key)[0].mul_(parts.options.error_decay)
             parts.channel.exchange.allreduce(key)
         else:
             parts.mean_(job.deltas)

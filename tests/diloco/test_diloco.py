@@ -24,6 +24,7 @@ OUTERS = {"nesterov": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
 
 # The simulation's code for each compressed wire (the sparse one at topk 4 of 64).
 QUANTIZE = {"1bit": reference.compress, "2bit": reference.ternary, "sparse2bit": reference.sparse}
+DECAY = {"sparse2bit": 0.95}  # the share of a worker's error kept into a round, by default
 
 
 def _outer_settings(outer):
@@ -57,7 +58,7 @@ def _grad(rank, step, i):
 
 def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
            outer="nesterov", warmup=0, fragments=1, overlap=0, dcp_dir=None, keep=0.0,
-           alpha=0.0, drain_at=None):
+           alpha=0.0, drain_at=None, error_decay=None):
     """This rank's params after every inner step (inner step -> arrays), its
     checkpoint after inner step `save_at`, and comm_stats(). With `dcp_dir`,
     DiLoCo's shared state goes through torch.distributed.checkpoint there.
@@ -73,6 +74,7 @@ def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
                            fragments=fragments, overlap_steps=overlap, keep_local_progress=keep,
                            fragment_update_alpha=alpha,
                            **({"topk": 4} if compression == "sparse2bit" else {}),
+                           error_decay=error_decay,
                            **_outer_settings(outer))
     if start is not None:  # a resume: this rank's checkpoint
         start = torch.load(io.BytesIO(start), weights_only=False)
@@ -123,7 +125,7 @@ def _same(xs, ys):
 
 
 def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, delay=0,
-              keep=0.0, alpha=0.0):
+              keep=0.0, alpha=0.0, decay=None):
     """float64: every rank's params after every inner step (inner step ->
     one list per rank), and the inner steps after which each fragment's
     outer step landed. After `warmup` inner steps on the ranks' mean
@@ -160,8 +162,11 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
             if past >= offset and (past - offset) % H == 0:  # launch: measure and average
                 deltas = [[anchor[i] - params[rank][i] for i in members] for rank in range(world)]
                 if compression in QUANTIZE:
+                    worker, server = errors[f]  # SparseLoCo's decay, the sparse wire's default
+                    worker = [w * (DECAY.get(compression, 1.0) if decay is None else decay)
+                              for w in worker]
                     avg, worker, server, _ = reference.reference_round(
-                        deltas, *errors[f], BLOCK, quantize=QUANTIZE[compression])
+                        deltas, worker, server, BLOCK, quantize=QUANTIZE[compression])
                     errors[f] = (worker, server)
                 else:
                     avg = [sum(d[k] for d in deltas) / world for k in range(len(members))]
@@ -249,6 +254,21 @@ def test_sparse_rounds_match_the_float64_simulation_at_2_and_4_ranks(world):
                           timeout=120)
     _check_against_simulation(results, _simulate(world, "sparse2bit", "default"), "sparse2bit",
                               2e-4, world)
+
+
+@pytest.mark.parametrize("compression, decay, fragments, overlap", [
+    ("1bit", 0.8, [[0], [1], [2]], 1), ("sparse2bit", 1.0, None, 0),
+    ("sparse2bit", 0.5, [[0], [1], [2]], 1)])
+def test_error_decay_matches_the_float64_simulation(compression, decay, fragments, overlap):
+    """error_decay scales this rank's worker error before each round (e <-
+    decay * e + delta), on any compressed wire, plain and streaming; 1.0
+    keeps it all (the sparse wire's default is 0.95, the main tests')."""
+    world = 3
+    results = run_workers(_train, world, compression, ROUNDS, None, None, "default", 0,
+                          len(fragments or [0]), overlap, None, 0.0, 0.0, None, decay,
+                          timeout=120)
+    expected = _simulate(world, compression, "default", 0, fragments, overlap, decay=decay)
+    _check_against_simulation(results, expected, compression, 2e-4, world, fragments)
 
 
 def _resume(rank, world, saved, fragments=1, overlap=0, dcp_dir=None, keep=0.0,
@@ -666,7 +686,9 @@ def test_bad_arguments_are_refused_by_name():
                           ({"compression": "sparse2bit", "topk": 5000}, "block_size=4096"),
                           ({"compression": "sparse2bit", "topk": 300, "block_size": 256},
                            "block_size=256"),
-                          ({"compression": "sparse2bit", "topk": 2.5}, "topk")):
+                          ({"compression": "sparse2bit", "topk": 2.5}, "topk"),
+                          ({"error_decay": 0.0}, "error_decay"),
+                          ({"error_decay": 1.5}, "error_decay")):
         with pytest.raises(ValueError, match=match):
             onebit.DiLoCo(p, torch.optim.SGD(p, lr=0.1), **{"sync_every": 2, **kwargs})
 
