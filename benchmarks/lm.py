@@ -257,9 +257,10 @@ def _outer_lr(name: str, a: dict):
 
 
 def _wire(compression: str, a: dict) -> dict:
-    """DiLoCo's block size (and the sparse wire's topk) for a row."""
+    """DiLoCo's block size (and the sparse wire's topk and error decay) for a row."""
     if compression == "sparse2bit":
-        return {"block_size": a["sparse_block_size"], "topk": a.get("topk")}
+        return {"block_size": a["sparse_block_size"], "topk": a.get("topk"),
+                "error_decay": a.get("error_decay", 1.0)}
     return {"block_size": a["block_size"]}
 
 
@@ -510,6 +511,7 @@ def run(args: argparse.Namespace) -> bool:
               f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}"
               + (f" sparse: block={a['sparse_block_size']} topk={a.get('topk') or 'default'}"
                  f" outer_lr={a.get('sparse_outer_lr') or 'as 1-bit'}"
+                 f" error_decay={a.get('error_decay', 1.0)}"
                  if "DiLoCo-sparse" in a["only"] else "")
               + (f" stream: fragments={a.get('fragments', 4)} overlap_steps="
                  f"{a.get('overlap_steps', 1)} keep_local_progress="
@@ -608,6 +610,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DiLoCo-sparse: values sent per block (default: one per 64 elements)")
     p.add_argument("--sparse-outer-lr", dest="sparse_outer_lr", type=float, default=None,
                    help="DiLoCo-sparse: a constant outer lr (default: as the 1-bit row's)")
+    p.add_argument("--error-decay", dest="error_decay", type=float, default=1.0,
+                   help="DiLoCo-sparse: the share of the error kept into each round "
+                        "(SparseLoCo's 0.95; default 1)")
     p.add_argument("--sparse-block-size", dest="sparse_block_size", type=int_arg(8),
                    default=4096, help="DiLoCo-sparse: elements per block")
     p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,

@@ -44,9 +44,6 @@ from ..collectives import stable_digest
 # for the loss at equal bytes (docs/benchmarks/frontier.md)
 DEFAULT_BLOCK = 4096
 DENSITY = 64  # elements per value sent by default: SparseLoCo's 64 of 4096, 1.56%
-# SparseLoCo's error decay, DiLoCo's default on this wire: 0.95 of the worker's
-# error joins each round (+3.3% loss without it: benchmark LM, H = 16, seed 0)
-DEFAULT_ERROR_DECAY = 0.95
 HIGH = 2.0  # the larger magnitude, in scales
 SPLIT = 1.5  # |x| above SPLIT * s takes the larger one: the nearer level
 

@@ -44,7 +44,7 @@ class DiLoCoOptions:
     block_size: Optional[int] = None  # the wire's default
     scale_dtype: object = "float32"
     topk: Optional[int] = None  # the sparse wire's default
-    error_decay: Optional[float] = None  # the wire's default
+    error_decay: float = 1.0
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every)
@@ -73,9 +73,6 @@ class DiLoCoOptions:
         if self.topk is None:
             object.__setattr__(self, "topk", sparse_codec.default_keep(self.block_size))
         check_keep(self.topk, self.block_size)
-        if self.error_decay is None:
-            object.__setattr__(self, "error_decay", sparse_codec.DEFAULT_ERROR_DECAY if sparse
-                               else 1.0)
         check_number("error_decay", self.error_decay, low=0.0, high=1.0, low_open=True)
         object.__setattr__(self, "error_decay", float(self.error_decay))
         object.__setattr__(self, "timeout_s", collectives.check_timeout(self.timeout_s))

@@ -96,9 +96,9 @@ class DiLoCo:
       is 256, or 4096 for the sparse wire.
     error_decay: with a compressed wire, the share of this rank's error
       buffer that joins each round (SparseLoCo's decay: e <- error_decay *
-      e + Δ before the exchange); None, the default, is 0.95 on the sparse
-      wire (SparseLoCo's, measured better than 1 there) and 1 (all of it)
-      on the others.
+      e + Δ before the exchange); 1, the default, keeps all of it.
+      SparseLoCo's 0.95 did not lower the benchmark LM's loss on the
+      sparse wire beyond the seeds' spread (docs/benchmarks/frontier.md).
     topk: with compression="sparse2bit", the values sent per block of
       block_size elements (None, the default: one per 64, SparseLoCo's
       64 of 4096, 1.56%). Fewer bytes, and values wait more rounds to be
@@ -114,7 +114,7 @@ class DiLoCo:
                  fragment_update_alpha: float = 0.0, process_group=None,
                  timeout_s: Optional[float] = None, block_size: Optional[int] = None,
                  scale_dtype="float32", comm_backend_name: Optional[str] = None,
-                 topk: Optional[int] = None, error_decay: Optional[float] = None) -> None:
+                 topk: Optional[int] = None, error_decay: float = 1.0) -> None:
         o = self.options = DiLoCoOptions(
             sync_every, outer_lr, outer_momentum, nesterov, compression, warmup_steps,
             fragments, overlap_steps, keep_local_progress, fragment_update_alpha, timeout_s,

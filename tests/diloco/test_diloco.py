@@ -24,7 +24,6 @@ OUTERS = {"nesterov": dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True),
 
 # The simulation's code for each compressed wire (the sparse one at topk 4 of 64).
 QUANTIZE = {"1bit": reference.compress, "2bit": reference.ternary, "sparse2bit": reference.sparse}
-DECAY = {"sparse2bit": 0.95}  # the share of a worker's error kept into a round, by default
 
 
 def _outer_settings(outer):
@@ -162,9 +161,8 @@ def _simulate(world, compression, outer="nesterov", warmup=0, fragments=None, de
             if past >= offset and (past - offset) % H == 0:  # launch: measure and average
                 deltas = [[anchor[i] - params[rank][i] for i in members] for rank in range(world)]
                 if compression in QUANTIZE:
-                    worker, server = errors[f]  # SparseLoCo's decay, the sparse wire's default
-                    worker = [w * (DECAY.get(compression, 1.0) if decay is None else decay)
-                              for w in worker]
+                    worker, server = errors[f]  # error_decay (default 1: all of it)
+                    worker = [w * (1.0 if decay is None else decay) for w in worker]
                     avg, worker, server, _ = reference.reference_round(
                         deltas, worker, server, BLOCK, quantize=QUANTIZE[compression])
                     errors[f] = (worker, server)
@@ -257,12 +255,12 @@ def test_sparse_rounds_match_the_float64_simulation_at_2_and_4_ranks(world):
 
 
 @pytest.mark.parametrize("compression, decay, fragments, overlap", [
-    ("1bit", 0.8, [[0], [1], [2]], 1), ("sparse2bit", 1.0, None, 0),
+    ("1bit", 0.8, [[0], [1], [2]], 1), ("sparse2bit", 0.95, None, 0),
     ("sparse2bit", 0.5, [[0], [1], [2]], 1)])
 def test_error_decay_matches_the_float64_simulation(compression, decay, fragments, overlap):
     """error_decay scales this rank's worker error before each round (e <-
     decay * e + delta), on any compressed wire, plain and streaming; 1.0
-    keeps it all (the sparse wire's default is 0.95, the main tests')."""
+    keeps it all (the default, the other tests')."""
     world = 3
     results = run_workers(_train, world, compression, ROUNDS, None, None, "default", 0,
                           len(fragments or [0]), overlap, None, 0.0, 0.0, None, decay,

@@ -561,9 +561,9 @@ def simulate_sharded_diloco(nodes, per_node, compression):
             deltas = [[a - p for a, p in zip(anchor, params[node])] for node in range(nodes)]
             if compression == "1bit":
                 avg, werrs, serrs, _ = reference_round(deltas, werrs, serrs, BLOCK)
-            elif compression == "sparse2bit":  # topk 4 of each block of 256, error decay 0.95
-                avg, werrs, serrs, _ = reference_round(deltas, [0.95 * w for w in werrs], serrs,
-                                                       BLOCK, quantize=sparse)
+            elif compression == "sparse2bit":  # topk 4 of each block of 256
+                avg, werrs, serrs, _ = reference_round(deltas, werrs, serrs, BLOCK,
+                                                       quantize=sparse)
             else:
                 avg = [np.mean([d[i] for d in deltas], axis=0) for i in range(len(p0))]
             anchor = [a - OUTER_LR * g for a, g in zip(anchor, avg)]
