@@ -57,7 +57,7 @@ def _grad(rank, step, i):
 
 def _train(rank, world, compression, rounds=ROUNDS, start=None, save_at=None,
            outer="nesterov", warmup=0, fragments=1, overlap=0, dcp_dir=None, keep=0.0,
-           alpha=0.0, drain_at=None, error_decay=None):
+           alpha=0.0, drain_at=None, error_decay=1.0):
     """This rank's params after every inner step (inner step -> arrays), its
     checkpoint after inner step `save_at`, and comm_stats(). With `dcp_dir`,
     DiLoCo's shared state goes through torch.distributed.checkpoint there.
