@@ -96,9 +96,8 @@ class DiLoCo:
       is 256, or 4096 for the sparse wire.
     error_decay: with a compressed wire, the share of this rank's error
       buffer that joins each round (SparseLoCo's decay: e <- error_decay *
-      e + Δ before the exchange); 1, the default, keeps all of it.
-      SparseLoCo's 0.95 did not lower the benchmark LM's loss on the
-      sparse wire beyond the seeds' spread (docs/benchmarks/frontier.md).
+      e + Δ before the exchange); 1, the default, keeps all of it
+      (SparseLoCo uses 0.95; docs/usage.md says what it measured).
     topk: with compression="sparse2bit", the values sent per block of
       block_size elements (None, the default: one per 64, SparseLoCo's
       64 of 4096, 1.56%). Fewer bytes, and values wait more rounds to be
