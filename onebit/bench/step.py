@@ -18,7 +18,8 @@ then each onebit optimizer in its compression stage (the warmup and
 1-bit momentum itself; with `--overlap` (default both) each optimizer
 also run with overlap_backward=True (rows `+overlap`), which starts each
 bucket's exchange during backward. `--optimizers diloco` adds DiLoCo over
-the floor's Adam (1-bit, or `--diloco-compression`'s wire), an outer round every `--sync-every` inner steps
+the floor's Adam (`--diloco-compression`'s wire, 1-bit by default), an
+outer round every `--sync-every` inner steps
 (row `diloco`), and streaming (row `diloco+overlap`: `--fragments`
 fragments, each exchange `--overlap-steps` inner steps behind); its timed
 rounds are whole outer rounds from one quiet step of the schedule to the
@@ -164,7 +165,7 @@ class _Setup:
                 self.model, self.opt, sync_every=a["sync_every"],
                 fragments=a["fragments"] if streaming else 1,
                 overlap_steps=a["overlap_steps"] if streaming else 0, process_group=group,
-                compression=a.get("diloco_compression", "1bit"))
+                compression=a["diloco_compression"])
         self.net, self.x, self.y = net, x, y
         self.tail: List[int] = []  # per timed round, the exchanges drain() waited for
 
@@ -298,7 +299,8 @@ def run(args: argparse.Namespace) -> bool:
     a = dict(params=args.params, width=args.width, batch=args.batch, steps=args.steps,
              rounds=args.rounds, untimed=args.untimed, optimizers=args.optimizers.split(","),
              overlap=args.overlap, ddp=args.ddp == "on", sync_every=args.sync_every,
-             fragments=args.fragments, overlap_steps=args.overlap_steps, shards=args.shards)
+             fragments=args.fragments, overlap_steps=args.overlap_steps, shards=args.shards,
+             diloco_compression=args.diloco_compression)
     rank, rows = launch.run_everywhere(measure, args.nproc, a,
                                        backend=launch.local_backend(args.nproc))
     if rank == 0 and args.json:

@@ -235,6 +235,22 @@ def test_step_bench_times_diloco_and_streaming_diloco(tmp_path):
     assert plain["tail"] == streaming["tail"] == "0", out
 
 
+def test_step_bench_times_diloco_on_the_wire_it_is_given(tmp_path):
+    """--diloco-compression sparse2bit: the DiLoCo rows run the sparse wire
+    (their stage says so) and send about a quarter of the 1-bit wire's
+    bytes (0.22 bits an element at the defaults, against 1.125)."""
+    rows = {}
+    for wire in ("1bit", "sparse2bit"):
+        bench("step", "--nproc", "2", "--params", "300K", "--width", "128", "--steps", "3",
+              "--untimed", "1", "--optimizers", "diloco", "--sync-every", "4", "--ddp", "off",
+              "--overlap", "off", "--diloco-compression", wire,
+              "--json", str(tmp_path / f"{wire}.json"))
+        rows[wire] = {r["setup"]: r for r in
+                      json.loads((tmp_path / f"{wire}.json").read_text())["results"]}["diloco"]
+    assert rows["1bit"]["stage"] == "1bit" and rows["sparse2bit"]["stage"] == "sparse2bit"
+    assert 0 < rows["sparse2bit"]["bytes_sent"] < rows["1bit"]["bytes_sent"] / 3
+
+
 def test_step_bench_on_shards_times_hsdp_and_onebit_over_the_replicas(tmp_path):
     """--shards 2 on 4 ranks: 2 nodes of 2 FSDP2 shards. The baseline is
     HSDP, and what a rank sends to the other node is its shard's: fp32 for
