@@ -121,22 +121,20 @@ class SparseCodec:
     def _select(self, blocks: torch.Tensor):
         """(slots [blocks, k] int64, used [blocks, k] bool): the selected
         indices ascending, then unused slots repeating the last used one."""
-        k, nblocks = self.keep, blocks.shape[0]
+        k, block = self.keep, self.block
         magnitude = blocks.abs()
-        # The k-th largest magnitude t: all above it, then the lowest
-        # indices equal to it, up to k (linear time: no sort of the block).
-        t = torch.topk(magnitude, k, dim=1).values[:, -1:]
-        above = magnitude > t
-        at = magnitude == t
-        room = k - above.sum(1, keepdim=True)
-        chosen = (above | (at & (at.cumsum(1) <= room))) & (magnitude > 0)
-        # Chosen element j goes to slot (chosen before it); the others to a
-        # spare column k, dropped. Slots left over hold `block`, sorting last.
-        place = torch.where(chosen, chosen.cumsum(1) - 1, k)
-        index = torch.arange(self.block, device=blocks.device).expand(nblocks, -1)
-        slots = torch.full((nblocks, k + 1), self.block, dtype=torch.int64, device=blocks.device)
-        slots = slots.scatter_(1, place, index)[:, :k]
-        used = slots < self.block
+        top = torch.topk(magnitude, k, dim=1)
+        index, t = top.indices, top.values[:, -1:]
+        # Among magnitudes equal to the k-th largest topk takes any; the code
+        # takes the lowest indices. Blocks whose ties cross the k-th place
+        # (rare in real data) are chosen again by that rule.
+        crossing = ((magnitude == t).sum(1) > (top.values == t).sum(1)) & (t[:, 0] > 0)
+        if bool(crossing.any()):
+            index = index.clone()
+            index[crossing] = _lowest_ties_first(magnitude[crossing], k)
+        chosen = magnitude.gather(1, index) > 0  # zeros are never sent
+        slots = torch.where(chosen, index, block).sort(dim=1).values
+        used = slots < block
         last = (used.sum(1, keepdim=True) - 1).clamp(min=0)
         fill = torch.where(used.any(1, keepdim=True), slots.gather(1, last), 0)
         return torch.where(used, slots, fill), used
@@ -194,6 +192,20 @@ def _levels(s: torch.Tensor, high: torch.Tensor, negative: torch.Tensor,
     """fp32 [blocks, k]: +-s or +-2 s per slot, 0 where unused (exact in fp32)."""
     magnitude = torch.where(high, s * HIGH, s)
     return torch.where(used, torch.where(negative, -magnitude, magnitude), 0.0)
+
+
+def _lowest_ties_first(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, k] indices: per row every element above the k-th largest
+    magnitude, then the lowest indices equal to it, up to k."""
+    t = torch.topk(magnitude, k, dim=1).values[:, -1:]
+    above, at = magnitude > t, magnitude == t
+    chosen = above | (at & (at.cumsum(1) <= k - above.sum(1, keepdim=True)))
+    # Chosen element j goes to column (chosen before it); the rest to a
+    # spare column k, dropped.
+    place = torch.where(chosen, chosen.cumsum(1) - 1, k)
+    index = torch.arange(magnitude.shape[1], device=magnitude.device).expand_as(magnitude)
+    out = torch.zeros(magnitude.shape[0], k + 1, dtype=torch.int64, device=magnitude.device)
+    return out.scatter_(1, place, index)[:, :k]
 
 
 def _bits(values: torch.Tensor, width: int) -> torch.Tensor:
