@@ -10,6 +10,7 @@ import torch
 
 from onebit.backends.sparse_codec import SparseCodec
 from tests import reference
+from tests.backends.codec_rounds import ROUNDS, check_round, logged_rounds
 from tests.distributed import run_workers
 
 BLOCK, KEEP = 64, 4
@@ -128,72 +129,20 @@ def test_decode_mean_sums_rows_in_order():
     assert (out.numpy() != 0).sum() > rows * KEEP  # the rows picked different positions
 
 
-SIZES = [300, 5, 1000, 64, 2049]
-ROUNDS = 4
-
-
-def _rounds(rank, world):
-    import torch.distributed as dist
-
-    from onebit.backends import CompressedBackend
-
-    backend = CompressedBackend(block_size=BLOCK, codec=SparseCodec(BLOCK, KEEP))
-    layout = backend.layout(SIZES)
-    werr, serr = torch.zeros(layout.padded), torch.zeros(layout.padded // world)
-    log = []
-    for r in range(ROUNDS):
-        g = torch.Generator().manual_seed(100 * r + rank)
-        parts = [torch.randn(s, generator=g) * (1 + rank) for s in SIZES]
-        parts[3].mul_(1e-5)  # a tensor orders of magnitude below the rest
-        flat = torch.zeros(layout.numel)
-        for v, t in zip(layout.views(flat, [(s,) for s in SIZES]), parts):
-            v.copy_(t)
-        before = (werr.clone(), serr.clone())
-        backend.compressed_allreduce(flat, werr, serr, layout=layout)
-        log.append({"inputs": [t.numpy() for t in parts], "out": flat.clone().numpy(),
-                    "werr_before": before[0].numpy(), "serr_before": before[1].numpy(),
-                    "werr": werr.clone().numpy(), "serr": serr.clone().numpy()})
-    dist.barrier()
-    return {"log": log, "offsets": list(layout.offsets), "numel": layout.numel,
-            "padded": layout.padded, "sent": backend.stats.totals["bytes_sent"]}
-
-
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
                                    pytest.param(4, marks=pytest.mark.slow)])
 def test_sparse_allreduce_is_the_reference_on_every_rank_and_loses_nothing(world):
-    results = run_workers(_rounds, world, timeout=180)
-    offsets, numel, n = results[0]["offsets"], results[0]["numel"], results[0]["padded"]
-    real = np.zeros(n, dtype=bool)
-    for o, s in zip(offsets, SIZES):
-        real[o:o + s] = True
+    results = run_workers(logged_rounds, world, SparseCodec(BLOCK, KEEP), BLOCK, timeout=180)
+    numel, n = results[0]["numel"], results[0]["padded"]
     for r in range(ROUNDS):
-        logs = [res["log"][r] for res in results]
-        outs = [lg["out"] for lg in logs]
-        for o in outs[1:]:
-            np.testing.assert_array_equal(o, outs[0])  # every rank the same bits
-        # Lockstep with the reference from the backend's own errors.
-        tensors = [[t.astype(np.float64) for t in lg["inputs"]] for lg in logs]
-        ref_out, ref_w, ref_s, _ = reference.reference_round(
-            tensors, [lg["werr_before"].astype(np.float64) for lg in logs],
-            [lg["serr_before"].astype(np.float64) for lg in logs], BLOCK,
-            quantize=lambda x, rl, b, rs: reference.sparse(x, rl, b, rs, KEEP))
-        got = [outs[0][o:o + s] for o, s in zip(offsets, SIZES)]
-        for i, (a, b) in enumerate(zip(got, ref_out)):
+        got, want = check_round(results, r, BLOCK,
+                                lambda x, rl, b, rs: reference.sparse(x, rl, b, rs, KEEP))
+        for i, (a, b) in enumerate(zip(got, want)):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * (np.abs(b).max() + 1e-30),
                                        err_msg=f"round {r}, tensor {i}")
         # the servers' top-k: at most k values per block reach the output
-        assert ((outs[0][:n].reshape(-1, BLOCK) if numel == n else
-                 np.pad(outs[0], (0, n - numel)).reshape(-1, BLOCK)) != 0).sum(1).max() <= KEEP
-        # Error feedback loses nothing: out = mean(x + w - w') + s - s', element by element.
-        x = np.zeros((world, n))
-        for k, lg in enumerate(logs):
-            for o, t in zip(offsets, lg["inputs"]):
-                x[k, o:o + len(t)] = t
-        w_change = np.mean([lg["werr_before"] - lg["werr"] for lg in logs], 0)
-        s_change = np.concatenate([lg["serr_before"] - lg["serr"] for lg in logs])
-        expected = x.mean(0) + w_change + s_change
-        np.testing.assert_allclose(outs[0][:numel][real[:numel]], expected[:numel][real[:numel]],
-                                   rtol=0, atol=1e-5 * np.abs(expected).max())
+        out = np.pad(results[0]["log"][r]["out"], (0, n - numel))
+        assert (out.reshape(-1, BLOCK) != 0).sum(1).max() <= KEEP
     # What the bytes say: 2 (p - 1) message rows a round, each the chunk's
     # blocks at 4 bytes of codes (4 slots of 6 + 2 bits) and a 4-byte scale.
     row = n // world // BLOCK * (4 + 4)

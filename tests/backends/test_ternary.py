@@ -10,6 +10,7 @@ import torch
 
 from onebit.backends.codecs import TernaryCodec
 from tests import reference
+from tests.backends.codec_rounds import ROUNDS, check_round, logged_rounds
 from tests.distributed import run_workers
 
 BLOCK = 64
@@ -95,70 +96,15 @@ def _pack(fields: torch.Tensor) -> torch.Tensor:
     return (f[:, 0] + 4 * f[:, 1] + 16 * f[:, 2] + 64 * f[:, 3]).to(torch.uint8)
 
 
-SIZES = [300, 5, 1000, 64, 2049]
-ROUNDS = 4
-
-
-def _rounds(rank, world):
-    import torch.distributed as dist
-
-    from onebit.backends import CompressedBackend
-
-    backend = CompressedBackend(block_size=BLOCK, codec=TernaryCodec)
-    layout = backend.layout(SIZES)
-    werr, serr = torch.zeros(layout.padded), torch.zeros(layout.padded // world)
-    log = []
-    for r in range(ROUNDS):
-        g = torch.Generator().manual_seed(100 * r + rank)
-        parts = [torch.randn(s, generator=g) * (1 + rank) for s in SIZES]
-        parts[3].mul_(1e-5)  # a tensor orders of magnitude below the rest
-        flat = torch.zeros(layout.numel)
-        for v, t in zip(layout.views(flat, [(s,) for s in SIZES]), parts):
-            v.copy_(t)
-        before = (werr.clone(), serr.clone())
-        backend.compressed_allreduce(flat, werr, serr, layout=layout)
-        log.append({"inputs": [t.numpy() for t in parts], "out": flat.clone().numpy(),
-                    "werr_before": before[0].numpy(), "serr_before": before[1].numpy(),
-                    "werr": werr.clone().numpy(), "serr": serr.clone().numpy()})
-    dist.barrier()
-    return {"log": log, "offsets": list(layout.offsets), "numel": layout.numel,
-            "padded": layout.padded}
-
-
 @pytest.mark.slow
 def test_ternary_allreduce_on_three_ranks_is_the_reference_and_loses_nothing():
-    world = 3
-    results = run_workers(_rounds, world, timeout=180)
-    offsets, numel, n = results[0]["offsets"], results[0]["numel"], results[0]["padded"]
+    results = run_workers(logged_rounds, 3, TernaryCodec, BLOCK, timeout=180)
     for r in range(ROUNDS):
-        logs = [res["log"][r] for res in results]
-        outs = [lg["out"] for lg in logs]
-        for o in outs[1:]:
-            np.testing.assert_array_equal(o, outs[0])  # every rank the same bits
-        # Lockstep with the reference from the backend's own errors.
-        tensors = [[t.astype(np.float64) for t in lg["inputs"]] for lg in logs]
-        ref_out, ref_w, ref_s, _ = reference.reference_round(
-            tensors, [lg["werr_before"].astype(np.float64) for lg in logs],
-            [lg["serr_before"].astype(np.float64) for lg in logs], BLOCK,
-            quantize=reference.ternary)
-        got = [outs[0][o:o + s] for o, s in zip(offsets, SIZES)]
-        for i, (a, b) in enumerate(zip(got, ref_out)):
+        got, want = check_round(results, r, BLOCK, reference.ternary)
+        for i, (a, b) in enumerate(zip(got, want)):
             scale = np.abs(b).max() + 1e-30
             close = np.abs(a - b) <= 1e-5 * scale
             assert close.mean() > 0.995, (r, i, close.mean())  # decisions at the threshold may flip
-        # Error feedback loses nothing: out = mean(x + w - w') + s - s', element by element.
-        x = np.zeros((world, n))
-        for k, lg in enumerate(logs):
-            for o, t in zip(offsets, lg["inputs"]):
-                x[k, o:o + len(t)] = t
-        w_change = np.mean([lg["werr_before"] - lg["werr"] for lg in logs], 0)
-        s_change = np.concatenate([lg["serr_before"] - lg["serr"] for lg in logs])
-        expected = x.mean(0) + w_change + s_change
-        real = np.zeros(n, dtype=bool)
-        for o, s in zip(offsets, SIZES):
-            real[o:o + s] = True
-        np.testing.assert_allclose(outs[0][:numel][real[:numel]], expected[:numel][real[:numel]],
-                                   rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
 def _refused_backend(rank, world):
