@@ -29,21 +29,32 @@ def np_chunks(x: np.ndarray):
     return [flat[s] for s in where], where
 
 
+def _np_dct_basis(n: int) -> np.ndarray:
+    """The orthonormal DCT-II matrix of size n, in float64 (row k: frequency k)."""
+    i = np.arange(n)
+    basis = np.array([np.cos(np.pi * (2 * i + 1) * k / (2 * n)) for k in range(n)])
+    basis *= np.sqrt(2 / n)
+    basis[0] /= np.sqrt(2)
+    return basis
+
+
+def _np_along_each_axis(block: np.ndarray, inverse: bool) -> np.ndarray:
+    """The DCT-II matrix (or, orthonormal, its transpose) applied along every axis."""
+    out = block.astype(np.float64)
+    for axis in range(block.ndim):
+        basis = _np_dct_basis(out.shape[axis])
+        out = np.moveaxis(np.tensordot(basis.T if inverse else basis,
+                                       np.moveaxis(out, axis, 0), axes=1), 0, axis)
+    return out
+
+
 def np_dct(block: np.ndarray) -> np.ndarray:
     """The orthonormal DCT-II of a 1-D or 2-D block (scipy's if installed)."""
     try:
         from scipy.fft import dctn
         return dctn(block, norm="ortho")
     except ImportError:
-        out = block.astype(np.float64)
-        for axis in range(block.ndim):
-            n = out.shape[axis]
-            i = np.arange(n)
-            basis = np.array([np.cos(np.pi * (2 * i + 1) * k / (2 * n)) for k in range(n)])
-            basis *= np.sqrt(2 / n)
-            basis[0] /= np.sqrt(2)
-            out = np.moveaxis(np.tensordot(basis, np.moveaxis(out, axis, 0), axes=1), 0, axis)
-        return out
+        return _np_along_each_axis(block, inverse=False)
 
 
 def np_idct(coeffs: np.ndarray) -> np.ndarray:
@@ -51,15 +62,7 @@ def np_idct(coeffs: np.ndarray) -> np.ndarray:
         from scipy.fft import idctn
         return idctn(coeffs, norm="ortho")
     except ImportError:  # orthonormal: the inverse is the transpose, axis by axis
-        out = coeffs.astype(np.float64)
-        for axis in range(coeffs.ndim):
-            n = out.shape[axis]
-            i = np.arange(n)
-            basis = np.array([np.cos(np.pi * (2 * i + 1) * k / (2 * n)) for k in range(n)])
-            basis *= np.sqrt(2 / n)
-            basis[0] /= np.sqrt(2)
-            out = np.moveaxis(np.tensordot(basis.T, np.moveaxis(out, axis, 0), axes=1), 0, axis)
-        return out
+        return _np_along_each_axis(coeffs, inverse=True)
 
 
 def np_quantize(v: np.ndarray):
