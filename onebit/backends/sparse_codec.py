@@ -131,7 +131,7 @@ class SparseCodec:
         crossing = ((magnitude == t).sum(1) > (top.values == t).sum(1)) & (t[:, 0] > 0)
         if bool(crossing.any()):
             index = index.clone()
-            index[crossing] = _lowest_ties_first(magnitude[crossing], k)
+            index[crossing] = _lowest_ties_first(magnitude[crossing], t[crossing], k)
         chosen = magnitude.gather(1, index) > 0  # zeros are never sent
         slots = torch.where(chosen, index, block).sort(dim=1).values
         used = slots < block
@@ -194,10 +194,9 @@ def _levels(s: torch.Tensor, high: torch.Tensor, negative: torch.Tensor,
     return torch.where(used, torch.where(negative, -magnitude, magnitude), 0.0)
 
 
-def _lowest_ties_first(magnitude: torch.Tensor, k: int) -> torch.Tensor:
-    """[rows, k] indices: per row every element above the k-th largest
-    magnitude, then the lowest indices equal to it, up to k."""
-    t = torch.topk(magnitude, k, dim=1).values[:, -1:]
+def _lowest_ties_first(magnitude: torch.Tensor, t: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, k] indices: per row every element above t [rows, 1], the k-th
+    largest magnitude, then the lowest indices equal to it, up to k."""
     above, at = magnitude > t, magnitude == t
     chosen = above | (at & (at.cumsum(1) <= k - above.sum(1, keepdim=True)))
     # Chosen element j goes to column (chosen before it); the rest to a
