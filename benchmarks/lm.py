@@ -49,7 +49,7 @@ average gradients in full precision):
       published 1.0; --outer-lr is DiLoCo's and does not apply), no warmup;
     DeMo vs Adam: every step, the 32 largest DCT coefficients per chunk of
       a momentum (decay 0.999) exchanged, a sign step at --demo-lr (default
-      --lr; DeMo's sign step usually wants a smaller lr than Adam: sweep it).
+      --lr; its sign step wants its own lr: sweep it).
   --inner muon: every DiLoCo row's inner optimizer (SparseLoCo's too) is
     torch.optim.Muon at --muon-lr on the hidden weight matrices, AdamW at
     --lr on the rest (benchmarks/inner.py).
@@ -258,9 +258,10 @@ def _outer_lr(name: str, a: dict):
 
 def _wire(compression: str, a: dict) -> dict:
     """DiLoCo's block size (and the sparse wire's topk and error decay) for a row."""
-    if compression == "sparse2bit":
-        return {"block_size": a["sparse_block_size"], "topk": a.get("topk"),
-                "error_decay": a.get("error_decay", 1.0)}
+    if compression == "sparse2bit":  # None: the library's defaults
+        decay = a.get("error_decay")
+        return {"block_size": a.get("sparse_block_size"), "topk": a.get("topk"),
+                **({} if decay is None else {"error_decay": decay})}
     return {"block_size": a["block_size"]}
 
 
@@ -509,9 +510,10 @@ def run(args: argparse.Namespace) -> bool:
               f"later_outer_lr={a.get('later_outer_lr')} (bf16/fp32: "
               f"{a.get('later_outer_lr_full')}) from {a.get('later_from', LATER_FROM):.0%} "
               f"outer_momentum={a['outer_momentum']} nesterov={a['nesterov']}"
-              + (f" sparse: block={a['sparse_block_size']} topk={a.get('topk') or 'default'}"
+              + (f" sparse: block={a.get('sparse_block_size') or 'default'}"
+                 f" topk={a.get('topk') or 'default'}"
                  f" outer_lr={a.get('sparse_outer_lr') or 'as 1-bit'}"
-                 f" error_decay={a.get('error_decay', 1.0)}"
+                 f" error_decay={a.get('error_decay') or 'default'}"
                  if "DiLoCo-sparse" in a["only"] else "")
               + (f" stream: fragments={a.get('fragments', 4)} overlap_steps="
                  f"{a.get('overlap_steps', 1)} keep_local_progress="
@@ -610,11 +612,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DiLoCo-sparse: values sent per block (default: one per 64 elements)")
     p.add_argument("--sparse-outer-lr", dest="sparse_outer_lr", type=float, default=None,
                    help="DiLoCo-sparse: a constant outer lr (default: as the 1-bit row's)")
-    p.add_argument("--error-decay", dest="error_decay", type=float, default=1.0,
+    p.add_argument("--error-decay", dest="error_decay", type=float, default=None,
                    help="DiLoCo-sparse: the share of the error kept into each round "
-                        "(SparseLoCo's 0.95; default 1)")
+                        "(SparseLoCo's 0.95; default DiLoCo's, 1)")
     p.add_argument("--sparse-block-size", dest="sparse_block_size", type=int_arg(8),
-                   default=4096, help="DiLoCo-sparse: elements per block")
+                   default=None, help="DiLoCo-sparse: elements per block (default: the "
+                                      "sparse wire's, 4096)")
     p.add_argument("--sync-every", dest="sync_every", type=int_arg(1), default=16,
                    help="DiLoCo: inner steps per outer round (H)")
     p.add_argument("--outer-lr", dest="outer_lr", type=float, default=1.3)
@@ -650,7 +653,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=0.95, help="SparseLoCo: the error buffer's decay each round "
                    "(published 0.95; 1.0 keeps all of it, as onebit's wires do)")
     p.add_argument("--demo-lr", dest="demo_lr", type=float, default=None,
-                   help="DeMo's sign-step lr (default: --lr; DeMo usually wants a smaller one)")
+                   help="DeMo's sign-step lr (default: --lr; sweep it)")
     p.add_argument("--powersgd-adamw", dest="powersgd_adamw", action="store_true",
                    help="PowerSGD rows: AdamW (weight decay 0.01) instead of Adam")
     p.add_argument("--backend", default=None,

@@ -65,7 +65,7 @@ def outer_lr_label(name: str, config: dict) -> str:
     sparse row's --sparse-outer-lr and SparseLoCo's --sparseloco-lr (its
     published 1.0 unlabelled) as constants."""
     if name == "DiLoCo-sparse" and config.get("sparse_outer_lr") is not None:
-        decay = config.get("error_decay", 1.0)
+        decay = config.get("error_decay") or 1.0
         return f" lr={config['sparse_outer_lr']:g}" + (f" decay={decay:g}" if decay != 1.0 else "")
     if name == "SparseLoCo":
         lr = config.get("sparseloco_lr", 1.0)
